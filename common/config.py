@@ -1,0 +1,109 @@
+"""Settings of every process, from environment variables (pydantic-settings).
+
+Shared settings use the `MARLAAS_` prefix; each service has its own prefix for
+its own knobs. The embedded stack (`marlaas up`) writes the addresses of the
+broker and Redis it started into `<state dir>/stack.env`; every process reads
+that file as a fallback, so services and the CLI find the stack without flags.
+Real environment variables always win over the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_state_dir() -> Path:
+    """`$MARLAAS_STATE_DIR`, else `$XDG_STATE_HOME/marlaas`, else `~/.local/state/marlaas`."""
+    if explicit := os.environ.get("MARLAAS_STATE_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "marlaas"
+
+
+def default_cache_dir() -> Path:
+    """`$MARLAAS_CACHE`, else `$XDG_CACHE_HOME/marlaas`, else `~/.cache/marlaas`."""
+    if explicit := os.environ.get("MARLAAS_CACHE"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "marlaas"
+
+
+def stack_env_file(state_dir: Path | None = None) -> Path:
+    """Where the embedded stack publishes its connection settings."""
+    return (state_dir or default_state_dir()) / "stack.env"
+
+
+class SharedSettings(BaseSettings):
+    """Settings every service and the CLI share."""
+
+    model_config = SettingsConfigDict(env_prefix="MARLAAS_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers, comma-separated host:port."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis (or Valkey) URL holding adapter pointers, the job registry and counters."""
+    state_dir: Path = Field(default_factory=default_state_dir)
+    """Embedded stack state: Valkey data, stack.env, logs."""
+    cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="MARLAAS_CACHE")
+    """Converted base models and other derived files that are costly to rebuild."""
+    artifact_dir: Path | None = None
+    """Artifact store (adapters, checkpoints); defaults to `<state_dir>/artifacts`."""
+    base_model: str = "smollm2-135m-instruct"
+    """Base model shared by all jobs: a known name or a local Hugging Face model directory."""
+    topic_partitions: int = Field(default=12, ge=1)
+    """Partitions per marlaas topic; caps each service's parallelism."""
+    connect_timeout_s: float = Field(default=60.0, gt=0)
+    """How long to keep retrying an unreachable broker or Redis before giving up."""
+    log_level: str = "INFO"
+    """Python logging level of every process."""
+
+    @property
+    def artifacts(self) -> Path:
+        return self.artifact_dir or self.state_dir / "artifacts"
+
+
+class EnvServiceSettings(BaseSettings):
+    """env_svc: environments, episodes and flow control."""
+
+    model_config = SettingsConfigDict(env_prefix="ENV_SVC_", extra="ignore")
+
+    consumer_group: str = "marlaas-env"
+    """Kafka consumer group shared by all env_svc replicas."""
+
+
+class RolloutSettings(BaseSettings):
+    """rollout_svc: the vLLM engine with per-request LoRA."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_", extra="ignore")
+
+    consumer_group: str = "marlaas-rollout"
+    """Kafka consumer group shared by all rollout_svc replicas."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Largest LoRA rank the engine accepts; env_svc rejects jobs above it."""
+    max_in_flight: int = Field(default=64, ge=1)
+    """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
+
+
+class TrainerSettings(BaseSettings):
+    """trainer_svc: one base model, one adapter and optimizer per owned job."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINER_", extra="ignore")
+
+    consumer_group: str = "marlaas-trainer"
+    """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
+    torch_threads: int = Field(default=0, ge=0)
+    """torch intra-op threads; 0 leaves torch's default."""
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load(settings_class: type[S]) -> S:
+    """Environment variables first, then the embedded stack's `stack.env`, then defaults."""
+    env_file = stack_env_file()
+    return settings_class(_env_file=env_file if env_file.is_file() else None)  # type: ignore[call-arg]

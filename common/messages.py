@@ -1,0 +1,376 @@
+"""Every payload that crosses a Kafka topic, and the topic each one travels on.
+
+This module owns the wire contract (DESIGN.md, "Topics and messages"). Payloads
+are msgpack-encoded `msgspec.Struct`s laid out as arrays (compact, and new
+fields appended with defaults stay readable by old readers). Each carries a
+`schema` version and an id that consumers use for de-duplication.
+"""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""Bumped when a field changes meaning; appending a defaulted field needs no bump."""
+
+
+class Topic(StrEnum):
+    JOBS = "marlaas.jobs"
+    PROMPTS = "marlaas.prompts"
+    ROLLOUTS = "marlaas.rollouts"
+    TRAJECTORIES = "marlaas.trajectories"
+    ADAPTERS = "marlaas.adapters"
+    EVENTS = "marlaas.events"
+    DLQ = "marlaas.dlq"
+
+
+def new_id() -> str:
+    """A random id, unique enough to de-duplicate on."""
+    return uuid.uuid4().hex
+
+
+class MessageDecodeError(ValueError):
+    """Bytes on a topic that are not a valid message of that topic."""
+
+    def __init__(self, topic: str, reason: str) -> None:
+        super().__init__(f"cannot decode message on {topic}: {reason}")
+        self.topic = topic
+        self.reason = reason
+
+
+class _Wire(
+    msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, tag_field="kind"
+):
+    """Base of every message; `kind` (the tag) tells apart messages sharing a topic."""
+
+    schema: int = SCHEMA_VERSION
+
+
+class _Part(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """Nested settings blocks: encoded as maps so job files and messages share field names."""
+
+
+# --- job settings (nested in JobSpec) -------------------------------------------------
+
+
+class EnvSettings(_Part):
+    name: str
+    """Registered environment name, e.g. `arithmetic`, `calculator`, `countdown`."""
+    params: dict[str, Any] = {}
+    """Environment-specific parameters (operand ranges, max turns, ...)."""
+    seed: int = 0
+    """Seeds the task sampler so a job's task stream is reproducible."""
+
+
+class LoraSettings(_Part):
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+class SamplingSettings(_Part):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    stop: list[str] = []
+
+
+class RLSettings(_Part):
+    group_size: int = 8
+    """G: samples per task; advantages are relative within a group."""
+    groups_per_step: int = 4
+    """B: groups per optimizer step."""
+    max_steps: int = 20
+    max_staleness: int = 1
+    """S: how many adapter versions generation may run ahead of training (0 = on-policy)."""
+    learning_rate: float = 1e-4
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 2.0
+    """Truncated importance-sampling cap for the sampler/trainer mismatch."""
+    std_normalize: bool = False
+    """Divide advantages by the group's reward std (GRPO); off = Dr. GRPO."""
+    max_turns: int = 1
+    max_context_tokens: int = 512
+    sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
+
+
+# --- marlaas.jobs ---------------------------------------------------------------------
+
+
+class JobSpec(_Wire, tag="job_spec"):
+    """CLI -> env_svc: a tenant asks for an RL job. De-duplicated on `job_id`."""
+
+    job_id: str
+    tenant: str
+    base_model: str
+    env: EnvSettings
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    rl: RLSettings = msgspec.field(default_factory=RLSettings)
+    submitted_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.job_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
+JobAction = Literal["pause", "resume", "cancel"]
+
+
+class JobCommand(_Wire, tag="job_command"):
+    """CLI -> env_svc: change a running job's state. De-duplicated on `command_id`."""
+
+    command_id: str
+    job_id: str
+    action: JobAction
+    issued_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.command_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
+# --- marlaas.prompts / marlaas.rollouts -----------------------------------------------
+
+
+class GenerationRequest(_Wire, tag="generation_request"):
+    """env_svc -> rollout_svc: sample one turn of one episode. De-duplicated on `request_id`."""
+
+    request_id: str
+    job_id: str
+    episode_id: str
+    group_id: str
+    sample_index: int
+    turn: int
+    context_token_ids: list[int]
+    """The whole context so far (prompt + earlier turns + tool results), never re-tokenized."""
+    sampling: SamplingSettings
+    env_state: bytes = b""
+    """The episode's state, opaque to rollout_svc, echoed back in the result."""
+    issued_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.request_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.episode_id
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerationResult(_Wire, tag="generation_result"):
+    """rollout_svc -> env_svc: one sampled turn. De-duplicated on `request_id`."""
+
+    request_id: str
+    job_id: str
+    episode_id: str
+    group_id: str
+    sample_index: int
+    turn: int
+    context_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    """Sampler logprob of each completion token (same length as completion_token_ids)."""
+    adapter_version: int
+    """Adapter version that produced this turn; 0 is the bare base model."""
+    finish_reason: FinishReason
+    env_state: bytes = b""
+    queue_s: float = 0.0
+    generate_s: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.request_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.episode_id
+
+
+# --- marlaas.trajectories -------------------------------------------------------------
+
+
+class Trajectory(_Wire, tag="trajectory"):
+    """env_svc -> trainer_svc: one finished episode. De-duplicated on `episode_id`."""
+
+    episode_id: str
+    job_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 where the policy sampled the token; 0 for prompt, tool and observation tokens."""
+    behaviour_logprobs: list[float]
+    """Sampler logprob aligned with token_ids (0.0 where loss_mask is 0)."""
+    reward: float
+    reward_components: dict[str, float] = {}
+    adapter_versions: list[int] = []
+    """Adapter version of each sampled turn, in turn order."""
+    error: str = ""
+    """Why the reward could not be computed; such an episode is recorded, never scored 0 silently."""
+    finished_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.episode_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
+# --- marlaas.adapters -----------------------------------------------------------------
+
+
+class AdapterUpdate(_Wire, tag="adapter_update"):
+    """trainer_svc -> rollout_svc, env_svc: a new adapter version is durable. De-dup on job@version."""
+
+    job_id: str
+    version: int
+    uri: str
+    """Where the PEFT adapter directory lies in the artifact store."""
+    step: int
+    metrics: dict[str, float] = {}
+    published_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return f"{self.job_id}@v{self.version}"
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
+# --- marlaas.events -------------------------------------------------------------------
+
+EventKind = Literal[
+    "accepted", "rejected", "step", "dropped_stale", "paused", "resumed", "cancelled",
+    "completed", "failed",
+]
+
+
+class Event(_Wire, tag="event"):
+    """every service -> CLI, dashboards: a job's lifecycle and metrics. De-dup on `event_id`."""
+
+    event_id: str
+    job_id: str
+    event: EventKind
+    service: str
+    tenant: str = ""
+    step: int = 0
+    reason: str = ""
+    metrics: dict[str, float] = {}
+    at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.event_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
+# --- marlaas.dlq ----------------------------------------------------------------------
+
+
+class DeadLetter(_Wire, tag="dead_letter"):
+    """every service -> operators: a record that could not be decoded or processed."""
+
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    source_key: bytes | None
+    raw_value: bytes
+    error: str
+    service: str
+    at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return f"{self.source_topic}/{self.source_partition}/{self.source_offset}"
+
+    @property
+    def kafka_key(self) -> bytes | None:
+        return self.source_key
+
+
+Message = (
+    JobSpec | JobCommand | GenerationRequest | GenerationResult | Trajectory | AdapterUpdate
+    | Event | DeadLetter
+)
+
+TOPIC_MESSAGES: dict[Topic, Any] = {
+    Topic.JOBS: JobSpec | JobCommand,
+    Topic.PROMPTS: GenerationRequest,
+    Topic.ROLLOUTS: GenerationResult,
+    Topic.TRAJECTORIES: Trajectory,
+    Topic.ADAPTERS: AdapterUpdate,
+    Topic.EVENTS: Event,
+    Topic.DLQ: DeadLetter,
+}
+"""Which message types a topic may carry; producing anything else is a bug."""
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {topic: msgspec.msgpack.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(topic: str, raw: bytes | None) -> Message:
+    """Decode a record's value for `topic`; raises MessageDecodeError on anything invalid."""
+    try:
+        decoder = _decoders[Topic(topic)]
+    except ValueError:
+        raise MessageDecodeError(topic, "not a marlaas topic") from None
+    if raw is None:
+        raise MessageDecodeError(topic, "empty record (tombstone)")
+    try:
+        message: Message = decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(topic, str(exc)) from None
+    if message.schema > SCHEMA_VERSION:
+        raise MessageDecodeError(
+            topic, f"schema {message.schema} is newer than this build's {SCHEMA_VERSION}"
+        )
+    return message
+
+
+def topic_of(message: Message) -> Topic:
+    """The one topic a message type travels on."""
+    for topic, kind in TOPIC_MESSAGES.items():
+        if isinstance(message, _types_of(kind)):
+            return topic
+    raise TypeError(f"{type(message).__name__} belongs to no topic")
+
+
+def _types_of(kind: Any) -> tuple[type, ...]:
+    return tuple(getattr(kind, "__args__", (kind,)))
+
+
+def key_bytes(message: Message) -> bytes | None:
+    key = message.kafka_key
+    return key.encode() if isinstance(key, str) else key
+

