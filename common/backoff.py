@@ -50,7 +50,11 @@ async def connect_with_backoff(
                 raise ServerUnreachable(what, address, timeout_s, last_error) from None
             log.warning(
                 "%s at %s unreachable (%s); retry %d in %.1fs",
-                what, address, last_error, attempt, delay,
+                what,
+                address,
+                last_error,
+                attempt,
+                delay,
             )
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_delay_s)

@@ -85,7 +85,10 @@ async def ensure_topics(
         missing = [topic.value for topic in Topic if topic.value not in existing]
         if missing:
             response = await admin.create_topics(
-                [NewTopic(name, num_partitions=partitions, replication_factor=1) for name in missing]
+                [
+                    NewTopic(name, num_partitions=partitions, replication_factor=1)
+                    for name in missing
+                ]
             )
             for name, code, *rest in response.topic_errors:
                 if code not in (0, _TOPIC_ALREADY_EXISTS):
@@ -100,7 +103,9 @@ async def ensure_topics(
         await admin.close()
     for name, count in counts.items():
         if count != partitions:
-            log.warning("topic %s has %d partitions, not the configured %d", name, count, partitions)
+            log.warning(
+                "topic %s has %d partitions, not the configured %d", name, count, partitions
+            )
     return counts
 
 
@@ -356,7 +361,11 @@ class ConsumerLoop(Generic[M]):
             except self._retryable as exc:
                 log.warning(
                     "%s: retryable failure on %s[%d]@%d (%s); retrying in %.1fs",
-                    self.service, tp.topic, tp.partition, record.offset, exc,
+                    self.service,
+                    tp.topic,
+                    tp.partition,
+                    record.offset,
+                    exc,
                     self._retry_backoff_s,
                 )
                 self._require_consumer().seek(tp, record.offset)
@@ -381,7 +390,10 @@ class ConsumerLoop(Generic[M]):
         except Exception as exc:
             log.exception(
                 "%s: handler failed on %s[%d]@%d; dead-lettering",
-                self.service, record.topic, record.partition, record.offset,
+                self.service,
+                record.topic,
+                record.partition,
+                record.offset,
             )
             detail = "".join(traceback.format_exception_only(exc)).strip()
             await self._dead_letter(record, detail)
@@ -404,7 +416,12 @@ class ConsumerLoop(Generic[M]):
         self.dead_letter_count += 1
         log.error(
             "%s: %s[%d]@%d -> %s: %s",
-            self.service, record.topic, record.partition, record.offset, Topic.DLQ.value, error,
+            self.service,
+            record.topic,
+            record.partition,
+            record.offset,
+            Topic.DLQ.value,
+            error,
         )
 
     async def _partitions_revoked(self, revoked: set[TopicPartition]) -> None:
@@ -439,9 +456,6 @@ async def group_lag(
     """Lag of a consumer group on `topics`, seen from outside the group (CLI, dashboards)."""
     admin = await _start_admin(bootstrap, timeout_s)
     try:
-        committed = {
-            tp: meta.offset for tp, meta in (await admin.list_consumer_group_offsets(group_id)).items()
-        }
         # Describe only existing topics: naming a missing one would auto-create it.
         wanted = set(topics) & set(await admin.list_topics())
         partitions = [
@@ -451,16 +465,21 @@ async def group_lag(
         ]
     finally:
         await admin.close()
-    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="marlaas-lag")
+    partitions.sort(key=lambda tp: (tp.topic, tp.partition))
+    # A consumer that names the group but never subscribes reads its commits without
+    # joining it (the admin client's OffsetFetch version is not one Tansu answers).
+    probe = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group_id,
+        client_id="marlaas-lag",
+        enable_auto_commit=False,
+    )
     await probe.start()
     try:
         ends = await probe.end_offsets(partitions) if partitions else {}
+        return [
+            PartitionLag(tp.topic, tp.partition, ends[tp], await probe.committed(tp))
+            for tp in partitions
+        ]
     finally:
         await probe.stop()
-    # The group protocol reports "never committed" as offset -1.
-    return [
-        PartitionLag(
-            tp.topic, tp.partition, ends[tp], offset if (offset := committed.get(tp, -1)) >= 0 else None
-        )
-        for tp in sorted(partitions, key=lambda tp: (tp.topic, tp.partition))
-    ]

@@ -39,7 +39,9 @@ def _stack_table(stack: LocalStack) -> Table:
     table = Table(title="MARLaaS local stack", show_header=False)
     table.add_row("Kafka bootstrap", stack.kafka_bootstrap)
     table.add_row("Redis", stack.redis_url)
-    table.add_row("topics", ", ".join(f"{t} ({n})" for t, n in sorted(stack.topic_partitions.items())))
+    table.add_row(
+        "topics", ", ".join(f"{t} ({n})" for t, n in sorted(stack.topic_partitions.items()))
+    )
     table.add_row("state dir", str(stack.state_dir))
     table.add_row("connection file", str(stack.env_file))
     for child in stack.children:

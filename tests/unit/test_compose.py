@@ -87,6 +87,11 @@ def depends_on_of(service: Compose) -> dict[str, str]:
     return {name: spec.get("condition", "service_started") for name, spec in depends_on.items()}
 
 
+def marlaas_containers(compose: Compose) -> list[str]:
+    """Services built from our Dockerfile, i.e. the ones that run marlaas code."""
+    return [name for name, service in compose["services"].items() if "build" in service]
+
+
 def is_named_volume(source: str) -> bool:
     return bool(source) and not source.startswith(("/", ".", "~", "$"))
 
@@ -139,13 +144,10 @@ def test_compose_runs_the_stack_and_the_three_services(compose: Compose) -> None
 
 
 def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
-    marlaas_envs = [environment_of(compose["services"][name]) for name in marlaas_containers(compose)]
+    marlaas_envs = [
+        environment_of(compose["services"][name]) for name in marlaas_containers(compose)
+    ]
     assert marlaas_envs and all(env == marlaas_envs[0] for env in marlaas_envs)
-
-
-def marlaas_containers(compose: Compose) -> list[str]:
-    """Services built from our Dockerfile, i.e. the ones that run marlaas code."""
-    return [name for name, service in compose["services"].items() if "build" in service]
 
 
 def test_kafka_bootstrap_is_what_the_broker_advertises(compose: Compose) -> None:
@@ -280,7 +282,7 @@ def break_healthcheck(compose: Compose) -> None:
     ("breakage", "expected"),
     [
         (break_depends_on, "missing service 'kafak'"),
-        (break_schema, "schema: services/env_svc/deploy: Additional properties"),
+        (break_schema, "schema: services/env_svc/deploy: 'replica' does not match"),
         (break_build_target, "build target 'rollout-gpu'"),
         (break_volume, "volume 'artifacts' is not declared"),
         (break_healthcheck, "waits for 'redis' to be healthy"),

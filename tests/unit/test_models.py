@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
-
-from common.models import (  # noqa: E402
+from common.models import (
     MARKER_FILE,
     ModelNotFoundError,
     build_once,

@@ -1,0 +1,326 @@
+"""common.bus against a real Tansu broker: at-least-once, groups, dead letters, lag."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from common.backoff import ServerUnreachable
+from common.bus import (
+    ConsumerLoop,
+    Delivery,
+    Producer,
+    RetryableError,
+    ensure_topics,
+    group_lag,
+)
+from common.messages import DeadLetter, Event, Topic, decode, new_id
+from common.stack import free_port
+
+pytestmark = pytest.mark.kafka
+
+
+def event(job_id: str, step: int = 0) -> Event:
+    return Event(event_id=new_id(), job_id=job_id, event="step", service="test", step=step)
+
+
+@asynccontextmanager
+async def producer(bootstrap: str) -> AsyncIterator[Producer]:
+    prod = Producer(bootstrap, client_id="test")
+    await prod.start(timeout_s=30)
+    try:
+        yield prod
+    finally:
+        await prod.stop()
+
+
+@asynccontextmanager
+async def running(loop: ConsumerLoop[Any]) -> AsyncIterator[ConsumerLoop[Any]]:
+    """Start the loop, run it in a task, wait for its partitions; stop and close on exit."""
+    await loop.start(timeout_s=30)
+    task = asyncio.create_task(loop.run(), name="test-consumer")
+    try:
+        await wait_for(lambda: bool(loop.assignment) or task.done(), what="partition assignment")
+        yield loop
+    finally:
+        loop.stop()
+        await asyncio.wait_for(task, 30)
+        await loop.close()
+
+
+async def wait_for(predicate: Callable[[], bool], *, what: str, timeout_s: float = 45) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def read_dead_letters(bootstrap: str, source_key: bytes, count: int) -> list[DeadLetter]:
+    """Read the DLQ from the start (no group) until `count` letters with `source_key` arrived."""
+    consumer = AIOKafkaConsumer(
+        Topic.DLQ.value, bootstrap_servers=bootstrap, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    found: list[DeadLetter] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(found) < count and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=500)
+            for records in batches.values():
+                for record in records:
+                    letter = decode(Topic.DLQ, record.value)
+                    assert isinstance(letter, DeadLetter)
+                    if letter.source_key == source_key:
+                        found.append(letter)
+    finally:
+        await consumer.stop()
+    return found
+
+
+def collecting(
+    job_id: str, into: list[Event], before: Callable[[Event], Awaitable[None]] | None = None
+) -> Callable[[Event, Delivery], Awaitable[None]]:
+    async def handle(message: Event, delivery: Delivery) -> None:
+        if message.job_id != job_id:
+            return  # messages of other tests share the topic
+        if before is not None:
+            await before(message)
+        into.append(message)
+
+    return handle
+
+
+async def test_ensure_topics_creates_all_with_12_partitions_and_is_idempotent(
+    kafka_bootstrap: str,
+) -> None:
+    first = await ensure_topics(kafka_bootstrap, 12)
+    second = await ensure_topics(kafka_bootstrap, 12)
+    assert first == second == {topic.value: 12 for topic in Topic}
+
+
+async def test_producer_gives_up_on_an_unreachable_broker_with_its_address() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ServerUnreachable, match=f"Kafka at {address} unreachable"):
+        await Producer(address, client_id="test").start(timeout_s=1.5)
+    assert time.monotonic() - started < 10
+
+
+CRASHING_CONSUMER = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from common.bus import ConsumerLoop, Producer
+
+    async def main(bootstrap, group, job_id):
+        dlq = Producer(bootstrap, client_id="crasher")
+        await dlq.start()
+
+        async def handle(message, delivery):
+            if message.job_id == job_id:
+                print("got", message.event_id, flush=True)
+                os._exit(17)  # dies after handling, before any commit
+
+        loop = ConsumerLoop(bootstrap=bootstrap, group_id=group, topics=["marlaas.events"],
+                            handler=handle, dead_letters=dlq, service="crasher")
+        await loop.start()
+        await loop.run()
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+async def test_a_consumer_that_dies_before_committing_gets_the_message_again(
+    kafka_bootstrap: str,
+) -> None:
+    job_id, group = f"crash-{new_id()}", f"group-{new_id()}"
+    sent = event(job_id)
+    async with producer(kafka_bootstrap) as prod:
+        await prod.send(sent)
+        crasher = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", CRASHING_CONSUMER, kafka_bootstrap, group, job_id],
+            capture_output=True, text=True, timeout=120, env=os.environ.copy(),
+        )  # fmt: skip
+        assert crasher.returncode == 17, crasher.stderr
+        assert f"got {sent.event_id}" in crasher.stdout
+
+        received: list[Event] = []
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=collecting(job_id, received), dead_letters=prod, service="survivor",
+        )  # fmt: skip
+        async with running(loop):
+            await wait_for(lambda: len(received) >= 1, what="redelivery", timeout_s=60)
+        assert [m.event_id for m in received] == [sent.event_id]
+
+        # Now committed: a third member of the group gets nothing more for this job.
+        again: list[Event] = []
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=collecting(job_id, again), dead_letters=prod, service="third",
+        )  # fmt: skip
+        async with running(loop):
+            await asyncio.sleep(2)
+        assert again == []
+
+
+async def test_two_consumers_in_one_group_split_the_partitions(kafka_bootstrap: str) -> None:
+    job_prefix, group = f"split-{new_id()}", f"group-{new_id()}"
+    handled: dict[str, list[str]] = {"a": [], "b": []}
+
+    def handler(name: str) -> Callable[[Event, Delivery], Awaitable[None]]:
+        async def handle(message: Event, delivery: Delivery) -> None:
+            if message.job_id.startswith(job_prefix):
+                handled[name].append(message.event_id)
+
+        return handle
+
+    async with producer(kafka_bootstrap) as prod:
+        a = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=handler("a"), dead_letters=prod, service="a",
+        )  # fmt: skip
+        b = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=handler("b"), dead_letters=prod, service="b",
+        )  # fmt: skip
+        async with running(a):
+            async with running(b):
+                await wait_for(
+                    lambda: len(a.assignment) + len(b.assignment) == 12
+                    and bool(a.assignment) and bool(b.assignment),
+                    what="a rebalance that gives both members partitions",
+                    timeout_s=60,
+                )
+                assert not a.assignment & b.assignment
+                assert {tp.partition for tp in a.assignment | b.assignment} == set(range(12))
+                sent = [event(f"{job_prefix}-{i}") for i in range(48)]
+                for message in sent:
+                    await prod.send(message)
+                await wait_for(
+                    lambda: len(handled["a"]) + len(handled["b"]) >= len(sent), what="all events"
+                )
+    assert sorted(handled["a"] + handled["b"]) == sorted(m.event_id for m in sent)
+    assert handled["a"] and handled["b"]  # both members did work
+
+
+async def test_garbage_and_failing_messages_go_to_the_dlq_and_the_loop_goes_on(
+    kafka_bootstrap: str,
+) -> None:
+    job_id, group = f"dlq-{new_id()}", f"group-{new_id()}"
+    poison = event(job_id, step=666)
+    good = [event(job_id, step=1), event(job_id, step=2)]
+    received: list[Event] = []
+
+    async def refuse_poison(message: Event) -> None:
+        if message.step == 666:
+            raise ValueError("step 666 is not allowed")
+
+    async with producer(kafka_bootstrap) as prod:
+        # Same key -> same partition, so the good messages sit behind the bad ones.
+        await prod.send_raw(Topic.EVENTS, b"\xc1 not msgpack", key=job_id.encode())
+        await prod.send(poison)
+        for message in good:
+            await prod.send(message)
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=refuse_poison), dead_letters=prod,
+            service="dlq-test",
+        )  # fmt: skip
+        async with running(loop):
+            await wait_for(lambda: len(received) == 2, what="the good messages")
+            assert loop.dead_letter_count >= 2
+        letters = await read_dead_letters(kafka_bootstrap, job_id.encode(), 2)
+
+    assert [m.step for m in received] == [1, 2]
+    garbage, failed = sorted(letters, key=lambda letter: letter.source_offset)
+    assert garbage.raw_value == b"\xc1 not msgpack"
+    assert "cannot decode message on marlaas.events" in garbage.error
+    assert failed.source_offset == garbage.source_offset + 1
+    assert decode(Topic.EVENTS, failed.raw_value) == poison
+    assert "ValueError: step 666 is not allowed" in failed.error
+    assert {letter.service for letter in letters} == {"dlq-test"}
+    assert {letter.source_topic for letter in letters} == {Topic.EVENTS.value}
+    # Everything was handled or dead-lettered, so the group's lag on that partition is 0.
+    lag = {p.partition: p for p in await group_lag(kafka_bootstrap, group, [Topic.EVENTS])}
+    assert lag[garbage.source_partition].lag == 0
+
+
+async def test_a_retryable_failure_is_redelivered_not_dead_lettered(kafka_bootstrap: str) -> None:
+    job_id, group = f"retry-{new_id()}", f"group-{new_id()}"
+    attempts: list[int] = []
+    received: list[Event] = []
+
+    async def flaky(message: Event) -> None:
+        attempts.append(message.step)
+        if len(attempts) < 3:
+            raise RetryableError("redis is restarting")
+
+    async with producer(kafka_bootstrap) as prod:
+        await prod.send(event(job_id, step=7))
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=flaky), dead_letters=prod,
+            service="retry-test", retry_backoff_s=0.1,
+        )  # fmt: skip
+        async with running(loop):
+            await wait_for(lambda: len(received) == 1, what="success after retries")
+    # Handed over again after each failure: a dead-lettered record would not be retried.
+    assert attempts == [7, 7, 7]
+
+
+async def test_a_held_commit_keeps_lag_until_released(kafka_bootstrap: str) -> None:
+    job_id, group = f"hold-{new_id()}", f"group-{new_id()}"
+    releases: list[Callable[[], None]] = []
+    partitions: list[int] = []
+
+    async def hold(message: Event, delivery: Delivery) -> None:
+        if message.job_id == job_id:
+            releases.append(delivery.hold_commit())
+            partitions.append(delivery.partition)
+
+    async with producer(kafka_bootstrap) as prod:
+        for step in range(3):
+            await prod.send(event(job_id, step))
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=hold,
+            dead_letters=prod, service="hold-test",
+        )  # fmt: skip
+        async with running(loop):
+            await wait_for(lambda: len(releases) == 3, what="three held messages")
+            await loop.commit()
+            lag = {p.partition: p.lag for p in await loop.lag()}
+            assert lag[partitions[0]] == 3  # all three still uncommitted
+            releases[0]()
+            await loop.commit()
+            lag = {p.partition: p.lag for p in await loop.lag()}
+            assert lag[partitions[0]] == 2
+            releases[2]()  # out of order: the middle one still blocks
+            await loop.commit()
+            assert {p.partition: p.lag for p in await loop.lag()}[partitions[0]] == 2
+            releases[1]()
+            await loop.commit()
+            assert {p.partition: p.lag for p in await loop.lag()}[partitions[0]] == 0
+
+
+async def test_group_lag_counts_uncommitted_records(kafka_bootstrap: str) -> None:
+    job_id = f"lag-{new_id()}"
+    async with producer(kafka_bootstrap) as prod:
+        for step in range(5):
+            await prod.send(event(job_id, step))
+    never_consumed = await group_lag(kafka_bootstrap, f"group-{new_id()}", [Topic.EVENTS])
+    assert len(never_consumed) == 12
+    assert all(p.committed is None and p.lag == p.end_offset for p in never_consumed)
+    assert sum(p.lag for p in never_consumed) >= 5

@@ -1,0 +1,68 @@
+"""common.config: prefixes per service, the stack's connection file, env vars winning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from common.config import (
+    RolloutSettings,
+    SharedSettings,
+    TrainerSettings,
+    default_cache_dir,
+    load,
+    stack_env_file,
+)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name in ("MARLAAS_KAFKA_BOOTSTRAP", "MARLAAS_REDIS_URL", "MARLAAS_ARTIFACT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MARLAAS_STATE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_defaults_point_at_loopback_and_state_dir(state_dir: Path) -> None:
+    settings = load(SharedSettings)
+    assert settings.kafka_bootstrap == "127.0.0.1:9092"
+    assert settings.state_dir == state_dir
+    assert settings.artifacts == state_dir / "artifacts"
+    assert settings.topic_partitions == 12
+
+
+def test_stack_env_file_is_the_fallback_and_env_vars_win(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack_env_file(state_dir).write_text(
+        "MARLAAS_KAFKA_BOOTSTRAP=127.0.0.1:40001\nMARLAAS_REDIS_URL=redis://127.0.0.1:40002/0\n"
+    )
+    settings = load(SharedSettings)
+    assert settings.kafka_bootstrap == "127.0.0.1:40001"
+    assert settings.redis_url == "redis://127.0.0.1:40002/0"
+    monkeypatch.setenv("MARLAAS_KAFKA_BOOTSTRAP", "kafka:9092")
+    assert load(SharedSettings).kafka_bootstrap == "kafka:9092"
+
+
+def test_each_service_reads_its_own_prefix(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUT_MAX_LORA_RANK", "32")
+    monkeypatch.setenv("TRAINER_MAX_LORA_RANK", "99")  # another service's prefix: ignored
+    monkeypatch.setenv("TRAINER_CONSUMER_GROUP", "trainers-b")
+    assert load(RolloutSettings).max_lora_rank == 32
+    assert load(TrainerSettings).consumer_group == "trainers-b"
+
+
+def test_cache_dir_follows_marlaas_cache(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARLAAS_CACHE", "/tmp/elsewhere")
+    assert default_cache_dir() == Path("/tmp/elsewhere")
+    assert load(SharedSettings).cache_dir == Path("/tmp/elsewhere")
+
+
+def test_invalid_values_are_refused_with_the_field_name(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MARLAAS_TOPIC_PARTITIONS", "0")
+    with pytest.raises(ValidationError, match="topic_partitions"):
+        load(SharedSettings)

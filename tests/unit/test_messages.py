@@ -1,0 +1,155 @@
+"""common.messages: every payload round-trips, and bad bytes fail with one typed error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.messages import (
+    SCHEMA_VERSION,
+    TOPIC_MESSAGES,
+    AdapterUpdate,
+    DeadLetter,
+    EnvSettings,
+    Event,
+    GenerationRequest,
+    GenerationResult,
+    JobCommand,
+    JobSpec,
+    MessageDecodeError,
+    SamplingSettings,
+    Topic,
+    Trajectory,
+    decode,
+    encode,
+    key_bytes,
+    topic_of,
+)
+
+ALL_MESSAGES = [
+    JobSpec, JobCommand, GenerationRequest, GenerationResult, Trajectory, AdapterUpdate, Event,
+    DeadLetter,
+]  # fmt: skip
+
+_text = st.text(max_size=12)
+_float = st.floats(allow_nan=False, allow_infinity=False, width=64)
+
+
+def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
+    """A hypothesis strategy for any msgspec type, derived from its schema."""
+    match info:
+        case mi.IntType():
+            return st.integers(-(2**40), 2**40)
+        case mi.FloatType():
+            return _float
+        case mi.StrType():
+            return _text
+        case mi.BoolType():
+            return st.booleans()
+        case mi.BytesType():
+            return st.binary(max_size=32)
+        case mi.NoneType():
+            return st.none()
+        case mi.AnyType():
+            return st.one_of(st.integers(-1000, 1000), _text, st.booleans())
+        case mi.LiteralType(values=values):
+            return st.sampled_from(values)
+        case mi.ListType(item_type=item):
+            return st.lists(strategy_for(item), max_size=8)
+        case mi.DictType(key_type=key, value_type=value):
+            return st.dictionaries(strategy_for(key), strategy_for(value), max_size=4)
+        case mi.UnionType(types=types):
+            return st.one_of(*(strategy_for(t) for t in types))
+        case mi.StructType(cls=cls, fields=fields):
+            # Every message this build writes carries its own schema version.
+            strategies = {
+                f.name: st.just(SCHEMA_VERSION) if f.name == "schema" else strategy_for(f.type)
+                for f in fields
+            }
+            return st.builds(cls, **strategies)
+    raise TypeError(f"no strategy for {info!r}")
+
+
+def message_strategy(cls: type) -> st.SearchStrategy[Any]:
+    return strategy_for(mi.type_info(cls))
+
+
+@pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_every_message_round_trips_on_its_topic(cls: type, data: st.DataObject) -> None:
+    message = data.draw(message_strategy(cls))
+    topic = topic_of(message)
+    assert decode(topic, encode(message)) == message
+    assert message.schema == SCHEMA_VERSION
+
+
+def test_every_topic_has_a_message_and_every_message_a_topic() -> None:
+    assert set(TOPIC_MESSAGES) == set(Topic)
+    covered = {t for kind in TOPIC_MESSAGES.values() for t in getattr(kind, "__args__", (kind,))}
+    assert covered == set(ALL_MESSAGES)
+
+
+def test_messages_carry_their_dedup_id_and_key() -> None:
+    spec = JobSpec(job_id="j1", tenant="acme", base_model="m", env=EnvSettings(name="arithmetic"))
+    request = GenerationRequest(
+        request_id="r1", job_id="j1", episode_id="e1", group_id="g1", sample_index=0, turn=0,
+        context_token_ids=[1, 2], sampling=SamplingSettings(),
+    )  # fmt: skip
+    update = AdapterUpdate(job_id="j1", version=3, uri="file:///a", step=3)
+    assert (spec.dedup_id, key_bytes(spec)) == ("j1", b"j1")
+    assert (request.dedup_id, key_bytes(request)) == ("r1", b"e1")  # keyed by episode
+    assert (update.dedup_id, key_bytes(update)) == ("j1@v3", b"j1")
+    assert topic_of(request) is Topic.PROMPTS
+
+
+def test_jobs_topic_tells_specs_from_commands() -> None:
+    command = JobCommand(command_id="c1", job_id="j1", action="pause")
+    decoded = decode(Topic.JOBS, encode(command))
+    assert isinstance(decoded, JobCommand) and decoded.action == "pause"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"\x00\xff garbage", b"\x93\x01\x02\x03", encode(Event(event_id="e", job_id="j",
+     event="step", service="trainer"))],  # fmt: skip
+    ids=["empty", "garbage", "wrong-array", "message-of-another-topic"],
+)
+def test_bad_bytes_raise_one_typed_error(raw: bytes) -> None:
+    with pytest.raises(MessageDecodeError) as info:
+        decode(Topic.TRAJECTORIES, raw)
+    assert info.value.topic == Topic.TRAJECTORIES
+    assert "marlaas.trajectories" in str(info.value)
+
+
+def test_tombstone_and_unknown_topic_are_decode_errors() -> None:
+    with pytest.raises(MessageDecodeError, match="tombstone"):
+        decode(Topic.JOBS, None)
+    with pytest.raises(MessageDecodeError, match="not a marlaas topic"):
+        decode("other.topic", b"\x90")
+
+
+def test_invalid_field_values_are_rejected() -> None:
+    good = JobCommand(command_id="c1", job_id="j1", action="cancel")
+    raw = encode(good).replace(b"cancel", b"cancul")
+    with pytest.raises(MessageDecodeError, match="cancul"):
+        decode(Topic.JOBS, raw)
+
+
+def test_newer_schema_is_refused_not_misread() -> None:
+    future = msgspec.structs.replace(
+        JobCommand(command_id="c1", job_id="j1", action="resume"), schema=SCHEMA_VERSION + 1
+    )
+    with pytest.raises(MessageDecodeError, match="newer"):
+        decode(Topic.JOBS, encode(future))
+
+
+def test_defaults_are_omitted_on_the_wire() -> None:
+    bare = AdapterUpdate(job_id="j1", version=1, uri="u", step=1)
+    with_metrics = AdapterUpdate(job_id="j1", version=1, uri="u", step=1, metrics={"loss": 0.5})
+    assert len(encode(bare)) < len(encode(with_metrics))
