@@ -199,8 +199,11 @@ async def test_two_consumers_in_one_group_split_the_partitions(kafka_bootstrap: 
         async with running(a):
             async with running(b):
                 await wait_for(
-                    lambda: len(a.assignment) + len(b.assignment) == 12
-                    and bool(a.assignment) and bool(b.assignment),
+                    lambda: (
+                        len(a.assignment) + len(b.assignment) == 12
+                        and bool(a.assignment)
+                        and bool(b.assignment)
+                    ),
                     what="a rebalance that gives both members partitions",
                     timeout_s=60,
                 )

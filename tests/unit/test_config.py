@@ -46,7 +46,9 @@ def test_stack_env_file_is_the_fallback_and_env_vars_win(
     assert load(SharedSettings).kafka_bootstrap == "kafka:9092"
 
 
-def test_each_service_reads_its_own_prefix(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_service_reads_its_own_prefix(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ROLLOUT_MAX_LORA_RANK", "32")
     monkeypatch.setenv("TRAINER_MAX_LORA_RANK", "99")  # another service's prefix: ignored
     monkeypatch.setenv("TRAINER_CONSUMER_GROUP", "trainers-b")

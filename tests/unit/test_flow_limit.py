@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from common.registry import issue_limit
@@ -17,11 +19,13 @@ from common.registry import issue_limit
         (0, 0, 1, 1),
     ],
 )
-def test_issue_limit(trained_version: int, max_staleness: int, groups_per_step: int, limit: int) -> None:
+def test_issue_limit(
+    trained_version: int, max_staleness: int, groups_per_step: int, limit: int
+) -> None:
     assert issue_limit(trained_version, max_staleness, groups_per_step) == limit
 
 
 def test_each_trained_version_releases_exactly_one_step_of_groups() -> None:
     for staleness in range(4):
         limits = [issue_limit(v, staleness, 3) for v in range(6)]
-        assert [b - a for a, b in zip(limits, limits[1:], strict=False)] == [3] * 5
+        assert [b - a for a, b in itertools.pairwise(limits)] == [3] * 5

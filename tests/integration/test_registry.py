@@ -1,0 +1,160 @@
+"""common.registry against a real Valkey: forward-only pointers, jobs, flow control, de-dup."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+
+from common.backoff import ServerUnreachable
+from common.messages import EnvSettings, JobSpec, RLSettings, new_id
+from common.registry import Registry, UnknownJobError, issue_limit
+from common.stack import free_port
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture
+async def registry(redis_url: str) -> AsyncIterator[Registry]:
+    reg = await Registry.connect(redis_url, timeout_s=10)
+    yield reg
+    await reg.close()
+
+
+def spec(job_id: str, tenant: str = "acme") -> JobSpec:
+    return JobSpec(
+        job_id=job_id, tenant=tenant, base_model="smollm2-135m-instruct",
+        env=EnvSettings(name="arithmetic", params={"max_operand": 9}),
+        rl=RLSettings(group_size=4, groups_per_step=2, max_staleness=1),
+    )  # fmt: skip
+
+
+async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_url: str) -> None:
+    job_id = f"cas-{new_id()}"
+    writers = [await Registry.connect(redis_url) for _ in range(8)]
+    observed: list[int] = []
+    done = asyncio.Event()
+
+    async def watch(reader: Registry) -> None:
+        while not done.is_set():
+            if pointer := await reader.adapter(job_id):
+                observed.append(pointer.version)
+            await asyncio.sleep(0)
+
+    async def write(writer: Registry, versions: list[int]) -> list[tuple[int, bool]]:
+        results = []
+        for version in versions:
+            moved = await writer.publish_adapter(job_id, version, f"file:///a/v{version}", version)
+            results.append((version, moved))
+        return results
+
+    versions = list(range(1, 201))
+    chunks = [random.Random(i).sample(versions, len(versions)) for i in range(len(writers))]
+    watcher = asyncio.create_task(watch(writers[0]))
+    try:
+        results = await asyncio.gather(*(write(w, c) for w, c in zip(writers, chunks, strict=True)))
+    finally:
+        done.set()
+        await watcher
+        for writer in writers:
+            await writer.close()
+
+    pointer = await Registry.connect(redis_url)
+    final = await pointer.adapter(job_id)
+    await pointer.close()
+    assert final is not None and final.version == 200 and final.uri == "file:///a/v200"
+    assert observed == sorted(observed), "a reader saw the pointer move backwards"
+    moves = [version for writer_results in results for version, moved in writer_results if moved]
+    # Each version moved the pointer at most once, and the successful moves form a chain to 200.
+    assert len(moves) == len(set(moves)) and max(moves) == 200
+
+
+async def test_an_older_writer_cannot_overwrite_a_newer_version(registry: Registry) -> None:
+    job_id = f"older-{new_id()}"
+    assert await registry.publish_adapter(job_id, 5, "file:///v5", 5)
+    assert not await registry.publish_adapter(job_id, 4, "file:///v4", 4)
+    assert not await registry.publish_adapter(job_id, 5, "file:///other", 5)  # replay
+    pointer = await registry.adapter(job_id)
+    assert pointer is not None and (pointer.version, pointer.uri, pointer.step) == (
+        5,
+        "file:///v5",
+        5,
+    )
+    assert (await registry.adapters())[job_id] == pointer
+    assert await registry.adapter(f"none-{new_id()}") is None
+
+
+async def test_job_registry_registers_once_and_terminal_status_sticks(registry: Registry) -> None:
+    job_id = f"job-{new_id()}"
+    assert await registry.register_job(spec(job_id))
+    assert not await registry.register_job(spec(job_id, tenant="someone-else"))  # redelivery
+    record = await registry.job(job_id)
+    assert record is not None and record.spec == spec(job_id) and record.status == "pending"
+    assert job_id in await registry.job_ids()
+
+    assert await registry.set_job_status(job_id, "running")
+    assert await registry.set_job_status(job_id, "paused", "tenant asked")
+    record = await registry.job(job_id)
+    assert record is not None and (record.status, record.reason) == ("paused", "tenant asked")
+    assert await registry.set_job_status(job_id, "completed")
+    assert not await registry.set_job_status(job_id, "running")  # a late message cannot revive it
+    record = await registry.job(job_id)
+    assert record is not None and record.status == "completed"
+
+    with pytest.raises(UnknownJobError, match="unknown job"):
+        await registry.set_job_status(f"missing-{new_id()}", "running")
+    assert await registry.job(f"missing-{new_id()}") is None
+
+
+async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url: str) -> None:
+    job_id = f"flow-{new_id()}"
+    replicas = [await Registry.connect(redis_url) for _ in range(4)]
+    try:
+
+        async def claim(replica: Registry) -> int | None:
+            return await replica.try_issue_group(job_id, max_staleness=1, groups_per_step=4)
+
+        claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(50)))
+        issued = sorted(c for c in claims if c is not None)
+        assert issued == list(range(issue_limit(0, 1, 4)))  # 8 groups, each index once
+
+        assert await replicas[0].advance_trained_version(job_id, 1) == 1
+        assert await replicas[1].advance_trained_version(job_id, 0) == 1  # never lowers
+        claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(20)))
+        assert sorted(c for c in claims if c is not None) == list(range(8, 12))
+        counters = await replicas[2].counters(job_id)
+        assert counters == {"issued_groups": 12, "trained_version": 1}
+    finally:
+        for replica in replicas:
+            await replica.close()
+
+
+async def test_on_policy_bound_waits_for_every_step(registry: Registry) -> None:
+    job_id = f"onpolicy-{new_id()}"
+    for version in range(3):
+        got = [
+            await registry.try_issue_group(job_id, max_staleness=0, groups_per_step=2)
+            for _ in range(3)
+        ]
+        assert got == [2 * version, 2 * version + 1, None]
+        await registry.advance_trained_version(job_id, version + 1)
+
+
+async def test_dedup_sets_and_counters(registry: Registry) -> None:
+    job_id = f"dedup-{new_id()}"
+    assert await registry.mark_seen("trained", job_id, "group-1")
+    assert not await registry.mark_seen("trained", job_id, "group-1")
+    assert await registry.seen("trained", job_id, "group-1")
+    assert not await registry.seen("issued", job_id, "group-1")  # scopes are separate
+    await registry.forget_seen("trained", job_id, "group-1")
+    assert not await registry.seen("trained", job_id, "group-1")
+    assert await registry.incr_counter(job_id, "dropped_stale") == 1
+    assert await registry.incr_counter(job_id, "dropped_stale", 2) == 3
+
+
+async def test_unreachable_redis_fails_with_its_address() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ServerUnreachable, match=f"Redis at {url} unreachable"):
+        await Registry.connect(url, timeout_s=1.0)

@@ -1,0 +1,158 @@
+"""`marlaas up` and friends as a user runs them: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.bus import ensure_topics
+from common.messages import Topic
+from common.registry import Registry
+from common.stack import LocalStack, free_port
+
+pytestmark = pytest.mark.kafka
+
+MARLAAS = str(Path(sys.executable).parent / "marlaas")
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (non-zombie) child processes of `pid`, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == pid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def cli_env(state_dir: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MARLAAS_KAFKA_BOOTSTRAP", "MARLAAS_REDIS_URL")
+    }
+    env.update({"MARLAAS_STATE_DIR": str(state_dir), "MARLAAS_CONNECT_TIMEOUT_S": "30", **extra})
+    return env
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key: value for key, value in pairs}
+
+
+@pytest.fixture
+def marlaas_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    process = subprocess.Popen(
+        [MARLAAS, "up"], env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    env_file = tmp_path / "stack.env"
+    deadline = time.monotonic() + 60
+    while not env_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"marlaas up did not come up:\n{process.communicate()[0]}")
+        time.sleep(0.2)
+    yield process, env_file
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
+    marlaas_up: tuple[subprocess.Popen[str], Path], tmp_path: Path
+) -> None:
+    process, env_file = marlaas_up
+    settings = read_env_file(env_file)
+    children = children_of(process.pid)
+    assert len(children) == 2  # tansu + valkey
+
+    async def check() -> dict[str, int]:
+        registry = await Registry.connect(settings["MARLAAS_REDIS_URL"], timeout_s=10)
+        await registry.publish_adapter("probe", 1, "file:///probe", 1)
+        await registry.close()
+        return await ensure_topics(settings["MARLAAS_KAFKA_BOOTSTRAP"], 12)
+
+    assert asyncio.run(check()) == {topic.value: 12 for topic in Topic}
+    assert (tmp_path / "valkey").is_dir()  # Redis data lives under the state dir
+
+    second = subprocess.run(
+        [MARLAAS, "up"], env=cli_env(tmp_path), capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 1
+    assert "already runs" in second.stdout and "Traceback" not in second.stdout + second.stderr
+
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert "Stack stopped" in output
+    assert not [pid for pid in children if alive(pid)]
+    assert not env_file.exists()
+
+
+def test_up_uses_existing_servers_and_starts_nothing(
+    local_stack: LocalStack, tmp_path: Path
+) -> None:
+    env = cli_env(
+        tmp_path,
+        MARLAAS_KAFKA_BOOTSTRAP=local_stack.kafka_bootstrap,
+        MARLAAS_REDIS_URL=local_stack.redis_url,
+    )
+    process = subprocess.Popen(
+        [MARLAAS, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        env_file = tmp_path / "stack.env"
+        deadline = time.monotonic() + 60
+        while not env_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        settings = read_env_file(env_file)
+        assert settings["MARLAAS_KAFKA_BOOTSTRAP"] == local_stack.kafka_bootstrap
+        assert settings["MARLAAS_REDIS_URL"] == local_stack.redis_url
+        assert children_of(process.pid) == []
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+
+
+def test_cli_reports_an_unreachable_broker_in_one_line(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [MARLAAS, "topics", "create"],
+        env=cli_env(tmp_path, MARLAAS_KAFKA_BOOTSTRAP=address, MARLAAS_CONNECT_TIMEOUT_S="1"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert f"error: Kafka at {address} unreachable" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_topics_create_against_a_running_broker(local_stack: LocalStack, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [MARLAAS, "topics", "create"],
+        env=cli_env(tmp_path, MARLAAS_KAFKA_BOOTSTRAP=local_stack.kafka_bootstrap),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "marlaas.trajectories: 12 partitions" in result.stdout
