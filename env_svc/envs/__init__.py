@@ -1,0 +1,1 @@
+"""Built-in environments; each registers by name in `env_svc.protocol.BUILTIN_ENVIRONMENTS`."""

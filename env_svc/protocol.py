@@ -1,0 +1,322 @@
+"""The environment contract: tasks, episodes, rewards, and the registry of environments.
+
+Modelled on tinker-cookbook's `Env` (`reset` / `step -> StepResult`) and verifiers' rubrics
+(typed reward functions with weights, recorded by name). Environments speak chat messages,
+`{"role": ..., "content": ...}`, and receive the model's completion text as the action; the
+orchestrator owns tokenization. env_svc replicas keep no episode state: an episode's state is
+plain data that travels, encoded by `encode_state`, inside the prompt and rollout messages.
+An environment object is therefore stateless after construction and serves every episode of
+a job, in any order, on any replica.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, TypedDict, TypeVar
+
+import msgspec
+
+from common.messages import EnvSettings
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "marlaas.envs"
+"""Third-party packages register `name = "module:EnvironmentClass"` in this group."""
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ChatMessage(TypedDict):
+    """One chat turn, as the model's chat template takes it."""
+
+    role: Role
+    content: str
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+class EnvSpecError(ValueError):
+    """A job's environment settings cannot be used; env_svc rejects the job with this text."""
+
+
+class UnknownEnvironmentError(EnvSpecError):
+    def __init__(self, name: str, available: Sequence[str]) -> None:
+        super().__init__(f"unknown environment {name!r}; available: {', '.join(available)}")
+        self.name = name
+        self.available = list(available)
+
+
+class EnvParamsError(EnvSpecError):
+    def __init__(self, env: str, param: str, reason: str) -> None:
+        super().__init__(f"environment {env!r}: bad param {param!r}: {reason}")
+        self.env = env
+        self.param = param
+        self.reason = reason
+
+
+class EnvironmentLoadError(ImportError):
+    """A registered environment could not be imported, or is not an `Environment`."""
+
+
+class EpisodeStateError(ValueError):
+    """Bytes that are not this environment's episode state, or a step on a finished episode."""
+
+
+# --- data -----------------------------------------------------------------------------
+
+
+class Task(msgspec.Struct, frozen=True, kw_only=True):
+    """One problem. Environments subclass it with their own plain fields (operands, target)."""
+
+    question: str
+
+
+class EnvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every environment's params; subclasses add fields with defaults."""
+
+
+T = TypeVar("T", bound=Task)
+
+
+class EpisodeState(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    """Everything an environment needs to continue an episode; travels as bytes."""
+
+    env: str
+    """Name of the environment that made it, checked when decoding."""
+    task: T
+    completion: list[ChatMessage] = []
+    """Messages after the prompt: the model's turns and the environment's replies."""
+    turn: int = 0
+    """Model turns taken so far."""
+    done: bool = False
+
+
+class RewardResult(msgspec.Struct, frozen=True, kw_only=True):
+    total: float
+    """Weighted sum of the components; NaN when `error` is set, so it cannot pass as a score."""
+    components: dict[str, float] = {}
+    """Unweighted value of each component computed, by name."""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult(Generic[T]):
+    state: EpisodeState[T]
+    messages: list[ChatMessage]
+    """The environment's replies to append to the context (tool results); empty when done."""
+    done: bool
+    reward: RewardResult | None
+    """Set exactly when `done`."""
+    truncated: bool = False
+    """The episode ended because it reached `max_turns`, not with a final answer."""
+
+
+RewardFn = Callable[[T, Sequence[ChatMessage]], float | Mapping[str, float]]
+"""Scores a finished episode: a float, or named sub-scores (each weighted by the Reward)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reward(Generic[T]):
+    name: str
+    fn: RewardFn[T]
+    weight: float = 1.0
+
+
+def score(rewards: Sequence[Reward[T]], task: T, completion: Sequence[ChatMessage]) -> RewardResult:
+    """Weighted sum of `rewards`. A reward function that raises or returns a non-finite or
+    non-numeric value stops scoring: the result carries the error and the components so far."""
+    components: dict[str, float] = {}
+    total = 0.0
+    for reward in rewards:
+        try:
+            raw = reward.fn(task, completion)
+            parts = raw.items() if isinstance(raw, Mapping) else [("", raw)]
+            for key, value in parts:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise TypeError(f"returned {value!r}, not a number")
+                if not math.isfinite(value):
+                    raise ValueError(f"returned {value!r}")
+                name = f"{reward.name}.{key}" if key else reward.name
+                components[name] = float(value)
+                total += reward.weight * float(value)
+        except Exception as exc:
+            error = f"reward {reward.name!r} failed: {type(exc).__name__}: {exc}"
+            log.warning("%s", error)
+            return RewardResult(total=math.nan, components=components, error=error)
+    return RewardResult(total=total, components=components)
+
+
+def last_assistant_text(completion: Sequence[ChatMessage]) -> str:
+    """The model's last turn, or "" if it has none."""
+    for message in reversed(completion):
+        if message["role"] == "assistant":
+            return message["content"]
+    return ""
+
+
+# --- environments ---------------------------------------------------------------------
+
+
+class Environment(ABC, Generic[T]):
+    """One kind of task and its rewards. Subclasses set the class attributes, `sample_task`,
+    `make_rewards`, and, for multi-turn environments, `respond` and `max_turns`."""
+
+    name: ClassVar[str]
+    params_type: ClassVar[type[EnvParams]] = EnvParams
+    task_type: ClassVar[type[Task]] = Task
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        try:
+            self.params = msgspec.convert(dict(params or {}), self.params_type)
+        except msgspec.ValidationError as exc:
+            raise EnvParamsError(self.name, *_param_and_reason(str(exc))) from None
+        self.check_params()
+        self.rewards: list[Reward[T]] = self.make_rewards()
+        state_type = EpisodeState[self.task_type]  # type: ignore[name-defined]
+        self._state_decoder = msgspec.msgpack.Decoder(state_type)
+
+    # -- to implement --
+
+    def check_params(self) -> None:
+        """Checks across fields; raise `self.bad_param(name, reason)`."""
+
+    @abstractmethod
+    def make_rewards(self) -> list[Reward[T]]: ...
+
+    @abstractmethod
+    def sample_task(self, rng: random.Random) -> T: ...
+
+    def initial_messages(self, task: T) -> list[ChatMessage]:
+        return [{"role": "user", "content": task.question}]
+
+    def respond(self, state: EpisodeState[T], action_text: str) -> list[ChatMessage] | None:
+        """The environment's replies to the model's latest turn (already in `state`), or None
+        when that turn was the final answer. Single-turn environments keep this default."""
+        return None
+
+    @property
+    def max_turns(self) -> int:
+        return 1
+
+    # -- provided --
+
+    def bad_param(self, param: str, reason: str) -> EnvParamsError:
+        return EnvParamsError(self.name, param, reason)
+
+    def task_for(self, seed: int, index: int) -> T:
+        """Task number `index` of the stream seeded by `seed` (EnvSettings.seed, group index).
+        String seeds are hashed with SHA-512 by `random`, so streams agree across processes."""
+        return self.sample_task(random.Random(f"{self.name}:{seed}:{index}"))
+
+    def reset(self, task: T) -> tuple[EpisodeState[T], list[ChatMessage]]:
+        return EpisodeState(env=self.name, task=task), self.initial_messages(task)
+
+    def step(self, state: EpisodeState[T], action_text: str) -> StepResult[T]:
+        if state.done:
+            raise EpisodeStateError(f"{self.name}: step on a finished episode")
+        turn = state.turn + 1
+        action: ChatMessage = {"role": "assistant", "content": action_text}
+        state = msgspec.structs.replace(state, turn=turn, completion=[*state.completion, action])
+        replies = self.respond(state, action_text)
+        truncated = replies is not None and turn >= self.max_turns
+        if replies is not None and not truncated:
+            completion = [*state.completion, *replies]
+            return StepResult(
+                msgspec.structs.replace(state, completion=completion), replies, False, None
+            )
+        reward = score(self.rewards, state.task, state.completion)
+        return StepResult(msgspec.structs.replace(state, done=True), [], True, reward, truncated)
+
+    def score(self, state: EpisodeState[T]) -> RewardResult:
+        """The reward of an episode as it stands (e.g. one cut short by the context limit)."""
+        return score(self.rewards, state.task, state.completion)
+
+    def decode_state(self, raw: bytes) -> EpisodeState[T]:
+        try:
+            state: EpisodeState[T] = self._state_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise EpisodeStateError(f"{self.name}: bad episode state: {exc}") from None
+        if state.env != self.name:
+            raise EpisodeStateError(f"{self.name}: episode state belongs to {state.env!r}")
+        return state
+
+
+def encode_state(state: EpisodeState[Any]) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def decode_state(raw: bytes, env: Environment[T]) -> EpisodeState[T]:
+    return env.decode_state(raw)
+
+
+def _param_and_reason(message: str) -> tuple[str, str]:
+    """Pull the param name out of msgspec's "Expected `int`, got `str` - at `$.max_turns`"."""
+    if " - at `$." in message:
+        reason, _, where = message.rpartition(" - at `$.")
+        return where.rstrip("`").split(".")[0].split("[")[0], reason
+    if message.startswith("Object contains unknown field `"):
+        return message.split("`")[1], "unknown param"
+    if message.startswith("Object missing required field `"):
+        return message.split("`")[1], "required"
+    return "params", message
+
+
+# --- registry -------------------------------------------------------------------------
+
+BUILTIN_ENVIRONMENTS: dict[str, str] = {
+    "arithmetic": "env_svc.envs.arithmetic:ArithmeticEnv",
+    "calculator": "env_svc.envs.calculator:CalculatorEnv",
+    "countdown": "env_svc.envs.countdown:CountdownEnv",
+}
+"""Built-ins, imported on first use; they win over an entry point of the same name."""
+
+
+def _registered() -> dict[str, str]:
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for name in found.keys() & BUILTIN_ENVIRONMENTS.keys():
+        log.warning("entry point %r=%r shadows a built-in environment; ignored", name, found[name])
+    return {**found, **BUILTIN_ENVIRONMENTS}
+
+
+def available_environments() -> list[str]:
+    return sorted(_registered())
+
+
+def environment_class(name: str) -> type[Environment[Any]]:
+    registered = _registered()
+    if name not in registered:
+        raise UnknownEnvironmentError(name, sorted(registered))
+    target = registered[name]
+    module_name, _, attr = target.partition(":")
+    try:
+        found: object = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else []:
+            found = getattr(found, part)
+    except Exception as exc:
+        raise EnvironmentLoadError(
+            f"environment {name!r} ({target}) failed to load: {exc}"
+        ) from exc
+    if not (isinstance(found, type) and issubclass(found, Environment)):
+        raise EnvironmentLoadError(f"environment {name!r} ({target}) is not an Environment class")
+    return found
+
+
+def get_environment(name: str, params: Mapping[str, Any] | None = None) -> Environment[Any]:
+    return environment_class(name)(params)
+
+
+def environment_for(settings: EnvSettings) -> Environment[Any]:
+    """The environment a job asked for; raises `EnvSpecError` subclasses for bad settings."""
+    return get_environment(settings.name, settings.params)
