@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 
 import typer
 from rich.console import Console
@@ -14,7 +13,7 @@ from rich.table import Table
 from common.backoff import ServerUnreachable
 from common.config import SharedSettings, load
 from common.logs import setup_logging
-from common.stack import LocalStack, StackError
+from common.stack import SERVICES, LocalStack, StackError
 
 app = typer.Typer(
     help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",
@@ -26,10 +25,6 @@ app.add_typer(topics_app, name="topics")
 
 console = Console()
 
-SERVICES_PENDING = (
-    "services: env_svc, rollout_svc and trainer_svc are not part of this build yet; "
-    "the stack runs the infrastructure only"
-)
 
 # Errors a user can cause or fix; printed as one line, never as a traceback.
 USER_ERRORS: tuple[type[Exception], ...] = (ServerUnreachable, StackError, ValueError, OSError)
@@ -56,7 +51,6 @@ async def _serve_until_signalled(stack: LocalStack) -> None:
         loop.add_signal_handler(signum, stop.set)
     async with stack:
         console.print(_stack_table(stack))
-        console.print(f"[yellow]{SERVICES_PENDING}[/]")
         console.print("Ready. Ctrl-C stops everything.")
         stopped = asyncio.create_task(stop.wait(), name="wait-for-signal")
         watch = asyncio.create_task(_watch_children(stack), name="watch-children")
@@ -76,11 +70,21 @@ async def _watch_children(stack: LocalStack) -> None:
 
 
 @app.command()
-def up() -> None:
-    """Start the embedded stack (broker, Redis, topics) and keep it up until Ctrl-C."""
+def up(
+    infra_only: bool = typer.Option(
+        False, "--infra-only", help="Start broker and Redis only, not the three services."
+    ),
+) -> None:
+    """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
+    from common.models import resolve_base_model
+
     settings = load(SharedSettings)
     setup_logging(settings.log_level)
-    asyncio.run(_serve_until_signalled(LocalStack(settings)))
+    services: tuple[str, ...] = ()
+    if not infra_only:
+        resolve_base_model(settings.base_model, settings.cache_dir)  # convert once, up front
+        services = SERVICES
+    asyncio.run(_serve_until_signalled(LocalStack(settings, services=services)))
     console.print("Stack stopped; no child process left.")
 
 
@@ -108,25 +112,18 @@ def topics_create(
 
 @app.command()
 def demo() -> None:
-    """Bring the local stack up, check the base model, report, and stop.
+    """The main job: 4 jobs of 2 tenants learning at once on the embedded stack.
 
-    The full multi-tenant training demo lands with the pipeline services.
+    Writes runs/<run-id>/demo-summary.json with each job's reward at start and end.
     """
+    from common.demo import run
     from common.models import resolve_base_model
 
     settings = load(SharedSettings)
     setup_logging(settings.log_level)
-    started = time.monotonic()
-    model_dir = resolve_base_model(settings.base_model, settings.cache_dir)
-    console.print(f"base model {settings.base_model}: {model_dir}")
-
-    async def check_stack() -> None:
-        async with LocalStack(settings) as stack:
-            console.print(_stack_table(stack))
-
-    asyncio.run(check_stack())
-    console.print(f"[yellow]{SERVICES_PENDING}[/]")
-    console.print(f"demo checks passed in {time.monotonic() - started:.1f}s; stack stopped.")
+    console.print(f"base model {settings.base_model}: {resolve_base_model(settings.base_model)}")
+    summary = run(settings, console)
+    console.print(f"summary: {summary}")
 
 
 def main() -> None:

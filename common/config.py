@@ -55,6 +55,10 @@ class SharedSettings(BaseSettings):
     """Artifact store (adapters, checkpoints); defaults to `<state_dir>/artifacts`."""
     base_model: str = "smollm2-135m-instruct"
     """Base model shared by all jobs: a known name or a local Hugging Face model directory."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Largest LoRA rank the rollout engine is started with; env_svc rejects jobs above it."""
+    max_loras: int = Field(default=8, ge=1)
+    """Adapters the rollout engine holds at once (jobs sampled in one batch)."""
     topic_partitions: int = Field(default=12, ge=1)
     """Partitions per marlaas topic; caps each service's parallelism."""
     connect_timeout_s: float = Field(default=60.0, gt=0)
@@ -74,6 +78,8 @@ class EnvServiceSettings(BaseSettings):
 
     consumer_group: str = "marlaas-env"
     """Kafka consumer group shared by all env_svc replicas."""
+    tokenizer_dir: Path | None = None
+    """Directory with the base model's tokenizer; default: the resolved base model's."""
 
 
 class RolloutSettings(BaseSettings):
@@ -83,10 +89,12 @@ class RolloutSettings(BaseSettings):
 
     consumer_group: str = "marlaas-rollout"
     """Kafka consumer group shared by all rollout_svc replicas."""
-    max_lora_rank: int = Field(default=16, ge=1)
-    """Largest LoRA rank the engine accepts; env_svc rejects jobs above it."""
     max_in_flight: int = Field(default=64, ge=1)
     """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
+    max_model_len: int = Field(default=1024, ge=64)
+    """Longest context + completion the engine serves, in tokens."""
+    kv_cache_gib: float = Field(default=1.0, gt=0)
+    """KV cache size on CPU (vLLM's CPU backend cannot size it from free memory)."""
 
 
 class TrainerSettings(BaseSettings):

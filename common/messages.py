@@ -8,6 +8,7 @@ fields appended with defaults stay readable by old readers). Each carries a
 
 from __future__ import annotations
 
+import time
 import uuid
 from enum import StrEnum
 from typing import Any, Literal
@@ -95,7 +96,8 @@ class RLSettings(_Part):
     """Truncated importance-sampling cap for the sampler/trainer mismatch."""
     std_normalize: bool = False
     """Divide advantages by the group's reward std (GRPO); off = Dr. GRPO."""
-    max_turns: int = 1
+    max_turns: int | None = None
+    """Cap on model turns per episode; None leaves the environment's own limit."""
     max_context_tokens: int = 512
     sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
 
@@ -161,6 +163,8 @@ class GenerationRequest(_Wire, tag="generation_request"):
     env_state: bytes = b""
     """The episode's state, opaque to rollout_svc, echoed back in the result."""
     issued_at: float = 0.0
+    min_adapter_version: int = 0
+    """The job's trained version when the group was issued; sampling waits for it."""
 
     @property
     def dedup_id(self) -> str:
@@ -269,6 +273,7 @@ EventKind = Literal[
     "rejected",
     "step",
     "dropped_stale",
+    "dropped_invalid",
     "paused",
     "resumed",
     "cancelled",
@@ -387,3 +392,20 @@ def _types_of(kind: Any) -> tuple[type, ...]:
 def key_bytes(message: Message) -> bytes | None:
     key = message.kafka_key
     return key.encode() if isinstance(key, str) else key
+
+
+def job_event(
+    job_id: str,
+    event: EventKind,
+    service: str,
+    *,
+    tenant: str = "",
+    step: int = 0,
+    reason: str = "",
+    metrics: dict[str, float] | None = None,
+) -> Event:
+    """An `Event` stamped with a fresh id and the current time."""
+    return Event(
+        event_id=new_id(), job_id=job_id, event=event, service=service, tenant=tenant,
+        step=step, reason=reason, metrics=metrics or {}, at=time.time(),
+    )  # fmt: skip

@@ -6,6 +6,7 @@ Keys (DESIGN.md, "Where state lives"):
 - `jobs`            set of every registered job id
 - `flow:{job}`      hash of integer counters (issued_groups, trained_version, ...)
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
+- `stats:{service}:{replica}` hash of a replica's numbers (utilisation), expiring
 
 Every read-modify-write is one Lua script, so concurrent replicas cannot interleave.
 """
@@ -28,14 +29,16 @@ JobStatus = Literal["pending", "running", "paused", "completed", "failed", "canc
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "rejected"})
 
 ISSUED_GROUPS = "issued_groups"
+DROPPED_GROUPS = "dropped_groups"
 TRAINED_VERSION = "trained_version"
 
 
 def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
-    """How many groups a job may have issued in total: `(trained_version + S + 1) * B`.
+    """How many live groups a job may have issued: `(trained_version + S + 1) * B`.
 
-    With S = 0 generation never runs ahead of training (synchronous on-policy);
-    each AdapterUpdate raises the limit by B. `_TRY_ISSUE_GROUP` applies the same rule.
+    Live = issued minus dropped as stale. With S = 0 generation never runs ahead of
+    training (synchronous on-policy); each AdapterUpdate raises the limit by B.
+    `_TRY_ISSUE_GROUP` applies the same rule.
     """
     return (trained_version + max_staleness + 1) * groups_per_step
 
@@ -70,12 +73,14 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'reason', ARGV[2], 'updated_at', 
 return {1, ARGV[1]}
 """
 
-# KEYS[1] flow key; ARGV max_staleness, groups_per_step -> index of the issued group, or -1
+# KEYS[1] flow key; ARGV max_staleness, groups_per_step, max_groups -> issued index, or -1.
+# Groups the trainer dropped as stale do not count against the bound: they are replaced.
 _TRY_ISSUE_GROUP = """
 local issued = tonumber(redis.call('HGET', KEYS[1], 'issued_groups') or '0')
+local dropped = tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')
 local trained = tonumber(redis.call('HGET', KEYS[1], 'trained_version') or '0')
 local limit = (trained + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2])
-if issued >= limit then return -1 end
+if issued - dropped >= limit or issued - dropped >= tonumber(ARGV[3]) then return -1 end
 redis.call('HSET', KEYS[1], 'issued_groups', issued + 1)
 return issued
 """
@@ -228,12 +233,15 @@ class Registry:
     # --- flow control ---------------------------------------------------------------
 
     async def try_issue_group(
-        self, job_id: str, *, max_staleness: int, groups_per_step: int
+        self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
     ) -> int | None:
-        """Claim the next group index if the staleness bound allows it, else None."""
+        """Claim the next group index if the staleness bound allows it, else None.
+
+        `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
+        """
         index = int(
             await self._try_issue_group(
-                keys=[f"flow:{job_id}"], args=[max_staleness, groups_per_step]
+                keys=[f"flow:{job_id}"], args=[max_staleness, groups_per_step, max_groups]
             )
         )
         return None if index < 0 else index
@@ -248,6 +256,26 @@ class Registry:
     async def counters(self, job_id: str) -> dict[str, int]:
         fields = await self._redis.hgetall(f"flow:{job_id}")
         return {_text(k): int(v) for k, v in fields.items()}
+
+    # --- service stats --------------------------------------------------------------
+
+    async def put_stats(self, name: str, stats: dict[str, float], *, ttl_s: int) -> None:
+        """Publish a replica's numbers under `stats:{name}`; they vanish if it stops reporting."""
+        key = f"stats:{name}"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=stats)
+            pipe.expire(key, ttl_s)
+            await pipe.execute()
+
+    async def stats(self, prefix: str) -> dict[str, dict[str, float]]:
+        """Numbers of every live replica whose name starts with `prefix` (e.g. `rollout:`)."""
+        found: dict[str, dict[str, float]] = {}
+        async for key in self._redis.scan_iter(match=f"stats:{prefix}*", count=500):
+            fields = await self._redis.hgetall(key)
+            found[_text(key).removeprefix("stats:")] = {
+                _text(k): float(v) for k, v in fields.items()
+            }
+        return found
 
     # --- de-duplication -------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -80,7 +81,13 @@ class ChildServer:
         self._log_file.close()
 
 
-def _spawn(name: str, argv: list[str], log_path: Path, cwd: Path | None = None) -> ChildServer:
+def _spawn(
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ChildServer:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = log_path.open("ab")
     process = subprocess.Popen(
@@ -89,6 +96,7 @@ def _spawn(name: str, argv: list[str], log_path: Path, cwd: Path | None = None) 
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         cwd=cwd,
+        env=env,
         preexec_fn=_die_with_parent,
     )
     log.info("started %s (pid %d), log %s", name, process.pid, log_path)
@@ -172,11 +180,37 @@ async def wait_ready(
     return ready.result()
 
 
-class LocalStack:
-    """Broker + Redis for one machine. `await start()`, then `stop()`; also an async context."""
+SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
 
-    def __init__(self, settings: SharedSettings, *, use_existing_from_env: bool = True) -> None:
+
+def start_service(
+    module: str, settings: SharedSettings, kafka_bootstrap: str, redis_url: str, log_path: Path
+) -> ChildServer:
+    """Run `python -m <module>` pointed at this stack (and the same state dir and cache)."""
+    env = dict(os.environ)
+    env.update(
+        MARLAAS_KAFKA_BOOTSTRAP=kafka_bootstrap,
+        MARLAAS_REDIS_URL=redis_url,
+        MARLAAS_STATE_DIR=str(settings.state_dir),
+        MARLAAS_CACHE=str(settings.cache_dir),
+        MARLAAS_ARTIFACT_DIR=str(settings.artifacts),
+        MARLAAS_BASE_MODEL=settings.base_model,
+    )
+    return _spawn(module, [sys.executable, "-m", module], log_path, env=env)
+
+
+class LocalStack:
+    """Broker + Redis (+ the services) for one machine. `await start()`, then `stop()`."""
+
+    def __init__(
+        self,
+        settings: SharedSettings,
+        *,
+        use_existing_from_env: bool = True,
+        services: tuple[str, ...] = (),
+    ) -> None:
         self.settings = settings
+        self.services = services
         self.state_dir = settings.state_dir
         self._external_kafka = (
             os.environ.get("MARLAAS_KAFKA_BOOTSTRAP") if use_existing_from_env else None
@@ -218,6 +252,13 @@ class LocalStack:
                 self.children,
             )
             self._write_env_file()
+            for module in self.services:
+                self.children.append(
+                    start_service(
+                        module, self.settings, self.kafka_bootstrap, self.redis_url,
+                        self.state_dir / "logs" / f"{module}.log",
+                    )
+                )  # fmt: skip
         except BaseException:
             self.stop()
             raise
@@ -226,8 +267,16 @@ class LocalStack:
         """Stop children in reverse start order and withdraw stack.env; safe to call twice."""
         if self._lock_file is not None:
             self.env_file.unlink(missing_ok=True)
+        # Services first and together (each drains its work within its grace), then servers.
+        services = [child for child in self.children if child.name in SERVICES]
+        for child in services:
+            if child.process.poll() is None:
+                child.process.terminate()
+        for child in services:
+            child.stop(timeout_s=60.0)
         for child in reversed(self.children):
-            child.stop()
+            if child not in services:
+                child.stop()
         self.children.clear()
         if self._lock_file is not None:
             self._lock_file.close()

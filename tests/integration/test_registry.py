@@ -10,7 +10,7 @@ import pytest
 
 from common.backoff import ServerUnreachable
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.registry import Registry, UnknownJobError, issue_limit
+from common.registry import DROPPED_GROUPS, Registry, UnknownJobError, issue_limit
 from common.stack import free_port
 
 pytestmark = pytest.mark.kafka
@@ -114,7 +114,9 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
     try:
 
         async def claim(replica: Registry) -> int | None:
-            return await replica.try_issue_group(job_id, max_staleness=1, groups_per_step=4)
+            return await replica.try_issue_group(
+                job_id, max_staleness=1, groups_per_step=4, max_groups=100
+            )
 
         claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(50)))
         issued = sorted(c for c in claims if c is not None)
@@ -135,11 +137,30 @@ async def test_on_policy_bound_waits_for_every_step(registry: Registry) -> None:
     job_id = f"onpolicy-{new_id()}"
     for version in range(3):
         got = [
-            await registry.try_issue_group(job_id, max_staleness=0, groups_per_step=2)
+            await registry.try_issue_group(
+                job_id, max_staleness=0, groups_per_step=2, max_groups=100
+            )
             for _ in range(3)
         ]
         assert got == [2 * version, 2 * version + 1, None]
         await registry.advance_trained_version(job_id, version + 1)
+
+
+async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(registry: Registry) -> None:
+    job_id = f"dropped-{new_id()}"
+
+    async def claim() -> int | None:
+        return await registry.try_issue_group(
+            job_id, max_staleness=0, groups_per_step=2, max_groups=4
+        )
+
+    assert [await claim(), await claim(), await claim()] == [0, 1, None]
+    await registry.incr_counter(job_id, DROPPED_GROUPS)  # the trainer dropped one as stale
+    assert [await claim(), await claim()] == [2, None]  # one replacement, no more
+    await registry.advance_trained_version(job_id, 1)
+    assert [await claim(), await claim(), await claim()] == [3, 4, None]  # 4 live groups: cap
+    await registry.advance_trained_version(job_id, 5)
+    assert await claim() is None
 
 
 async def test_dedup_sets_and_counters(registry: Registry) -> None:

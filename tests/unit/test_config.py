@@ -49,10 +49,10 @@ def test_stack_env_file_is_the_fallback_and_env_vars_win(
 def test_each_service_reads_its_own_prefix(
     state_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("ROLLOUT_MAX_LORA_RANK", "32")
-    monkeypatch.setenv("TRAINER_MAX_LORA_RANK", "99")  # another service's prefix: ignored
+    monkeypatch.setenv("ROLLOUT_MAX_IN_FLIGHT", "32")
+    monkeypatch.setenv("TRAINER_MAX_IN_FLIGHT", "99")  # another service's prefix: ignored
     monkeypatch.setenv("TRAINER_CONSUMER_GROUP", "trainers-b")
-    assert load(RolloutSettings).max_lora_rank == 32
+    assert load(RolloutSettings).max_in_flight == 32
     assert load(TrainerSettings).consumer_group == "trainers-b"
 
 

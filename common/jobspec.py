@@ -1,0 +1,89 @@
+"""Checks on a `JobSpec` beyond its types, with located messages ("rl.group_size: must be >= 2").
+
+Used by the CLI before anything is sent and by env_svc before a job is accepted.
+"""
+
+from __future__ import annotations
+
+from common.messages import JobSpec
+
+
+class JobSpecError(ValueError):
+    """A job that cannot run as specified; the text names the field."""
+
+
+def validate_job(
+    spec: JobSpec, *, base_model: str | None = None, max_lora_rank: int | None = None
+) -> None:
+    """Raise JobSpecError for the first problem found (all of them, joined by '; ')."""
+    problems = list(_problems(spec, base_model, max_lora_rank))
+    if problems:
+        raise JobSpecError("; ".join(problems))
+
+
+def _problems(spec: JobSpec, base_model: str | None, max_lora_rank: int | None) -> list[str]:
+    rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
+    checks: list[tuple[str, bool, str]] = [
+        (
+            "job_id",
+            bool(spec.job_id.strip()) and "/" not in spec.job_id,
+            "must be non-empty, no '/'",
+        ),
+        ("tenant", bool(spec.tenant.strip()), "must be non-empty"),
+        ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
+        ("rl.group_size", rl.group_size >= 2, f"must be >= 2, got {rl.group_size}"),
+        ("rl.groups_per_step", rl.groups_per_step >= 1, f"must be >= 1, got {rl.groups_per_step}"),
+        ("rl.max_steps", rl.max_steps >= 1, f"must be >= 1, got {rl.max_steps}"),
+        ("rl.max_staleness", rl.max_staleness >= 0, f"must be >= 0, got {rl.max_staleness}"),
+        (
+            "rl.learning_rate",
+            0 < rl.learning_rate < 1,
+            f"must be in (0, 1), got {rl.learning_rate}",
+        ),
+        ("rl.clip_low", 0 <= rl.clip_low < 1, f"must be in [0, 1), got {rl.clip_low}"),
+        ("rl.clip_high", rl.clip_high >= 0, f"must be >= 0, got {rl.clip_high}"),
+        ("rl.is_cap", rl.is_cap >= 1, f"must be >= 1, got {rl.is_cap}"),
+        (
+            "rl.max_turns",
+            rl.max_turns is None or rl.max_turns >= 1,
+            f"must be >= 1 or unset, got {rl.max_turns}",
+        ),
+        (
+            "rl.max_context_tokens",
+            rl.max_context_tokens > sampling.max_new_tokens,
+            f"must exceed rl.sampling.max_new_tokens ({sampling.max_new_tokens}), "
+            f"got {rl.max_context_tokens}",
+        ),
+        (
+            "rl.sampling.temperature",
+            sampling.temperature > 0,
+            f"must be > 0 for RL exploration, got {sampling.temperature}",
+        ),
+        ("rl.sampling.top_p", 0 < sampling.top_p <= 1, f"must be in (0, 1], got {sampling.top_p}"),
+        (
+            "rl.sampling.max_new_tokens",
+            sampling.max_new_tokens >= 1,
+            f"must be >= 1, got {sampling.max_new_tokens}",
+        ),
+        ("lora.rank", lora.rank >= 1, f"must be >= 1, got {lora.rank}"),
+        ("lora.alpha", lora.alpha > 0, f"must be > 0, got {lora.alpha}"),
+        ("lora.dropout", 0 <= lora.dropout < 1, f"must be in [0, 1), got {lora.dropout}"),
+        ("lora.target_modules", bool(lora.target_modules), "must name at least one module"),
+    ]
+    if max_lora_rank is not None:
+        checks.append(
+            (
+                "lora.rank",
+                lora.rank <= max_lora_rank,
+                f"{lora.rank} exceeds the rollout engine's max_lora_rank {max_lora_rank}",
+            )
+        )
+    if base_model is not None:
+        checks.append(
+            (
+                "base_model",
+                spec.base_model == base_model,
+                f"this deployment serves {base_model!r}, not {spec.base_model!r}",
+            )
+        )
+    return [f"{field}: {message}" for field, ok, message in checks if not ok]

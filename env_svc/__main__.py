@@ -1,0 +1,29 @@
+"""`python -m env_svc`: environments, episodes and flow control (no torch needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from common.config import EnvServiceSettings, SharedSettings, load
+from common.logs import setup_logging
+from common.service import log_settings, run_service
+
+
+def main() -> int:
+    shared, settings = load(SharedSettings), load(EnvServiceSettings)
+    setup_logging(shared.log_level)
+    log_settings(shared, settings)
+    from common.models import resolve_base_model
+    from env_svc.episodes import ChatTokenizer
+    from env_svc.service import EnvService
+
+    tokenizer_dir = settings.tokenizer_dir or resolve_base_model(
+        shared.base_model, shared.cache_dir
+    )
+    tokenizer = ChatTokenizer.from_dir(tokenizer_dir)
+    return asyncio.run(run_service(EnvService(shared, settings, tokenizer)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The token-level episode driver: chat messages in, token ids out, and back (pure logic).
+
+Token-in/token-out (DESIGN.md): an episode's context is tokenized once and only ever extended.
+The prompt comes from the chat template; each sampled completion is appended as the sampler's
+own token ids; the environment's replies (tool results) and the next generation prompt are
+appended as the template's *text delta*, tokenized on its own. So the trainer scores exactly
+the sampled tokens, and the text of the context always equals what the chat template renders
+for the message list. The token ids equal `apply_chat_template(..., tokenize=True)` whenever
+the sampler chose the canonical tokenization of its text; when it did not (BPE allows several
+spellings of one string), only the ids of sampled spans differ, the decoded text does not.
+
+env_svc replicas keep no state: everything an episode needs between turns (`EpisodeCarry`)
+rides in `GenerationRequest.env_state`, which rollout_svc echoes back in the result, while the
+context itself travels as `context_token_ids`.
+
+The tokenizer is loaded as `PreTrainedTokenizerFast`, not `AutoTokenizer`: in transformers 5,
+`AutoTokenizer` imports torch (model-class resolution), which env_svc must not pay for.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from transformers import PreTrainedTokenizerFast
+
+from common.messages import GenerationRequest, GenerationResult, JobSpec, Trajectory
+from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state
+
+_SENTINEL = "\x00marlaas-assistant-content\x00"
+"""Stands in for an assistant turn's content to find the text the template puts after it."""
+
+
+class EpisodeError(ValueError):
+    """A generation result that cannot continue its episode (env_svc dead-letters it)."""
+
+
+class EpisodeCarryError(EpisodeError):
+    """`env_state` bytes that are not a valid, consistent episode carry."""
+
+
+class ContextTooLongError(EpisodeError):
+    """The prompt alone leaves no room for `max_new_tokens` within `max_context_tokens`."""
+
+
+# --- tokenizer ------------------------------------------------------------------------
+
+
+class ChatTokenizer:
+    """A chat template plus tokenizer that only ever appends to a token context."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if tokenizer.eos_token_id is None or not tokenizer.chat_template:
+            raise ValueError("the tokenizer needs an eos token and a chat template")
+        self._tokenizer = tokenizer
+        self.eos_token_id: int = tokenizer.eos_token_id
+        self._eos_text: str = tokenizer.eos_token
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:
+        return cls(PreTrainedTokenizerFast.from_pretrained(str(model_dir)))
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        text = self._tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        # The template writes its special tokens as text; nothing may be added around them.
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, ids: Sequence[int]) -> str:
+        """What the model wrote: special tokens (the closing eos) dropped, spaces untouched."""
+        return str(
+            self._tokenizer.decode(
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def continuation_ids(
+        self,
+        messages_before: Sequence[ChatMessage],
+        new_messages: Sequence[ChatMessage],
+        *,
+        completion_ended_with_eos: bool = True,
+    ) -> list[int]:
+        """Tokens to append after a sampled assistant turn (the last of `messages_before`):
+        the rest of that turn's closing, `new_messages`, and the next generation prompt.
+
+        The template's closing of an assistant turn is `eos` + "\\n" in ChatML; a turn that
+        ended with the eos token needs only the "\\n", one cut off by length (or by a stop
+        string) gets the whole closing here, as context the trainer does not score.
+        """
+        if not messages_before or messages_before[-1]["role"] != "assistant":
+            raise ValueError("messages_before must end with the sampled assistant turn")
+        before = self.render(messages_before, add_generation_prompt=False)
+        after = self.render([*messages_before, *new_messages], add_generation_prompt=True)
+        if not after.startswith(before):
+            # Templates that rewrite earlier turns (e.g. drop old reasoning) cannot be extended.
+            raise ValueError("the chat template does not render earlier turns stably")
+        closing = self._assistant_closing(messages_before[:-1])
+        if completion_ended_with_eos:
+            if not closing.startswith(self._eos_text):
+                raise ValueError(f"the template does not close a turn with {self._eos_text!r}")
+            closing = closing[len(self._eos_text) :]
+        return self.encode(closing + after[len(before) :])
+
+    def _assistant_closing(self, history: Sequence[ChatMessage]) -> str:
+        sentinel: ChatMessage = {"role": "assistant", "content": _SENTINEL}
+        rendered = self.render([*history, sentinel], add_generation_prompt=False)
+        return rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
+
+
+# --- carry ----------------------------------------------------------------------------
+
+
+class EpisodeCarry(msgspec.Struct, array_like=True, kw_only=True, tag="episode_carry"):
+    """env_svc -> rollout_svc -> env_svc: an episode's bookkeeping, echoed back unread."""
+
+    env_state: bytes
+    """The environment's `EpisodeState`, from `encode_state`."""
+    group_index: int
+    """Index of the group's task in the job's task stream (`Environment.task_for`)."""
+    prompt_len: int
+    context_len: int
+    """Length of the context sent with the pending request; checks the echo."""
+    sampled_spans: list[tuple[int, int]] = []
+    """[start, end) of each sampled completion in the context, in turn order."""
+    logprobs: list[float] = []
+    """Behaviour logprobs of all sampled tokens, spans concatenated."""
+    adapter_versions: list[int] = []
+    """Adapter version of each sampled turn."""
+    turn: int = 0
+    """Model turns completed; also the `turn` of the pending request."""
+
+
+_carry_decoder = msgspec.msgpack.Decoder(EpisodeCarry)
+
+
+def encode_carry(carry: EpisodeCarry) -> bytes:
+    return msgspec.msgpack.encode(carry)
+
+
+def decode_carry(raw: bytes) -> EpisodeCarry:
+    try:
+        carry = _carry_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise EpisodeCarryError(f"env_state is not an episode carry: {exc}") from None
+    sampled_n = sum(end - start for start, end in carry.sampled_spans)
+    ends = [carry.prompt_len] + [edge for span in carry.sampled_spans for edge in span]
+    if (
+        ends != sorted(ends)
+        or carry.context_len < ends[-1]
+        or sampled_n != len(carry.logprobs)
+        or len(carry.adapter_versions) != len(carry.sampled_spans)
+        or carry.turn != len(carry.sampled_spans)
+    ):
+        raise EpisodeCarryError(f"inconsistent episode carry: {carry!r}")
+    return carry
+
+
+# --- episodes -------------------------------------------------------------------------
+
+
+def episode_id_for(job_id: str, group_index: int, sample_index: int) -> str:
+    """Deterministic, so a group issued twice (after a crash) de-duplicates downstream."""
+    return f"{job_id}/{group_index}/{sample_index}"
+
+
+def turn_limit(env: Environment[Any], job: JobSpec) -> int:
+    """The environment's own `max_turns`, capped by the job's `rl.max_turns` when set."""
+    if job.rl.max_turns is None:
+        return env.max_turns
+    return min(env.max_turns, job.rl.max_turns)
+
+
+def start_episode(
+    env: Environment[Any],
+    tokenizer: ChatTokenizer,
+    job: JobSpec,
+    *,
+    group_id: str,
+    group_index: int,
+    sample_index: int,
+) -> GenerationRequest:
+    """The first request of one episode; all G samples of a group share `group_index`'s task."""
+    state, messages = env.reset(env.task_for(job.env.seed, group_index))
+    prompt_ids = tokenizer.prompt_ids(messages)
+    room = job.rl.max_context_tokens - job.rl.sampling.max_new_tokens
+    if len(prompt_ids) > room:
+        raise ContextTooLongError(
+            f"job {job.job_id}: prompt of {len(prompt_ids)} tokens + max_new_tokens "
+            f"{job.rl.sampling.max_new_tokens} exceeds max_context_tokens "
+            f"{job.rl.max_context_tokens}"
+        )
+    carry = EpisodeCarry(
+        env_state=encode_state(state),
+        group_index=group_index,
+        prompt_len=len(prompt_ids),
+        context_len=len(prompt_ids),
+    )
+    episode_id = episode_id_for(job.job_id, group_index, sample_index)
+    return _request(job, episode_id, group_id, sample_index, prompt_ids, carry)
+
+
+def advance_episode(
+    env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, result: GenerationResult
+) -> GenerationRequest | Trajectory:
+    """Apply one sampled turn: the next turn's request, or the finished `Trajectory`."""
+    carry = decode_carry(result.env_state)
+    completion_ids = list(result.completion_token_ids)
+    context_ids = list(result.context_token_ids)
+    if result.finish_reason == "abort":
+        # An aborted completion is not what the policy would have written; re-issue instead.
+        raise EpisodeError(f"{result.request_id}: generation was aborted")
+    if result.job_id != job.job_id or result.turn != carry.turn:
+        raise EpisodeCarryError(f"{result.request_id}: result does not match its carry")
+    if len(context_ids) != carry.context_len or len(result.logprobs) != len(completion_ids):
+        raise EpisodeError(f"{result.request_id}: echoed context or logprobs have wrong length")
+
+    start = len(context_ids)
+    context_ids += completion_ids
+    carry.sampled_spans.append((start, len(context_ids)))
+    carry.logprobs.extend(result.logprobs)
+    carry.adapter_versions.append(result.adapter_version)
+    carry.turn += 1
+
+    state = env.decode_state(carry.env_state)
+    step = env.step(state, tokenizer.text(completion_ids))
+    if step.done:
+        assert step.reward is not None
+        return _trajectory(job, result, carry, context_ids, step.reward)
+    if carry.turn >= turn_limit(env, job):
+        return _trajectory(job, result, carry, context_ids, env.score(step.state))
+
+    # The sampled turn as the template sees it: the env's completion minus its new replies.
+    history = step.state.completion[: len(step.state.completion) - len(step.messages)]
+    messages_before = [*env.initial_messages(step.state.task), *history]
+    ended_with_eos = bool(completion_ids) and completion_ids[-1] == tokenizer.eos_token_id
+    context_ids += tokenizer.continuation_ids(
+        messages_before, step.messages, completion_ended_with_eos=ended_with_eos
+    )
+    if len(context_ids) + job.rl.sampling.max_new_tokens > job.rl.max_context_tokens:
+        # No room for another turn: score the episode as it stands; unsent replies get no tokens.
+        context_ids = context_ids[: carry.sampled_spans[-1][1]]
+        return _trajectory(job, result, carry, context_ids, env.score(step.state))
+
+    carry.env_state = encode_state(step.state)
+    carry.context_len = len(context_ids)
+    # A later turn never samples with an older adapter than an earlier one did.
+    follow_up = _request(
+        job, result.episode_id, result.group_id, result.sample_index, context_ids, carry
+    )
+    return msgspec.structs.replace(follow_up, min_adapter_version=result.adapter_version)
+
+
+def _request(
+    job: JobSpec,
+    episode_id: str,
+    group_id: str,
+    sample_index: int,
+    context_ids: list[int],
+    carry: EpisodeCarry,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{episode_id}/t{carry.turn}",
+        job_id=job.job_id,
+        episode_id=episode_id,
+        group_id=group_id,
+        sample_index=sample_index,
+        turn=carry.turn,
+        context_token_ids=context_ids,
+        sampling=job.rl.sampling,
+        env_state=encode_carry(carry),
+        issued_at=time.time(),
+    )
+
+
+def _trajectory(
+    job: JobSpec,
+    result: GenerationResult,
+    carry: EpisodeCarry,
+    token_ids: list[int],
+    reward: RewardResult,
+) -> Trajectory:
+    """The finished episode. A reward that could not be computed (NaN) is sent as 0.0 only
+    together with a non-empty `error`: the trainer drops every trajectory whose `error` is set
+    (a NaN would poison its group's advantages; a bare 0.0 would train as a real score)."""
+    loss_mask_T = [0] * len(token_ids)
+    logprobs_T = [0.0] * len(token_ids)
+    flat_logprobs = iter(carry.logprobs)
+    for start, end in carry.sampled_spans:
+        for position in range(start, end):
+            loss_mask_T[position] = 1
+            logprobs_T[position] = next(flat_logprobs)
+    error = reward.error
+    if not math.isfinite(reward.total) and not error:
+        error = f"reward is {reward.total!r}"
+    return Trajectory(
+        episode_id=result.episode_id,
+        job_id=job.job_id,
+        group_id=result.group_id,
+        sample_index=result.sample_index,
+        group_size=job.rl.group_size,
+        token_ids=token_ids,
+        loss_mask=loss_mask_T,
+        behaviour_logprobs=logprobs_T,
+        reward=0.0 if error else reward.total,
+        reward_components=dict(reward.components),
+        adapter_versions=list(carry.adapter_versions),
+        error=error,
+        finished_at=time.time(),
+    )

@@ -1,0 +1,199 @@
+"""env_svc: accept jobs, issue groups within the staleness bound, step episodes.
+
+Stateless replicas in one consumer group: episode state travels in the messages, flow-control
+counters and the job registry live in Redis, so any replica can handle any record.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import msgspec
+
+from common.bus import ConsumerLoop, Delivery, Producer
+from common.config import EnvServiceSettings, SharedSettings
+from common.jobspec import JobSpecError, validate_job
+from common.messages import (
+    AdapterUpdate,
+    Event,
+    GenerationResult,
+    JobCommand,
+    JobSpec,
+    Message,
+    Topic,
+    job_event,
+)
+from common.registry import TRAINED_VERSION, JobRecord, Registry
+from common.service import Service
+from env_svc.episodes import ChatTokenizer, advance_episode, start_episode
+from env_svc.protocol import Environment, EnvSpecError, environment_for
+
+log = logging.getLogger(__name__)
+
+SERVICE = "env_svc"
+
+
+class EnvService(Service):
+    name = SERVICE
+
+    def __init__(
+        self, shared: SharedSettings, settings: EnvServiceSettings, tokenizer: ChatTokenizer
+    ) -> None:
+        self.shared = shared
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.registry: Registry | None = None
+        self.consumer: ConsumerLoop[Message] | None = None
+        # Immutable per job, so caching them keeps replicas stateless in every way that matters.
+        self._jobs: dict[str, JobSpec] = {}
+        self._envs: dict[str, Environment[Any]] = {}
+
+    async def start(self) -> None:
+        self.registry = await Registry.connect(
+            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+        )
+        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        self.consumer = ConsumerLoop[Message](
+            bootstrap=self.shared.kafka_bootstrap,
+            group_id=self.settings.consumer_group,
+            topics=[Topic.JOBS, Topic.ROLLOUTS, Topic.ADAPTERS, Topic.EVENTS],
+            handler=self.handle,
+            dead_letters=self.producer,
+            service=SERVICE,
+        )
+        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
+        assert self.consumer is not None
+        return {"env-consume": self.consumer.run()}
+
+    def request_stop(self) -> None:
+        if self.consumer is not None:
+            self.consumer.stop()
+
+    async def stop(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.close()
+        await self.producer.stop()
+        if self.registry is not None:
+            await self.registry.close()
+
+    # --- dispatch -------------------------------------------------------------------
+
+    async def handle(self, message: Message, delivery: Delivery) -> None:
+        match message:
+            case JobSpec():
+                await self.on_job(message)
+            case JobCommand():
+                await self.on_command(message)
+            case GenerationResult():
+                await self.on_result(message)
+            case AdapterUpdate():
+                await self.on_adapter(message)
+            case Event(event="dropped_stale" | "dropped_invalid"):
+                await self.issue_groups(message.job_id)
+            case _:
+                pass  # other events are for dashboards
+
+    # --- jobs -----------------------------------------------------------------------
+
+    async def on_job(self, spec: JobSpec) -> None:
+        registry = self._registry()
+        try:
+            validate_job(
+                spec, base_model=self.shared.base_model, max_lora_rank=self.shared.max_lora_rank
+            )
+            environment_for(spec.env)
+        except (JobSpecError, EnvSpecError) as exc:
+            log.warning("job %s (tenant %s) rejected: %s", spec.job_id, spec.tenant, exc)
+            await self.producer.send(
+                job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
+            )
+            return
+        if await registry.register_job(spec, status="running"):
+            log.info("job %s (tenant %s) accepted: env %s", spec.job_id, spec.tenant, spec.env.name)
+            await self.producer.send(
+                job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant)
+            )
+        await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
+
+    async def on_command(self, command: JobCommand) -> None:
+        registry = self._registry()
+        record = await registry.job(command.job_id)
+        if record is None:
+            log.warning("command %s for unknown job %s ignored", command.action, command.job_id)
+            return
+        status = {"pause": "paused", "resume": "running", "cancel": "cancelled"}[command.action]
+        if not await registry.set_job_status(command.job_id, status):  # type: ignore[arg-type]
+            return  # already finished: a late command changes nothing
+        kind = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[command.action]
+        await self.producer.send(
+            job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant)  # type: ignore[arg-type]
+        )
+        log.info("job %s %s", command.job_id, kind)
+        if command.action == "resume":
+            await self.issue_groups(command.job_id)
+
+    async def on_adapter(self, update: AdapterUpdate) -> None:
+        await self._registry().advance_trained_version(update.job_id, update.version)
+        await self.issue_groups(update.job_id)
+
+    async def issue_groups(self, job_id: str) -> None:
+        """Issue every group the staleness bound allows now: G requests each."""
+        registry = self._registry()
+        record = await registry.job(job_id)
+        if record is None or record.status != "running":
+            return
+        spec, env = self._job(record)
+        rl = spec.rl
+        while (
+            group_index := await registry.try_issue_group(
+                job_id,
+                max_staleness=rl.max_staleness,
+                groups_per_step=rl.groups_per_step,
+                max_groups=rl.max_steps * rl.groups_per_step,
+            )
+        ) is not None:
+            group_id = f"{job_id}/g{group_index}"
+            # Sample with at least the version training had reached when the group was issued.
+            trained_version = (await registry.counters(job_id)).get(TRAINED_VERSION, 0)
+            for sample_index in range(rl.group_size):
+                request = start_episode(
+                    env, self.tokenizer, spec, group_id=group_id, group_index=group_index,
+                    sample_index=sample_index,
+                )  # fmt: skip
+                await self.producer.send(
+                    msgspec.structs.replace(request, min_adapter_version=trained_version)
+                )
+            log.debug("job %s: issued group %d", job_id, group_index)
+
+    # --- episodes -------------------------------------------------------------------
+
+    async def on_result(self, result: GenerationResult) -> None:
+        registry = self._registry()
+        if await registry.seen("results", result.job_id, result.request_id):
+            return  # redelivered: its successor was already sent
+        record = await registry.job(result.job_id)
+        if record is None or record.status in ("cancelled", "completed", "failed"):
+            return
+        spec, env = self._job(record)
+        follow_up = advance_episode(env, self.tokenizer, spec, result)
+        await self.producer.send(follow_up)
+        await registry.mark_seen("results", result.job_id, result.request_id)
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _registry(self) -> Registry:
+        if self.registry is None:
+            raise RuntimeError("env_svc not started")
+        return self.registry
+
+    def _job(self, record: JobRecord) -> tuple[JobSpec, Environment[Any]]:
+        job_id = record.spec.job_id
+        if job_id not in self._envs:
+            self._jobs[job_id] = record.spec
+            self._envs[job_id] = environment_for(record.spec.env)
+        return self._jobs[job_id], self._envs[job_id]

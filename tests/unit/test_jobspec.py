@@ -1,0 +1,56 @@
+"""common.jobspec: every bad field is named, with what was given."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from common.jobspec import JobSpecError, validate_job
+from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
+
+
+def spec(**changes: object) -> JobSpec:
+    base = JobSpec(
+        job_id="j1", tenant="acme", base_model="smollm2-135m-instruct",
+        env=EnvSettings(name="arithmetic"),
+    )  # fmt: skip
+    return msgspec.structs.replace(base, **changes)
+
+
+def test_a_good_spec_passes() -> None:
+    validate_job(spec(), base_model="smollm2-135m-instruct", max_lora_rank=16)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rl": RLSettings(group_size=1)}, "rl.group_size: must be >= 2, got 1"),
+        ({"rl": RLSettings(max_staleness=-1)}, "rl.max_staleness: must be >= 0, got -1"),
+        (
+            {"lora": LoraSettings(rank=64)},
+            "lora.rank: 64 exceeds the rollout engine's max_lora_rank 16",
+        ),
+        ({"base_model": "llama-70b"}, "base_model: this deployment serves 'smollm2-135m-instruct'"),
+        ({"job_id": "a/b"}, "job_id: must be non-empty, no '/'"),
+        ({"tenant": " "}, "tenant: must be non-empty"),
+        (
+            {"rl": RLSettings(sampling=SamplingSettings(temperature=0.0))},
+            "rl.sampling.temperature: must be > 0",
+        ),
+        (
+            {"rl": RLSettings(max_context_tokens=16, sampling=SamplingSettings(max_new_tokens=32))},
+            "rl.max_context_tokens: must exceed rl.sampling.max_new_tokens (32), got 16",
+        ),
+    ],
+)
+def test_bad_fields_are_named(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(JobSpecError) as info:
+        validate_job(spec(**changes), base_model="smollm2-135m-instruct", max_lora_rank=16)
+    assert message in str(info.value)
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    bad = spec(rl=RLSettings(group_size=0, max_steps=0))
+    with pytest.raises(JobSpecError) as info:
+        validate_job(bad)
+    assert "rl.group_size" in str(info.value) and "rl.max_steps" in str(info.value)
