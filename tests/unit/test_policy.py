@@ -1,0 +1,223 @@
+"""The multi-adapter trainer on a tiny random Llama: isolation between jobs, exact batching
+arithmetic, adapter export that peft and vLLM load, and bit-identical checkpoint resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.messages import LoraSettings, RLSettings, Trajectory
+from common.models import tiny_model
+from trainer_svc.grpo import token_logprobs
+from trainer_svc.policy import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MultiAdapterPolicy
+
+LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+RL = RLSettings(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return tiny_model()
+
+
+def _trajectory(token_ids: list[int], loss_mask: list[int], episode: str = "e") -> Trajectory:
+    # On-policy enough: behaviour logprobs are irrelevant to the gradient direction here, and
+    # a constant keeps the IS weight well under the cap.
+    behaviour = [-10.0 if m else 0.0 for m in loss_mask]
+    return Trajectory(
+        episode_id=episode,
+        job_id="job",
+        group_id="g",
+        sample_index=0,
+        group_size=1,
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        reward=1.0,
+    )
+
+
+def _batch() -> list[Trajectory]:
+    """Four sequences of different lengths: a 4-token prompt, then sampled tokens."""
+    generator = torch.Generator().manual_seed(0)
+    batch = []
+    for index, length in enumerate([12, 7, 10, 5]):
+        ids = torch.randint(100, 5000, (length,), generator=generator).tolist()
+        batch.append(_trajectory(ids, [0] * 4 + [1] * (length - 4), episode=f"e{index}"))
+    return batch
+
+
+def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
+
+
+def _base_weights(policy: MultiAdapterPolicy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy._base.named_parameters() if "lora_" not in n}
+
+
+def _masked_logprob(policy: MultiAdapterPolicy, job: str | None, trajectory: Trajectory) -> float:
+    logprobs_T = policy.logprobs(job, trajectory.token_ids)
+    return sum(lp for lp, m in zip(logprobs_T, trajectory.loss_mask, strict=True) if m)
+
+
+def test_a_new_adapter_is_the_identity(base_dir: Path) -> None:
+    policy = MultiAdapterPolicy(base_dir)
+    base_T = policy.logprobs(None, _batch()[0].token_ids)
+    policy.add_job("a", LORA, RL, seed=1)
+    assert policy.jobs == ["a"]
+    assert policy.logprobs("a", _batch()[0].token_ids) == base_T
+
+
+def test_a_step_moves_only_its_own_job(base_dir: Path) -> None:
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL)
+    policy.add_job("b.tenant/2", LoraSettings(rank=2, alpha=4), RL)  # id peft would reject
+    base_before = _base_weights(policy)
+    trajectory = _batch()[0]
+    before_a = _masked_logprob(policy, "a", trajectory)
+    b_before = policy.adapter_state("b.tenant/2")
+
+    for _ in range(3):
+        metrics = policy.train_step("a", [trajectory], [1.0])
+    assert metrics["tokens"] == 8 and metrics["grad_norm"] > 0
+
+    assert _masked_logprob(policy, "a", trajectory) > before_a + 0.1
+    _assert_same_state(policy.adapter_state("b.tenant/2"), b_before, atol=0)
+    # b never saw a gradient and its adapter still equals the base model.
+    assert _masked_logprob(policy, "b.tenant/2", trajectory) == _masked_logprob(
+        policy, None, trajectory
+    )
+
+    a_after = policy.adapter_state("a")
+    policy.train_step("b.tenant/2", [trajectory], [-1.0])
+    _assert_same_state(policy.adapter_state("a"), a_after, atol=0)
+    _assert_same_state(_base_weights(policy), base_before, atol=0)
+
+    policy.remove_job("a")
+    assert policy.jobs == ["b.tenant/2"]
+
+
+def test_zero_advantages_change_nothing(base_dir: Path) -> None:
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL)
+    before = policy.adapter_state("a")
+    # A fresh optimizer has no momentum, so a zero gradient must be a zero update.
+    metrics = policy.train_step("a", _batch(), [0.0] * 4)
+    assert metrics["grad_norm"] == 0.0 and metrics["loss"] == 0.0
+    _assert_same_state(policy.adapter_state("a"), before, atol=0)
+
+
+def test_micro_batches_give_the_same_update_as_one_batch(base_dir: Path) -> None:
+    whole = MultiAdapterPolicy(base_dir, micro_batch_tokens=4096)
+    split = MultiAdapterPolicy(base_dir, micro_batch_tokens=14)  # [12], [10], [7, 5]
+    assert split._micro_batches([12, 7, 10, 5]) == [[0], [2], [1, 3]]
+    advantages = [1.0, -0.5, 0.25, -1.0]
+    for policy in (whole, split):
+        policy.add_job("a", LORA, RL, seed=3)
+    for _ in range(2):  # the second step also moves LoRA A (its gradient is 0 while B is 0)
+        metrics_whole = whole.train_step("a", _batch(), advantages)
+        metrics_split = split.train_step("a", _batch(), advantages)
+    _assert_same_state(whole.adapter_state("a"), split.adapter_state("a"), atol=1e-5)
+    for key in ("loss", "mean_ratio", "mean_is_weight", "approx_kl", "tokens"):
+        assert metrics_whole[key] == pytest.approx(metrics_split[key], rel=1e-5, abs=1e-7)
+    assert metrics_whole["tokens"] == 8 + 3 + 6 + 1
+
+
+def test_masked_and_padded_tokens_do_not_change_the_update(base_dir: Path) -> None:
+    plain = MultiAdapterPolicy(base_dir)
+    padded = MultiAdapterPolicy(base_dir)
+    for policy in (plain, padded):
+        policy.add_job("a", LORA, RL, seed=3)
+    batch = _batch()
+    longer = batch[1]
+    # Tool-output-like tail: masked tokens after the sampled ones, with junk behaviour values.
+    extended = _trajectory([*longer.token_ids, 7, 8, 9, 10, 11], longer.loss_mask + [0] * 5)
+    extended.behaviour_logprobs[-5:] = [float("-inf")] * 5
+    plain.train_step("a", batch, [1.0, -1.0, 0.5, 0.0])
+    padded.train_step("a", [batch[0], extended, batch[2], batch[3]], [1.0, -1.0, 0.5, 0.0])
+    _assert_same_state(plain.adapter_state("a"), padded.adapter_state("a"), atol=1e-5)
+
+
+def test_saved_adapter_loads_in_peft_with_the_same_logits(base_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("other", LORA, RL)
+    policy.add_job("a", LORA, RL)
+    policy.train_step("a", _batch(), [1.0, -1.0, 0.5, -0.5])
+    policy.train_step("a", _batch(), [1.0, -1.0, 0.5, -0.5])
+
+    out_dir = policy.save_adapter("a", tmp_path / "adapters" / "a" / "v1")
+    assert sorted(p.name for p in out_dir.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    config = json.loads((out_dir / ADAPTER_CONFIG).read_text())
+    assert config["base_model_name_or_path"] == str(base_dir)
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["r"] == 4
+    assert config["use_dora"] is False and config["bias"] == "none"
+    # Saving again replaces the directory atomically and leaves no temporary dirs behind.
+    policy.save_adapter("a", out_dir)
+    assert [p.name for p in out_dir.parent.iterdir()] == ["v1"]
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, out_dir).eval()
+    token_ids = _batch()[0].token_ids
+    with torch.no_grad():
+        logits_BTV = loaded(input_ids=torch.tensor([token_ids])).logits
+    loaded_T = token_logprobs(logits_BTV, torch.tensor([token_ids]))[0]
+    torch.testing.assert_close(loaded_T, torch.tensor(policy.logprobs("a", token_ids)))
+    assert policy.logprobs("a", token_ids) != policy.logprobs(None, token_ids)
+
+
+def test_saved_adapter_passes_vllms_lora_loader(base_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL)
+    policy.train_step("a", _batch(), [1.0, -1.0, 0.5, -0.5])
+    out_dir = policy.save_adapter("a", tmp_path / "v1")
+    helper = PEFTHelper.from_local_dir(str(out_dir), max_position_embeddings=2048)
+    helper.validate_legal(LoRAConfig(max_lora_rank=8))
+    lora_model = LoRAModel.from_local_checkpoint(
+        str(out_dir),
+        expected_lora_modules={"q_proj", "k_proj", "v_proj", "o_proj"},
+        peft_helper=helper,
+        lora_model_id=1,
+        device="cpu",
+        dtype=torch.float32,
+    )
+    assert len(lora_model.loras) == 2 * 2  # two layers x (q_proj, v_proj)
+
+
+def test_checkpoint_resume_continues_bit_identically(base_dir: Path, tmp_path: Path) -> None:
+    batch = _batch()
+    first, second = [1.0, -1.0, 0.5, -0.5], [-0.5, 1.0, -1.0, 0.5]
+    straight = MultiAdapterPolicy(base_dir)
+    straight.add_job("a", LORA, RL)
+    straight.train_step("a", batch, first)
+    straight.train_step("a", batch, second)
+
+    before = MultiAdapterPolicy(base_dir)
+    before.add_job("a", LORA, RL)
+    before.train_step("a", batch, first)
+    ckpt_dir = before.save_checkpoint("a", tmp_path / "ckpt", step=1, version=1)
+
+    resumed = MultiAdapterPolicy(base_dir)
+    resumed.add_job("unrelated", LORA, RL)
+    resumed.add_job("a", LORA, RL, seed=99)  # a different init, overwritten by the load
+    assert resumed.load_checkpoint("a", ckpt_dir) == (1, 1)
+    _assert_same_state(resumed.adapter_state("a"), before.adapter_state("a"), atol=0)
+    resumed.train_step("a", batch, second)
+    _assert_same_state(resumed.adapter_state("a"), straight.adapter_state("a"), atol=1e-6)
+
+    mismatched = MultiAdapterPolicy(base_dir)
+    mismatched.add_job("a", LoraSettings(rank=2), RL)
+    with pytest.raises(ValueError, match="checkpoint has LoRA"):
+        mismatched.load_checkpoint("a", ckpt_dir)

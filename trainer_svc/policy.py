@@ -1,0 +1,352 @@
+"""One base model, many jobs: a PEFT LoRA adapter and an AdamW optimizer per job.
+
+The base model is loaded once (float32, CPU) and shared: every job's adapter is a named
+adapter of one `PeftModel`, and a step activates that job's adapter only. Each optimizer holds
+exactly its job's adapter parameters, so one job's step can neither read another job's
+gradients nor move its weights (tests/unit/test_policy.py checks both).
+
+Dropout stays off (the model is always in eval mode): the loss already has a sampling-noise
+floor, and a deterministic forward pass is what makes a resumed job continue bit-identically.
+
+torch, transformers and peft are imported inside the functions: services import this module
+at start-up, before they decide to load a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common.messages import LoraSettings, RLSettings, Trajectory
+from trainer_svc.grpo import policy_loss, token_logprobs
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+MAX_GRAD_NORM = 1.0
+
+# policy_loss metrics that are means over masked tokens: combined across micro-batches
+# weighted by each micro-batch's token count.
+_TOKEN_MEAN_METRICS = (
+    "loss",
+    "clip_fraction",
+    "is_capped_fraction",
+    "mean_ratio",
+    "mean_is_weight",
+    "approx_kl",
+)
+
+
+@dataclass
+class _Job:
+    adapter_name: str
+    lora: LoraSettings
+    rl: RLSettings
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+
+
+def _adapter_name(job_id: str) -> str:
+    # Job ids are free text, but peft adapter names become module keys (no '.') and appear
+    # inside parameter names; peft even warns when a name is a substring of "lora_". A hash
+    # is always a safe, distinct name.
+    return "job_" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
+
+
+@contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory that replaces `out_dir` only once complete.
+
+    Readers (rollout_svc hot-loading an adapter, a replica resuming a job) never see a
+    half-written directory, and a crash leaves the previous contents in place.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    stale_dir = tmp_dir.with_name(tmp_dir.name + "-stale")
+    try:
+        yield tmp_dir
+        tmp_dir.chmod(0o755)  # mkdtemp is owner-only; other services read the artifacts
+        if out_dir.exists():
+            # rename() cannot replace a non-empty directory: move the old one aside first.
+            os.replace(out_dir, stale_dir)
+        os.replace(tmp_dir, out_dir)
+    finally:
+        for leftover in (tmp_dir, stale_dir):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+class MultiAdapterPolicy:
+    """A shared float32 base model with one trainable LoRA adapter per job."""
+
+    def __init__(
+        self, base_model_dir: Path, *, micro_batch_tokens: int = 2048, torch_threads: int = 0
+    ) -> None:
+        """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
+        bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.base_model_dir = Path(base_model_dir)
+        self.micro_batch_tokens = micro_batch_tokens
+        self._base = AutoModelForCausalLM.from_pretrained(
+            self.base_model_dir, dtype=torch.float32
+        ).eval()
+        for param in self._base.parameters():
+            param.requires_grad_(False)
+        # Created with the first job: a PeftModel cannot exist without an adapter config.
+        self._peft: PeftModel | None = None
+        self._jobs: dict[str, _Job] = {}
+
+    @property
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    def add_job(self, job_id: str, lora: LoraSettings, rl: RLSettings, seed: int = 0) -> None:
+        """Attach a fresh adapter (identity: LoRA B starts at zero) and its optimizer."""
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id!r} already has an adapter")
+        name = _adapter_name(job_id)
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",  # vLLM's LoRA loader rejects adapter biases and DoRA
+            use_dora=False,
+            base_model_name_or_path=str(self.base_model_dir),
+        )
+        # The seed fixes LoRA A's random init; forking keeps the caller's RNG stream intact.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if self._peft is None:
+                self._peft = get_peft_model(self._base, config, adapter_name=name)
+            else:
+                self._peft.add_adapter(name, config)
+        self._peft.eval()
+        params = [p for n, p in self._peft.named_parameters() if f".{name}." in n]
+        # No weight decay: with zero advantages the update must be exactly zero.
+        optimizer = torch.optim.AdamW(params, lr=rl.learning_rate, weight_decay=0.0)
+        self._jobs[job_id] = _Job(name, lora, rl, optimizer, params)
+
+    def remove_job(self, job_id: str) -> None:
+        job = self._job(job_id)
+        assert self._peft is not None
+        self._peft.delete_adapter(job.adapter_name)
+        del self._jobs[job_id]
+
+    def train_step(
+        self, job_id: str, trajectories: Sequence[Trajectory], advantages: Sequence[float]
+    ) -> dict[str, float]:
+        """One optimizer step on `trajectories`; the loss is the token mean over the batch.
+
+        Micro-batches accumulate gradients: policy_loss returns a mean over its own masked
+        tokens, so each is re-weighted by (its tokens / batch tokens) to sum to the batch mean.
+        """
+        import torch
+
+        if not trajectories or len(trajectories) != len(advantages):
+            raise ValueError("need one advantage per trajectory and at least one trajectory")
+        started = time.monotonic()
+        job = self._activate(job_id)
+        # Position 0 predicts nothing (token_logprobs gives it 0): never in the loss.
+        total_tokens = sum(sum(t.loss_mask[1:]) for t in trajectories)
+        job.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0)
+        for indices in self._micro_batches([len(t.token_ids) for t in trajectories]):
+            batch = [trajectories[i] for i in indices]
+            token_ids_BT, attention_BT, mask_BT, behaviour_BT = _pad(batch)
+            logits_BTV = self._peft_model()(
+                input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
+            ).logits
+            logprobs_BT = token_logprobs(logits_BTV, token_ids_BT)
+            advantages_B = torch.tensor([advantages[i] for i in indices], dtype=torch.float32)
+            loss, metrics = policy_loss(
+                logprobs_BT,
+                behaviour_BT,
+                advantages_B,
+                mask_BT,
+                clip_low=job.rl.clip_low,
+                clip_high=job.rl.clip_high,
+                is_cap=job.rl.is_cap,
+            )
+            share = metrics["tokens"] / max(total_tokens, 1)
+            if metrics["tokens"] > 0:
+                (loss * share).backward()
+            for key in _TOKEN_MEAN_METRICS:
+                sums[key] += metrics[key] * share
+        # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
+        grad_norm = torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM)
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        return {
+            **sums,
+            "grad_norm": float(grad_norm),
+            "tokens": float(total_tokens),
+            "step_s": time.monotonic() - started,
+        }
+
+    def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:
+        """Logprob of each token given the ones before (position 0 gets 0); None = base model."""
+        import torch
+
+        token_ids_BT = torch.tensor([list(token_ids)], dtype=torch.long)
+        with torch.no_grad():
+            if job_id is None:
+                if self._peft is None:
+                    logits_BTV = self._base(input_ids=token_ids_BT, use_cache=False).logits
+                else:
+                    with self._peft.disable_adapter():
+                        logits_BTV = self._peft(input_ids=token_ids_BT, use_cache=False).logits
+            else:
+                self._activate(job_id)
+                logits_BTV = self._peft_model()(input_ids=token_ids_BT, use_cache=False).logits
+        return token_logprobs(logits_BTV, token_ids_BT)[0].tolist()
+
+    def adapter_state(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The job's adapter weights under peft's saved names (no adapter name in the keys)."""
+        from peft import get_peft_model_state_dict
+
+        job = self._job(job_id)
+        state = get_peft_model_state_dict(self._peft_model(), adapter_name=job.adapter_name)
+        return {key: tensor.detach().clone().contiguous() for key, tensor in state.items()}
+
+    def save_adapter(self, job_id: str, out_dir: Path) -> Path:
+        """Write a standard PEFT adapter directory (config + safetensors) atomically.
+
+        Written by hand rather than with `save_pretrained`, which puts any adapter not named
+        "default" into a subdirectory named after it.
+        """
+        out_dir = Path(out_dir)
+        with _atomic_dir(out_dir) as tmp_dir:
+            self._write_adapter(job_id, tmp_dir)
+        return out_dir
+
+    def save_checkpoint(self, job_id: str, out_dir: Path, *, step: int, version: int) -> Path:
+        """Adapter (loadable on its own) + optimizer state + step/version, atomically."""
+        import torch
+
+        job = self._job(job_id)
+        out_dir = Path(out_dir)
+        with _atomic_dir(out_dir) as tmp_dir:
+            self._write_adapter(job_id, tmp_dir)
+            torch.save(job.optimizer.state_dict(), tmp_dir / OPTIMIZER_STATE)
+            state = {"job_id": job_id, "step": step, "version": version}
+            (tmp_dir / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        return out_dir
+
+    def load_checkpoint(self, job_id: str, ckpt_dir: Path) -> tuple[int, int]:
+        """Restore a checkpoint into a job already added with `add_job`; returns (step, version)."""
+        import torch
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        job = self._job(job_id)
+        ckpt_dir = Path(ckpt_dir)
+        saved_config = json.loads((ckpt_dir / ADAPTER_CONFIG).read_text())
+        expected = (job.lora.rank, job.lora.alpha, sorted(job.lora.target_modules))
+        found = (
+            saved_config["r"],
+            saved_config["lora_alpha"],
+            sorted(saved_config["target_modules"]),
+        )
+        if found != expected:
+            raise ValueError(f"checkpoint has LoRA (r, alpha, targets) {found}, job {expected}")
+        weights = load_file(ckpt_dir / ADAPTER_WEIGHTS)
+        if set(weights) != set(self.adapter_state(job_id)):
+            raise ValueError(f"checkpoint {ckpt_dir} does not hold this job's adapter tensors")
+        # load_state_dict copies in place, so the optimizer still holds the same Parameters.
+        result = set_peft_model_state_dict(
+            self._peft_model(), weights, adapter_name=job.adapter_name
+        )
+        if result.unexpected_keys:
+            raise ValueError(f"unexpected adapter tensors: {result.unexpected_keys[:5]}")
+        job.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_STATE, weights_only=True))
+        state = json.loads((ckpt_dir / TRAINER_STATE).read_text())
+        return int(state["step"]), int(state["version"])
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> _Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise KeyError(f"no adapter for job {job_id!r}") from None
+
+    def _peft_model(self) -> PeftModel:
+        assert self._peft is not None, "no job added yet"
+        return self._peft
+
+    def _activate(self, job_id: str) -> _Job:
+        job = self._job(job_id)
+        model = self._peft_model()
+        # set_adapter also marks only this adapter trainable, so other jobs' weights get no
+        # gradient (they are not in the forward pass either); the base stays frozen.
+        model.set_adapter(job.adapter_name)
+        return job
+
+    def _write_adapter(self, job_id: str, out_dir: Path) -> None:
+        from safetensors.torch import save_file
+
+        job = self._job(job_id)
+        config: dict[str, Any] = self._peft_model().peft_config[job.adapter_name].to_dict()
+        config["base_model_name_or_path"] = str(self.base_model_dir)
+        # vLLM's loader wants a list (peft holds a set); sorted keeps the file reproducible.
+        config["target_modules"] = sorted(config["target_modules"])
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file(self.adapter_state(job_id), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+    def _micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Group sequence indices, longest first, so that count x longest <= the token budget."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        batches: list[list[int]] = []
+        for index in order:
+            # Longest first: the first member of a batch sets its padded length.
+            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= (
+                self.micro_batch_tokens
+            ):
+                batches[-1].append(index)
+            else:
+                batches.append([index])
+        return batches
+
+
+def _pad(
+    batch: Sequence[Trajectory],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sequence; padding is out of the attention and the loss."""
+    import torch
+
+    length = max(len(t.token_ids) for t in batch)
+    token_ids_BT = torch.zeros((len(batch), length), dtype=torch.long)
+    attention_BT = torch.zeros((len(batch), length), dtype=torch.long)
+    mask_BT = torch.zeros((len(batch), length), dtype=torch.float32)
+    behaviour_BT = torch.zeros((len(batch), length), dtype=torch.float32)
+    for row, trajectory in enumerate(batch):
+        n = len(trajectory.token_ids)
+        if len(trajectory.loss_mask) != n or len(trajectory.behaviour_logprobs) != n:
+            raise ValueError(f"episode {trajectory.episode_id}: misaligned mask or logprobs")
+        token_ids_BT[row, :n] = torch.tensor(trajectory.token_ids)
+        attention_BT[row, :n] = 1
+        mask_BT[row, :n] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
+        behaviour_BT[row, :n] = torch.tensor(trajectory.behaviour_logprobs)
+    mask_BT[:, 0] = 0.0  # no logprob at position 0
+    return token_ids_BT, attention_BT, mask_BT, behaviour_BT

@@ -1,0 +1,319 @@
+"""trainer_svc: assemble groups, drop stale ones, train one GRPO step per B groups, publish.
+
+Trajectories are keyed by job, so each job's trajectories reach one replica, which owns the
+job's adapter and optimizer. A trajectory's offset stays uncommitted (held) until its group
+was trained and the step is durable (checkpoint + Redis pointer), or the group was dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiokafka.structs import TopicPartition
+
+from common.bus import ConsumerLoop, Delivery, Producer
+from common.config import SharedSettings, TrainerSettings
+from common.messages import AdapterUpdate, JobSpec, Topic, Trajectory, job_event
+from common.registry import DROPPED_GROUPS, TERMINAL_STATUSES, Registry
+from common.service import Service
+from trainer_svc.grpo import group_advantages
+from trainer_svc.policy import MultiAdapterPolicy
+
+log = logging.getLogger(__name__)
+
+SERVICE = "trainer_svc"
+KEEP_CHECKPOINTS = 2
+
+
+@dataclass
+class Group:
+    """Trajectories of one group as they arrive, with the commits they hold."""
+
+    group_id: str
+    trajectories: dict[str, Trajectory] = field(default_factory=dict)
+    releases: list[Callable[[], None]] = field(default_factory=list)
+
+    def release(self) -> None:
+        for release in self.releases:
+            release()
+        self.releases.clear()
+
+    @property
+    def oldest_version(self) -> int:
+        return min(v for t in self.trajectories.values() for v in t.adapter_versions or [0])
+
+
+@dataclass
+class OwnedJob:
+    """A job this replica trains: its spec, the adapter version it has reached, its groups."""
+
+    spec: JobSpec
+    partition: int
+    version: int
+    filling: dict[str, Group] = field(default_factory=dict)
+    ready: deque[Group] = field(default_factory=deque)
+
+
+class TrainerService(Service):
+    name = SERVICE
+
+    def __init__(
+        self, shared: SharedSettings, settings: TrainerSettings, policy: MultiAdapterPolicy
+    ) -> None:
+        self.shared = shared
+        self.settings = settings
+        self.policy = policy
+        self.artifacts = shared.artifacts
+        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.registry: Registry | None = None
+        self.consumer: ConsumerLoop[Trajectory] | None = None
+        self.jobs: dict[str, OwnedJob] = {}
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._turn = itertools.count()
+
+    async def start(self) -> None:
+        self.registry = await Registry.connect(
+            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+        )
+        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        self.consumer = ConsumerLoop[Trajectory](
+            bootstrap=self.shared.kafka_bootstrap,
+            group_id=self.settings.consumer_group,
+            topics=[Topic.TRAJECTORIES],
+            handler=self.on_trajectory,
+            dead_letters=self.producer,
+            service=SERVICE,
+            on_revoked=self.on_revoked,
+        )
+        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
+        assert self.consumer is not None
+        return {"trainer-consume": self.consumer.run(), "trainer-steps": self.train_loop()}
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self.consumer is not None:
+            self.consumer.stop()
+
+    async def stop(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.close()
+        await self.producer.stop()
+        if self.registry is not None:
+            await self.registry.close()
+
+    # --- intake ---------------------------------------------------------------------
+
+    async def on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
+        registry = self._registry()
+        job = self.jobs.get(trajectory.job_id) or await self._own(trajectory.job_id, delivery)
+        if job is None:
+            return
+        if await registry.seen("trained", job.spec.job_id, trajectory.group_id):
+            return  # redelivered after its group was trained: never train it twice
+        group = job.filling.setdefault(trajectory.group_id, Group(trajectory.group_id))
+        if trajectory.episode_id in group.trajectories:
+            return  # a duplicate of one we hold; the first copy's commit covers it
+        group.trajectories[trajectory.episode_id] = trajectory
+        group.releases.append(delivery.hold_commit())
+        if len(group.trajectories) >= trajectory.group_size:
+            job.ready.append(job.filling.pop(group.group_id))
+            self._wake.set()
+
+    async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
+        """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""
+        record = await self._registry().job(job_id)
+        if record is None:
+            raise ValueError(f"trajectory for unknown job {job_id!r}")
+        if record.status in TERMINAL_STATUSES:
+            return None
+        spec = record.spec
+        self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
+        version = 0
+        latest = self._checkpoint_root(job_id) / "latest"
+        if latest.is_file():
+            checkpoint = self._checkpoint_root(job_id) / latest.read_text().strip()
+            _, version = await asyncio.to_thread(self.policy.load_checkpoint, job_id, checkpoint)
+            # A crash may have come between the checkpoint and marking its groups trained.
+            for group_id in json.loads((checkpoint / "groups.json").read_text()):
+                await self._registry().mark_seen("trained", job_id, group_id)
+            log.info("job %s: resumed from %s at v%d", job_id, checkpoint, version)
+        job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
+        self.jobs[job_id] = job
+        return job
+
+    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
+        lost = {tp.partition for tp in partitions if tp.topic == Topic.TRAJECTORIES}
+        for job_id in [j for j, job in self.jobs.items() if job.partition in lost]:
+            # Uncommitted trajectories go to the new owner, which resumes from the checkpoint.
+            self._disown(job_id)
+            log.info("job %s: partition revoked, handed over", job_id)
+
+    def _disown(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+        if job_id in self.policy.jobs:
+            self.policy.remove_job(job_id)
+
+    # --- training -------------------------------------------------------------------
+
+    async def train_loop(self) -> None:
+        while not self._stopping.is_set():
+            job = await self._next_job()
+            if job is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                except TimeoutError:
+                    pass
+                continue
+            await self._step(job)
+
+    async def _next_job(self) -> OwnedJob | None:
+        """Round-robin over jobs with B usable groups: no tenant waits behind another."""
+        candidates = list(self.jobs.values())
+        if not candidates:
+            return None
+        start = next(self._turn) % len(candidates)
+        for job in candidates[start:] + candidates[:start]:
+            await self._drop_unusable(job)
+            if len(job.ready) >= job.spec.rl.groups_per_step:
+                return job
+        return None
+
+    async def _drop_unusable(self, job: OwnedJob) -> None:
+        keep: deque[Group] = deque()
+        for group in job.ready:
+            lag = job.version - group.oldest_version
+            valid = [t for t in group.trajectories.values() if not t.error]
+            if lag > job.spec.rl.max_staleness:
+                await self._drop(job, group, "dropped_stale", f"{lag} versions behind")
+            elif len(valid) < 2:
+                errors = {t.error for t in group.trajectories.values() if t.error}
+                await self._drop(job, group, "dropped_invalid", "; ".join(sorted(errors)))
+            else:
+                keep.append(group)
+        job.ready = keep
+
+    async def _drop(self, job: OwnedJob, group: Group, kind: str, reason: str) -> None:
+        registry = self._registry()
+        job_id = job.spec.job_id
+        await registry.incr_counter(job_id, DROPPED_GROUPS)
+        await self.producer.send(
+            job_event(
+                job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,  # type: ignore[arg-type]
+                reason=f"group {group.group_id}: {reason}",
+            )
+        )  # fmt: skip
+        log.info("job %s: %s group %s (%s)", job_id, kind, group.group_id, reason)
+        group.release()
+
+    async def _step(self, job: OwnedJob) -> None:
+        registry = self._registry()
+        spec, rl = job.spec, job.spec.rl
+        record = await registry.job(spec.job_id)
+        if record is None or record.status in TERMINAL_STATUSES:
+            self._release_all(job)
+            self._disown(spec.job_id)
+            return
+        groups = [job.ready.popleft() for _ in range(rl.groups_per_step)]
+        trajectories: list[Trajectory] = []
+        advantages: list[float] = []
+        rewards: list[float] = []
+        for group in groups:
+            valid = [t for t in group.trajectories.values() if not t.error]
+            rewards_G = [t.reward for t in valid]
+            advantages += group_advantages_list(rewards_G, std_normalize=rl.std_normalize)
+            trajectories += valid
+            rewards += rewards_G
+        lags = [job.version - group.oldest_version for group in groups]
+        started = time.monotonic()
+        metrics = await asyncio.to_thread(
+            self.policy.train_step, spec.job_id, trajectories, advantages
+        )
+        version = job.version + 1
+        uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
+        await registry.publish_adapter(spec.job_id, version, uri, version)
+        for group in groups:
+            await registry.mark_seen("trained", spec.job_id, group.group_id)
+        job.version = version
+        metrics.update(
+            mean_reward=sum(rewards) / len(rewards),
+            staleness_max=float(max(lags)),
+            staleness_mean=sum(lags) / len(lags),
+            samples=float(len(trajectories)),
+            wall_step_s=time.monotonic() - started,
+        )
+        await self.producer.send(
+            AdapterUpdate(
+                job_id=spec.job_id, version=version, uri=uri, step=version, metrics=metrics,
+                published_at=time.time(),
+            )
+        )  # fmt: skip
+        await self.producer.send(
+            job_event(
+                spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version, metrics=metrics
+            )
+        )
+        for group in groups:
+            group.release()
+        log.info(
+            "job %s: step %d/%d reward %.3f loss %.4f staleness %d (%.1fs)",
+            spec.job_id, version, rl.max_steps, metrics["mean_reward"], metrics.get("loss", 0.0),
+            max(lags), metrics["wall_step_s"],
+        )  # fmt: skip
+        if version >= rl.max_steps:
+            await registry.set_job_status(spec.job_id, "completed")
+            await self.producer.send(
+                job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
+            )
+            log.info("job %s: completed after %d steps", spec.job_id, version)
+            self._release_all(job)
+            self._disown(spec.job_id)
+
+    def _save(self, job: OwnedJob, version: int, group_ids: list[str]) -> str:
+        """Adapter for rollout, checkpoint for resuming; returns the adapter's URI."""
+        job_id = job.spec.job_id
+        adapter_dir = self.policy.save_adapter(
+            job_id, self.artifacts / "adapters" / job_id / f"v{version}"
+        )
+        root = self._checkpoint_root(job_id)
+        self.policy.save_checkpoint(job_id, root / f"v{version}", step=version, version=version)
+        (root / f"v{version}" / "groups.json").write_text(json.dumps(group_ids))
+        tmp = root / "latest.tmp"
+        tmp.write_text(f"v{version}")
+        tmp.replace(root / "latest")
+        for old in sorted(root.glob("v*"), key=lambda p: int(p.name[1:]))[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+        return adapter_dir.resolve().as_uri()
+
+    def _checkpoint_root(self, job_id: str) -> Path:
+        return self.artifacts / "checkpoints" / job_id
+
+    def _release_all(self, job: OwnedJob) -> None:
+        for group in [*job.ready, *job.filling.values()]:
+            group.release()
+        job.ready.clear()
+        job.filling.clear()
+
+    def _registry(self) -> Registry:
+        if self.registry is None:
+            raise RuntimeError("trainer_svc not started")
+        return self.registry
+
+
+def group_advantages_list(rewards_G: list[float], *, std_normalize: bool) -> list[float]:
+    return group_advantages(torch.tensor(rewards_G), std_normalize=std_normalize).tolist()
