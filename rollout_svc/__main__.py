@@ -1,0 +1,32 @@
+"""`python -m rollout_svc`: the vLLM engine serving every job's adapter in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from common.config import RolloutSettings, SharedSettings, load
+from common.logs import setup_logging
+from common.service import log_settings, run_service
+
+
+def main() -> int:
+    shared, settings = load(SharedSettings), load(RolloutSettings)
+    setup_logging(shared.log_level)
+    log_settings(shared, settings)
+    from common.models import resolve_base_model
+    from rollout_svc.engine import RolloutEngine
+    from rollout_svc.service import RolloutService
+
+    engine = RolloutEngine(
+        resolve_base_model(shared.base_model, shared.cache_dir),
+        max_loras=shared.max_loras,
+        max_lora_rank=shared.max_lora_rank,
+        max_model_len=settings.max_model_len,
+        kv_cache_gib=settings.kv_cache_gib,
+    )
+    return asyncio.run(run_service(RolloutService(shared, settings, engine)))
+
+
+if __name__ == "__main__":  # vLLM spawns an engine process that re-imports the main module
+    sys.exit(main())

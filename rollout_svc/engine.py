@@ -1,0 +1,457 @@
+"""vLLM's in-process async engine sampling every job's requests, each with its job's LoRA.
+
+One `RolloutEngine` serves all jobs in one continuous batch: vLLM schedules requests for
+different adapters side by side (up to `max_loras` distinct adapters per step), so a job's
+request never waits for another job's batch. Token-in/token-out: the context arrives as
+token ids and the completion leaves as token ids with the sampler's logprob of each one.
+
+How vLLM 0.32 runs here (read from its source, checked on a 2-core CPU machine):
+- `AsyncLLM` (alias `AsyncLLMEngine`) always runs the scheduler ("EngineCore") in a child
+  process; on CPU that process starts one more worker process. The CPU platform forces
+  `VLLM_WORKER_MULTIPROC_METHOD=spawn`, so children re-import the parent's `__main__`:
+  scripts must build the engine under `if __name__ == "__main__":`. pytest's own entry
+  points are guarded, so tests need nothing special. `VLLM_ENABLE_V1_MULTIPROCESSING`
+  only affects the synchronous `LLM` engine and the CPU executor choice; leave it alone.
+- The first forward pass after start-up pays several seconds of one-off kernel set-up
+  (vLLM skips its own warm-up with eager mode and a fixed KV cache size), so `start()`
+  runs one tiny request before it returns.
+- On CPU the KV cache size must be given (`kv_cache_gib`): otherwise vLLM tries to reserve
+  90% of the machine's memory. A set `VLLM_CPU_KVCACHE_SPACE` (whole GiB) overrides it.
+- vLLM 0.32's CPU LoRA kernels (`vllm/lora/ops/torch_ops/lora_ops.py`) index the adapter
+  slots with the sentinel -1 that means "no LoRA", which in PyTorch is the LAST slot: a
+  base-model request batched beside LoRA requests silently gets another job's adapter
+  (open upstream fixes: vllm-project/vllm#48421, #49656; GPU kernels skip -1). On CPU we
+  therefore serve base-model requests through a pinned all-zero rank-1 "null" adapter in
+  one extra slot, so no request ever carries -1.
+- Thread binding on CPU: `VLLM_CPU_OMP_THREADS_BIND` (default `auto`: one OpenMP thread
+  per physical core, minus `VLLM_CPU_NUM_OF_RESERVED_CPU` cores, default 1, left to the
+  scheduler and this process). `torch.set_num_threads` is disabled in the worker.
+
+vllm is imported inside `start()`: services import this module before deciding to start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.messages import FinishReason, GenerationRequest, GenerationResult, SamplingSettings
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""`max_lora_rank` values vLLM accepts; an adapter's rank must not exceed the chosen one."""
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One published version of one job's adapter: a PEFT directory on local disk."""
+
+    job_id: str
+    version: int
+    """1, 2, ...; version 0 is the bare base model and needs no directory."""
+    path: str
+
+    @property
+    def lora_name(self) -> str:
+        return f"{self.job_id}@v{self.version}"
+
+
+NULL_ADAPTER_NAME = "marlaas-base@v0"
+
+
+def write_null_adapter(model_dir: Path, out_dir: Path) -> Path:
+    """A PEFT LoRA of rank 1 on layer 0's q_proj whose weights are zero: the base model.
+
+    Assumes Llama-style module names (`model.layers.N.self_attn.q_proj`), as SmolLM2 has.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden_size = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden_size // config["num_attention_heads"]
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.zeros(1, hidden_size),
+            f"{prefix}.lora_B.weight": torch.zeros(config["num_attention_heads"] * head_dim, 1),
+        },
+        str(out_dir / "adapter_model.safetensors"),
+    )
+    adapter_config = {
+        "peft_type": "LORA",
+        "r": 1,
+        "lora_alpha": 1,
+        "target_modules": ["q_proj"],
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out_dir
+
+
+class ContextTooLongError(ValueError):
+    """The context leaves no room for a single new token within `max_model_len`."""
+
+
+@dataclass
+class _LoadedAdapter:
+    """Engine-side bookkeeping of one adapter version: its LoRA id and who is using it."""
+
+    ref: AdapterRef
+    lora_int_id: int
+    in_flight: int = 0
+    retiring: bool = False
+    """Remove from the engine as soon as `in_flight` drops to 0."""
+
+
+class RolloutEngine:
+    """vLLM's async engine with per-request LoRA adapters and utilisation counters."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        max_loras: int = 4,
+        max_cpu_loras: int | None = None,
+        max_lora_rank: int = 16,
+        max_model_len: int = 1024,
+        max_num_seqs: int | None = None,
+        kv_cache_gib: float | None = 1.0,
+        dtype: str = "bfloat16",
+        enforce_eager: bool = True,
+        logprobs_mode: str = "raw_logprobs",
+        seed: int = 0,
+    ) -> None:
+        """Configure; nothing starts until `start()`.
+
+        `max_loras`: distinct adapters in one batch step; `max_cpu_loras`: adapters kept
+        loaded (least recently used ones are evicted and reloaded from their path on next
+        use; default `max_loras`). `kv_cache_gib`: KV cache size; required on CPU, None
+        lets a GPU size it from free memory. `logprobs_mode`: `raw_logprobs` returns the
+        model's log-softmax before temperature/top-p, the quantity the trainer recomputes;
+        `processed_logprobs` returns the distribution actually sampled from.
+        """
+        if max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, not {max_lora_rank}")
+        self.model = str(model)
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_gib = kv_cache_gib
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.logprobs_mode = logprobs_mode
+        self.seed = seed
+
+        self._engine: AsyncLLM | None = None
+        self._null_adapter_dir: Path | None = None
+        self._null_lora: LoRARequest | None = None
+        """What base-model requests carry: the null adapter on CPU, None elsewhere."""
+        self._adapters: dict[tuple[str, int], _LoadedAdapter] = {}
+        self._lora_ids = itertools.count(1)  # vLLM rejects id 0
+        self._request_seq = itertools.count()
+        self.start_seconds = 0.0
+        """Wall time `start()` took, warm-up request included."""
+        self.generated_tokens = 0
+        """Completion tokens returned since start (the warm-up request excluded)."""
+        self.completed_requests = 0
+        self._in_flight = 0
+        self._busy_seconds = 0.0
+        self._busy_since = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        extra_slots = 0
+        if current_platform.is_cpu():
+            self._null_adapter_dir = write_null_adapter(
+                Path(self.model), Path(tempfile.mkdtemp(prefix="marlaas-null-lora-"))
+            )
+            extra_slots = 1
+        args = AsyncEngineArgs(
+            model=self.model,
+            dtype=self.dtype,  # type: ignore[arg-type]
+            enforce_eager=self.enforce_eager,
+            enable_lora=True,
+            max_loras=self.max_loras + extra_slots,
+            max_cpu_loras=(
+                None if self.max_cpu_loras is None else self.max_cpu_loras + extra_slots
+            ),
+            max_lora_rank=self.max_lora_rank,  # type: ignore[arg-type]
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory_bytes=(
+                None if self.kv_cache_gib is None else int(self.kv_cache_gib * _GIB)
+            ),
+            logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+            seed=self.seed,
+            # Per-request stats carry the engine's queued/scheduled timestamps (queue_s).
+            disable_log_stats=False,
+        )
+        # Must run inside the event loop: AsyncLLM starts its output handler task on it.
+        self._engine = AsyncLLM.from_engine_args(args)
+        if self._null_adapter_dir is not None:
+            self._null_lora = LoRARequest(
+                lora_name=NULL_ADAPTER_NAME,
+                lora_int_id=next(self._lora_ids),
+                lora_path=str(self._null_adapter_dir),
+            )
+            await self._engine.add_lora(self._null_lora)
+            await self._engine.pin_lora(self._null_lora.lora_int_id)  # never evicted
+        await self._warm_up()
+        self.start_seconds = time.monotonic() - started
+        log.info("vLLM engine for %s ready in %.1f s", self.model, self.start_seconds)
+
+    async def stop(self) -> None:
+        """Shut the engine and its processes down; requests still in flight fail."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        self._adapters.clear()
+        self._null_lora = None
+        if self._null_adapter_dir is not None:
+            shutil.rmtree(self._null_adapter_dir, ignore_errors=True)
+            self._null_adapter_dir = None
+
+    async def __aenter__(self) -> RolloutEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _warm_up(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=4, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        async for _ in self._require_engine().generate(
+            TokensPrompt(prompt_token_ids=[0, 1, 2, 3]),
+            params,
+            request_id="warm-up",
+            lora_request=self._null_lora,
+        ):
+            pass
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def generate(
+        self, request: GenerationRequest, adapter: AdapterRef | None = None
+    ) -> GenerationResult:
+        """Sample one turn for `request` with `adapter` (None or version 0: the base model).
+
+        Raises ContextTooLongError when the context fills `max_model_len`; a completion
+        that reaches `max_model_len` ends early with finish_reason "length".
+        """
+        from vllm.inputs import TokensPrompt
+
+        engine = self._require_engine()
+        context_len = len(request.context_token_ids)
+        if not 0 < context_len < self.max_model_len:
+            raise ContextTooLongError(
+                f"request {request.request_id}: context of {context_len} tokens leaves no room "
+                f"to generate within max_model_len={self.max_model_len}"
+            )
+        params = self._sampling_params(request.sampling)
+        # Unique even when at-least-once delivery hands us the same request twice at once.
+        engine_request_id = f"{request.request_id}#{next(self._request_seq)}"
+        lora = self._acquire(adapter)
+        self._enter()
+        started = time.monotonic()
+        try:
+            final = None
+            async for output in engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.context_token_ids)),
+                params,
+                request_id=engine_request_id,
+                lora_request=lora,
+            ):
+                final = output
+        finally:
+            self._leave()
+            await self._release(adapter)
+        elapsed = time.monotonic() - started
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for request {request.request_id}")
+
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+            raise RuntimeError(f"vLLM returned no logprob per token for {request.request_id}")
+        # With logprobs=0 each position holds exactly the sampled token's entry.
+        logprobs: list[float] = []
+        for position, token_id in zip(completion.logprobs, token_ids, strict=True):
+            if position is None or token_id not in position:
+                raise RuntimeError(f"vLLM left out a sampled token's logprob: {request.request_id}")
+            logprobs.append(float(position[token_id].logprob))
+        metrics = final.metrics
+        queue_s = 0.0
+        if metrics is not None and getattr(metrics, "scheduled_ts", 0.0) > 0.0:
+            queue_s = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
+        self.generated_tokens += len(token_ids)
+        self.completed_requests += 1
+        return GenerationResult(
+            request_id=request.request_id,
+            job_id=request.job_id,
+            episode_id=request.episode_id,
+            group_id=request.group_id,
+            sample_index=request.sample_index,
+            turn=request.turn,
+            context_token_ids=request.context_token_ids,
+            completion_token_ids=token_ids,
+            logprobs=logprobs,
+            adapter_version=adapter.version if adapter is not None else 0,
+            finish_reason=_finish_reason(completion.finish_reason),
+            env_state=request.env_state,
+            queue_s=queue_s,
+            generate_s=max(0.0, elapsed - queue_s),
+        )
+
+    def _sampling_params(self, sampling: SamplingSettings) -> SamplingParams:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            stop=list(sampling.stop) or None,
+            logprobs=0,  # the sampled token's logprob only
+            # Stop strings need text; without them skip detokenising (CPU in this process).
+            detokenize=bool(sampling.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    # --- adapters -----------------------------------------------------------------------
+
+    async def load(self, adapter: AdapterRef) -> None:
+        """Load `adapter` now, so its first request does not stall a batch step loading it."""
+        lora = self._acquire(adapter)
+        try:
+            if lora is not None:
+                await self._require_engine().add_lora(lora)
+        finally:
+            await self._release(adapter)
+
+    async def retire(self, job_id: str, version: int) -> None:
+        """Remove an adapter version from the engine once no request in flight uses it.
+
+        Requests that arrive for it before then still run with it; a request after the
+        removal loads it again from its path under a new LoRA id.
+        """
+        entry = self._adapters.get((job_id, version))
+        if entry is None:
+            return
+        entry.retiring = True
+        if entry.in_flight == 0:
+            await self._remove(entry)
+
+    def lora_int_id(self, job_id: str, version: int) -> int | None:
+        """The engine's LoRA id for an adapter version; None if unknown or retired."""
+        entry = self._adapters.get((job_id, version))
+        return entry.lora_int_id if entry is not None else None
+
+    async def loaded_lora_ids(self) -> set[int]:
+        """LoRA ids the engine holds now (its CPU cache may have evicted some)."""
+        return set(await self._require_engine().list_loras())
+
+    def _acquire(self, adapter: AdapterRef | None) -> LoRARequest | None:
+        from vllm.lora.request import LoRARequest
+
+        if adapter is None or adapter.version == 0:
+            return self._null_lora
+        key = (adapter.job_id, adapter.version)
+        entry = self._adapters.get(key)
+        if entry is None:
+            entry = _LoadedAdapter(adapter, next(self._lora_ids))
+            self._adapters[key] = entry
+        elif entry.ref.path != adapter.path:
+            raise ValueError(
+                f"adapter {adapter.lora_name} is already registered from {entry.ref.path}, "
+                f"not {adapter.path}: a published version must not change"
+            )
+        entry.in_flight += 1
+        return LoRARequest(
+            lora_name=adapter.lora_name, lora_int_id=entry.lora_int_id, lora_path=adapter.path
+        )
+
+    async def _release(self, adapter: AdapterRef | None) -> None:
+        if adapter is None or adapter.version == 0:
+            return
+        entry = self._adapters.get((adapter.job_id, adapter.version))
+        if entry is None:
+            return
+        entry.in_flight -= 1
+        if entry.retiring and entry.in_flight == 0:
+            await self._remove(entry)
+
+    async def _remove(self, entry: _LoadedAdapter) -> None:
+        # Forget it before awaiting: a request arriving meanwhile gets a fresh LoRA id.
+        del self._adapters[(entry.ref.job_id, entry.ref.version)]
+        if self._engine is not None:
+            removed = await self._engine.remove_lora(entry.lora_int_id)
+            log.info("retired adapter %s (removed from engine: %s)", entry.ref.lora_name, removed)
+
+    # --- utilisation --------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted to the engine and not finished yet."""
+        return self._in_flight
+
+    @property
+    def busy_seconds(self) -> float:
+        """Wall time during which at least one request was in the engine."""
+        if self._in_flight:
+            return self._busy_seconds + time.monotonic() - self._busy_since
+        return self._busy_seconds
+
+    def _enter(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since = time.monotonic()
+        self._in_flight += 1
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._busy_seconds += time.monotonic() - self._busy_since
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("RolloutEngine is not started")
+        return self._engine
+
+
+def _finish_reason(vllm_reason: str | None) -> FinishReason:
+    """vLLM's "stop" (EOS, stop string) and "length" pass; anything else is an abort."""
+    if vllm_reason in ("stop", "length"):
+        return vllm_reason  # type: ignore[return-value]
+    return "abort"

@@ -1,0 +1,177 @@
+"""rollout_svc: sample every job's requests in one engine, each with its job's newest adapter.
+
+Prompts come from a consumer group (replicas split the partitions); adapter updates are read
+by every replica (broadcast), after a snapshot of Redis' pointers at start-up. A prompt's
+offset is committed only once its result is on `marlaas.rollouts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
+from common.config import RolloutSettings, SharedSettings
+from common.messages import AdapterUpdate, DeadLetter, GenerationRequest, Topic, encode
+from common.registry import Registry
+from common.service import Service
+from rollout_svc.engine import AdapterRef, RolloutEngine
+
+log = logging.getLogger(__name__)
+
+SERVICE = "rollout_svc"
+STATS_INTERVAL_S = 5.0
+
+
+def adapter_path(uri: str) -> str:
+    """Local path of an artifact URI (`file:///...` or a plain path)."""
+    return uri.removeprefix("file://")
+
+
+class RolloutService(Service):
+    name = SERVICE
+
+    def __init__(
+        self, shared: SharedSettings, settings: RolloutSettings, engine: RolloutEngine
+    ) -> None:
+        self.shared = shared
+        self.settings = settings
+        self.engine = engine
+        self.replica = f"{socket.gethostname()}-{os.getpid()}"
+        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.registry: Registry | None = None
+        self.consumer: ConsumerLoop[GenerationRequest] | None = None
+        self.adapters = BroadcastReader[AdapterUpdate](
+            bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
+            service=SERVICE,
+        )  # fmt: skip
+        self.latest: dict[str, AdapterRef] = {}
+        """Newest adapter version per job; only moves forward."""
+        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._generations: set[asyncio.Task[None]] = set()
+        self._started_at = time.monotonic()
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        self.registry = await Registry.connect(
+            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+        )
+        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        await self.adapters.start(timeout_s=self.shared.connect_timeout_s)
+        for job_id, pointer in (await self.registry.adapters()).items():
+            self.latest[job_id] = AdapterRef(job_id, pointer.version, adapter_path(pointer.uri))
+        log.info("rollout_svc: %d adapters from Redis at start-up", len(self.latest))
+        await self.engine.start()
+        self.consumer = ConsumerLoop[GenerationRequest](
+            bootstrap=self.shared.kafka_bootstrap,
+            group_id=self.settings.consumer_group,
+            topics=[Topic.PROMPTS],
+            handler=self.on_request,
+            dead_letters=self.producer,
+            service=SERVICE,
+        )
+        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
+        self._started_at = time.monotonic()
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
+        assert self.consumer is not None
+        return {
+            "rollout-consume": self.consumer.run(),
+            "rollout-adapters": self.adapters.run(),
+            "rollout-stats": self._report_stats(),
+        }
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self.adapters.stop()
+        if self.consumer is not None:
+            self.consumer.stop()
+
+    async def stop(self) -> None:
+        if self._generations:  # finish what is in the engine, so its results are not lost
+            await asyncio.wait(self._generations, timeout=30)
+        if self.consumer is not None:
+            await self.consumer.close()
+        await self.adapters.close()
+        await self.engine.stop()
+        await self.producer.stop()
+        if self.registry is not None:
+            await self.registry.close()
+
+    async def on_request(self, request: GenerationRequest, delivery: Delivery) -> None:
+        # Waiting here stops the poll loop: back-pressure instead of an unbounded buffer.
+        await self._slots.acquire()
+        release_commit = delivery.hold_commit()
+        task = asyncio.create_task(
+            self._generate(request, release_commit), name=f"generate-{request.request_id}"
+        )
+        self._generations.add(task)
+        task.add_done_callback(self._generations.discard)
+
+    async def _generate(
+        self, request: GenerationRequest, release_commit: Callable[[], None]
+    ) -> None:
+        try:
+            result = await self.engine.generate(request, await self._adapter_for(request))
+            await self.producer.send(result)
+        except Exception as exc:
+            log.exception("rollout_svc: request %s failed", request.request_id)
+            await self.producer.send(
+                DeadLetter(
+                    source_topic=Topic.PROMPTS, source_partition=-1, source_offset=-1,
+                    source_key=request.episode_id.encode(), raw_value=encode(request),
+                    error=f"{type(exc).__name__}: {exc}", service=SERVICE, at=time.time(),
+                )
+            )  # fmt: skip
+        finally:
+            release_commit()
+            self._slots.release()
+
+    async def _adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
+        current = self.latest.get(request.job_id)
+        if (current.version if current else 0) < request.min_adapter_version:
+            # The broadcast has not reached this replica yet; Redis already has the pointer.
+            assert self.registry is not None
+            pointer = await self.registry.adapter(request.job_id)
+            if pointer is not None:
+                await self.on_adapter(
+                    AdapterUpdate(
+                        job_id=pointer.job_id, version=pointer.version, uri=pointer.uri,
+                        step=pointer.step,
+                    )
+                )  # fmt: skip
+        return self.latest.get(request.job_id)
+
+    async def on_adapter(self, update: AdapterUpdate) -> None:
+        current = self.latest.get(update.job_id)
+        if current is not None and current.version >= update.version:
+            return
+        new = AdapterRef(update.job_id, update.version, adapter_path(update.uri))
+        self.latest[update.job_id] = new
+        await self.engine.load(new)  # loaded before its first request needs it
+        if current is not None:
+            await self.engine.retire(current.job_id, current.version)
+        log.info("rollout_svc: job %s now samples with v%d", update.job_id, update.version)
+
+    async def _report_stats(self) -> None:
+        registry = self.registry
+        assert registry is not None
+        while not self._stopping.is_set():
+            uptime = time.monotonic() - self._started_at
+            stats = {
+                "busy_s": self.engine.busy_seconds,
+                "uptime_s": uptime,
+                "utilisation": self.engine.busy_seconds / uptime if uptime > 0 else 0.0,
+                "generated_tokens": float(self.engine.generated_tokens),
+                "in_flight": float(self.engine.in_flight),
+            }
+            await registry.put_stats(f"rollout:{self.replica}", stats, ttl_s=60)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
+            except TimeoutError:
+                pass

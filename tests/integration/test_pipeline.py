@@ -1,0 +1,151 @@
+"""The whole pipeline: real Tansu, Valkey, vLLM CPU, three service processes, a tiny model.
+
+Three jobs run at once to max_steps: one with S=1, one strictly on-policy (S=0), and one
+whose every trajectory is delivered twice. A job with an unknown environment is rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from common.bus import Producer
+from common.config import SharedSettings
+from common.jobwatch import JobProgress, submit_jobs, watch_jobs
+from common.messages import (
+    EnvSettings,
+    Event,
+    JobSpec,
+    RLSettings,
+    SamplingSettings,
+    Topic,
+    Trajectory,
+    decode,
+    new_id,
+)
+from common.models import tiny_model
+from common.registry import Registry
+from common.stack import SERVICES, ChildServer, LocalStack, start_service
+
+pytestmark = pytest.mark.kafka
+
+G, B = 4, 2
+
+
+@pytest.fixture(scope="module")
+def services(
+    local_stack: LocalStack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedSettings]:
+    state_dir = tmp_path_factory.mktemp("pipeline")
+    settings = SharedSettings(
+        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
+    )
+    os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
+    children: list[ChildServer] = [
+        start_service(
+            module, settings, local_stack.kafka_bootstrap, local_stack.redis_url,
+            state_dir / "logs" / f"{module}.log",
+        )
+        for module in SERVICES
+    ]  # fmt: skip
+    yield settings
+    for child in children:
+        child.process.terminate()
+    for child in children:
+        child.stop(timeout_s=60)
+        print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")
+
+
+def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> JobSpec:
+    return JobSpec(
+        job_id=f"{name}-{new_id()[:8]}", tenant=f"tenant-{name}", base_model=base_model,
+        env=EnvSettings(name="arithmetic", seed=len(name)),
+        rl=RLSettings(
+            group_size=G, groups_per_step=B, max_steps=max_steps, max_staleness=max_staleness,
+            learning_rate=1e-3, max_context_tokens=128,
+            sampling=SamplingSettings(max_new_tokens=8),
+        ),
+    )  # fmt: skip
+
+
+async def duplicate_trajectories(bootstrap: str, job_id: str, stop: asyncio.Event) -> int:
+    """Re-send every trajectory of `job_id` once more, as a redelivering producer would."""
+    consumer = AIOKafkaConsumer(
+        Topic.TRAJECTORIES.value, bootstrap_servers=bootstrap, auto_offset_reset="earliest"
+    )
+    producer = Producer(bootstrap, client_id="duplicator")
+    await consumer.start()
+    await producer.start()
+    seen: set[str] = set()
+    try:
+        while not stop.is_set():
+            for records in (await consumer.getmany(timeout_ms=300)).values():
+                for record in records:
+                    trajectory = decode(Topic.TRAJECTORIES, record.value)
+                    assert isinstance(trajectory, Trajectory)
+                    if trajectory.job_id == job_id and trajectory.episode_id not in seen:
+                        seen.add(trajectory.episode_id)
+                        await producer.send(trajectory)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+    return len(seen)
+
+
+async def test_concurrent_jobs_run_to_max_steps(
+    services: SharedSettings, local_stack: LocalStack
+) -> None:
+    bootstrap = local_stack.kafka_bootstrap
+    base = services.base_model
+    lagging = job(base, "lagging", max_staleness=1, max_steps=3)
+    on_policy = job(base, "onpolicy", max_staleness=0, max_steps=3)
+    duplicated = job(base, "dup", max_staleness=1, max_steps=2)
+    rejected = JobSpec(
+        job_id=f"bad-{new_id()[:8]}", tenant="tenant-bad", base_model=base,
+        env=EnvSettings(name="no-such-env"),
+    )  # fmt: skip
+    specs = [lagging, on_policy, duplicated, rejected]
+    progress = {spec.job_id: JobProgress.of(spec) for spec in specs}
+    events: list[Event] = []
+    stop_duplicating = asyncio.Event()
+    duplicator = asyncio.create_task(
+        duplicate_trajectories(bootstrap, duplicated.job_id, stop_duplicating)
+    )
+    await submit_jobs(bootstrap, specs)
+    try:
+        await watch_jobs(bootstrap, progress, timeout_s=900, on_event=events.append)
+    finally:
+        stop_duplicating.set()
+        duplicated_count = await duplicator
+
+    assert progress[rejected.job_id].status == "rejected"
+    assert "unknown environment 'no-such-env'" in progress[rejected.job_id].reason
+
+    registry = await Registry.connect(local_stack.redis_url)
+    try:
+        for spec in (lagging, on_policy, duplicated):
+            job_events = [e for e in events if e.job_id == spec.job_id]
+            steps = [e for e in job_events if e.event == "step"]
+            assert progress[spec.job_id].status == "completed", job_events
+            # Adapter versions advance one at a time, each exactly once.
+            assert [e.step for e in steps] == list(range(1, spec.rl.max_steps + 1))
+            for event in steps:
+                assert event.metrics["staleness_max"] <= spec.rl.max_staleness
+                assert event.metrics["samples"] == G * B  # no trajectory trained twice
+            pointer = await registry.adapter(spec.job_id)
+            assert pointer is not None and pointer.version == spec.rl.max_steps
+            assert (Path(pointer.uri.removeprefix("file://")) / "adapter_config.json").is_file()
+            record = await registry.job(spec.job_id)
+            assert record is not None and record.status == "completed"
+    finally:
+        await registry.close()
+
+    # S = 0: every trained group was sampled with exactly the version being trained.
+    on_policy_steps = [e for e in events if e.job_id == on_policy.job_id and e.event == "step"]
+    assert all(e.metrics["staleness_max"] == 0 for e in on_policy_steps)
+    assert duplicated_count >= G * B * duplicated.rl.max_steps
