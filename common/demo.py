@@ -119,4 +119,4 @@ async def run_demo(
 
 
 def run(settings: SharedSettings, console: Console) -> Path:
-    return asyncio.run(run_demo(settings, runs_dir=Path("runs"), console=console))
+    return asyncio.run(run_demo(settings, runs_dir=Path("runs").resolve(), console=console))

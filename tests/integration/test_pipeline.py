@@ -30,7 +30,7 @@ from common.messages import (
 )
 from common.models import tiny_model
 from common.registry import Registry
-from common.stack import SERVICES, ChildServer, LocalStack, start_service
+from common.stack import SERVICES, LocalStack, start_services, stop_services
 
 pytestmark = pytest.mark.kafka
 
@@ -46,18 +46,12 @@ def services(
         state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
     )
     os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
-    children: list[ChildServer] = [
-        start_service(
-            module, settings, local_stack.kafka_bootstrap, local_stack.redis_url,
-            state_dir / "logs" / f"{module}.log",
-        )
-        for module in SERVICES
-    ]  # fmt: skip
+    children = start_services(
+        SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
+    )
     yield settings
+    stop_services(children)
     for child in children:
-        child.process.terminate()
-    for child in children:
-        child.stop(timeout_s=60)
         print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")
 
 

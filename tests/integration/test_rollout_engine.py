@@ -1,0 +1,226 @@
+"""rollout_svc.engine against vLLM's real CPU engine on the tiny random Llama.
+
+One engine serves the whole module (start-up takes ~15-30 s on 2 cores). The reference
+numbers come from transformers (+ peft) scoring the same tokens in float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from common.messages import GenerationRequest, GenerationResult, SamplingSettings, new_id
+from common.models import tiny_model
+from rollout_svc.engine import AdapterRef, ContextTooLongError, RolloutEngine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CONTEXT = [1, 504, 3458, 282, 2114, 30, 216, 34, 2]
+"""Any token ids will do: the model is random."""
+LOGPROB_TOLERANCE = 0.05
+"""vLLM computes in bfloat16, the reference in float32."""
+
+
+def make_adapter(base_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A PEFT LoRA (r=8, q/k/v/o) with seeded random lora_B, so it changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT initialises lora_B to zero: a no-op adapter
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def reference_logprobs(
+    base_dir: Path, context: list[int], completion: list[int], adapter_dir: Path | None = None
+) -> list[float]:
+    """transformers' float32 logprob of each completion token given everything before it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    tokens = torch.tensor([context + completion])
+    with torch.no_grad():
+        logits = model(tokens).logits[0].float()
+    logprobs_TV = torch.log_softmax(logits[len(context) - 1 : -1], dim=-1)
+    return logprobs_TV.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def request(
+    max_new_tokens: int = 8,
+    temperature: float = 0.0,
+    stop: list[str] | None = None,
+    context: list[int] = CONTEXT,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=new_id(), job_id="job", episode_id=new_id(), group_id="g", sample_index=0,
+        turn=0, context_token_ids=context, env_state=b"state",
+        sampling=SamplingSettings(
+            temperature=temperature, max_new_tokens=max_new_tokens, stop=stop or []
+        ),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, AdapterRef]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: AdapterRef(f"job-{name}", 1, str(make_adapter(base_dir, root / name, seed)))
+        for seed, name in enumerate(["a", "b", "c"], start=1)
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(base_dir: Path) -> AsyncIterator[RolloutEngine]:
+    rollout_engine = RolloutEngine(base_dir, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
+    await rollout_engine.start()
+    try:
+        yield rollout_engine
+    finally:
+        await rollout_engine.stop()
+
+
+async def test_greedy_generation_is_repeatable(engine: RolloutEngine) -> None:
+    first, second = [await engine.generate(request(max_new_tokens=12)) for _ in range(2)]
+    assert first.completion_token_ids == second.completion_token_ids
+    assert len(first.completion_token_ids) == 12
+    assert first.logprobs == pytest.approx(second.logprobs, abs=1e-6)
+    assert first.adapter_version == 0
+    assert first.env_state == b"state" and first.context_token_ids == CONTEXT
+
+
+async def test_logprobs_are_the_base_models_log_softmax(
+    engine: RolloutEngine, base_dir: Path
+) -> None:
+    sampled = await engine.generate(request(max_new_tokens=16, temperature=1.0))
+    assert len(sampled.logprobs) == len(sampled.completion_token_ids) > 0
+    expected = reference_logprobs(base_dir, CONTEXT, sampled.completion_token_ids)
+    assert sampled.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+async def test_each_request_in_a_batch_gets_its_own_adapter(
+    engine: RolloutEngine, adapters: dict[str, AdapterRef], base_dir: Path
+) -> None:
+    a, b = adapters["a"], adapters["b"]
+    batched = await asyncio.gather(
+        engine.generate(request(), None),
+        engine.generate(request(), a),
+        engine.generate(request(), b),
+    )
+    base_out, a_out, b_out = (r.completion_token_ids for r in batched)
+    assert [r.adapter_version for r in batched] == [0, 1, 1]
+    assert len({tuple(base_out), tuple(a_out), tuple(b_out)}) == 3
+    # Alone, each gives the same; the base request is the one vLLM 0.32's CPU kernels got
+    # wrong (it picked up a neighbour's adapter) before the engine's null-adapter work-around.
+    for adapter, out in ((None, base_out), (a, a_out), (b, b_out)):
+        assert (await engine.generate(request(), adapter)).completion_token_ids == out
+    # The batched logprobs are those of the adapter each request named, not its neighbours'.
+    for result, adapter in zip(batched, (None, a, b), strict=True):
+        adapter_dir = Path(adapter.path) if adapter is not None else None
+        expected = reference_logprobs(base_dir, CONTEXT, result.completion_token_ids, adapter_dir)
+        assert result.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+async def test_max_new_tokens_ends_with_length_and_stop_strings_with_stop(
+    engine: RolloutEngine, adapters: dict[str, AdapterRef], base_dir: Path
+) -> None:
+    long = await engine.generate(request(max_new_tokens=5, temperature=1.0), adapters["a"])
+    assert len(long.completion_token_ids) == len(long.logprobs) == 5
+    assert long.finish_reason == "length"
+
+    # The model is random, so take a stop string from what greedy decoding produces anyway.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    greedy = await engine.generate(request(max_new_tokens=8), adapters["a"])
+    stop_at = next(
+        i
+        for i, token_id in enumerate(greedy.completion_token_ids)
+        if i >= 2 and tokenizer.decode([token_id]).strip()
+    )
+    stop = tokenizer.decode([greedy.completion_token_ids[stop_at]]).strip()
+    stopped = await engine.generate(request(max_new_tokens=8, stop=[stop]), adapters["a"])
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_token_ids == greedy.completion_token_ids[: len(stopped.logprobs)]
+    assert len(stopped.completion_token_ids) <= stop_at + 1
+
+
+async def test_context_that_fills_max_model_len_is_rejected(engine: RolloutEngine) -> None:
+    with pytest.raises(ContextTooLongError):
+        await engine.generate(request(context=[5] * engine.max_model_len))
+    near_limit = await engine.generate(request(context=[5] * (engine.max_model_len - 3)))
+    assert len(near_limit.completion_token_ids) == 3
+    assert near_limit.finish_reason == "length"
+
+
+async def test_retire_waits_for_in_flight_requests(
+    engine: RolloutEngine, adapters: dict[str, AdapterRef]
+) -> None:
+    c = adapters["c"]
+    in_flight = asyncio.create_task(engine.generate(request(max_new_tokens=400), c))
+    lora_id = None
+    for _ in range(200):  # until the engine has loaded the adapter for this request
+        lora_id = engine.lora_int_id(c.job_id, c.version)
+        if lora_id is not None and lora_id in await engine.loaded_lora_ids():
+            break
+        await asyncio.sleep(0.01)
+    assert lora_id is not None and not in_flight.done()
+
+    await engine.retire(c.job_id, c.version)
+    assert not in_flight.done(), "the request must outlive this check; raise max_new_tokens"
+    assert lora_id in await engine.loaded_lora_ids()
+    assert engine.lora_int_id(c.job_id, c.version) == lora_id
+
+    result = await in_flight
+    assert result.finish_reason == "length" and result.adapter_version == c.version
+    assert lora_id not in await engine.loaded_lora_ids()
+    assert engine.lora_int_id(c.job_id, c.version) is None
+
+    # Idle adapters go at once; using a retired version later loads it again.
+    await engine.load(c)
+    reloaded_id = engine.lora_int_id(c.job_id, c.version)
+    assert reloaded_id is not None and reloaded_id != lora_id
+    assert reloaded_id in await engine.loaded_lora_ids()
+    await engine.retire(c.job_id, c.version)
+    assert reloaded_id not in await engine.loaded_lora_ids()
+
+
+async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, AdapterRef]) -> None:
+    tokens_before, busy_before = engine.generated_tokens, engine.busy_seconds
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results: list[GenerationResult] = await asyncio.gather(
+        *(
+            engine.generate(request(max_new_tokens=4 + i, temperature=1.0), adapter)
+            for i, adapter in enumerate([None, adapters["a"], adapters["b"], None])
+        )
+    )
+    wall = loop.time() - started
+    assert engine.in_flight == 0
+    assert engine.generated_tokens - tokens_before == sum(
+        len(r.completion_token_ids) for r in results
+    )
+    busy = engine.busy_seconds - busy_before
+    assert 0 < busy <= wall + 1e-3
+    assert all(r.queue_s >= 0 and r.generate_s > 0 for r in results)
+    assert all(r.queue_s + r.generate_s <= wall + 1e-3 for r in results)
