@@ -15,12 +15,20 @@ import pytest
 
 from common.bus import ensure_topics
 from common.messages import Topic
+from common.models import tiny_model
 from common.registry import Registry
 from common.stack import LocalStack, free_port
 
 pytestmark = pytest.mark.kafka
 
 MARLAAS = str(Path(sys.executable).parent / "marlaas")
+
+
+def descendants_of(pid: int) -> list[int]:
+    found = children_of(pid)
+    for child in list(found):
+        found += descendants_of(child)
+    return found
 
 
 def children_of(pid: int) -> list[int]:
@@ -63,8 +71,8 @@ def read_env_file(path: Path) -> dict[str, str]:
 @pytest.fixture
 def marlaas_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     process = subprocess.Popen(
-        [MARLAAS, "up"], env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+        [MARLAAS, "up", "--infra-only"], env=cli_env(tmp_path), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     env_file = tmp_path / "stack.env"
     deadline = time.monotonic() + 60
@@ -97,7 +105,11 @@ def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
     assert (tmp_path / "valkey").is_dir()  # Redis data lives under the state dir
 
     second = subprocess.run(
-        [MARLAAS, "up"], env=cli_env(tmp_path), capture_output=True, text=True, timeout=60
+        [MARLAAS, "up", "--infra-only"],
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert second.returncode == 1
     assert "already runs" in second.stdout and "Traceback" not in second.stdout + second.stderr
@@ -119,7 +131,11 @@ def test_up_uses_existing_servers_and_starts_nothing(
         MARLAAS_REDIS_URL=local_stack.redis_url,
     )
     process = subprocess.Popen(
-        [MARLAAS, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [MARLAAS, "up", "--infra-only"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         env_file = tmp_path / "stack.env"
@@ -156,3 +172,29 @@ def test_topics_create_against_a_running_broker(local_stack: LocalStack, tmp_pat
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "marlaas.trajectories: 12 partitions" in result.stdout
+
+
+def test_up_with_services_leaves_no_process_behind_after_ctrl_c(tmp_path: Path) -> None:
+    """Services, and the vLLM engine process under rollout_svc, all go with Ctrl-C."""
+    env = cli_env(tmp_path, MARLAAS_BASE_MODEL=str(tiny_model()), ROLLOUT_KV_CACHE_GIB="0.5")
+    process = subprocess.Popen(
+        [MARLAAS, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        rollout_log = tmp_path / "logs" / "rollout_svc.log"
+        deadline = time.monotonic() + 180
+        while "partitions assigned" not in (
+            rollout_log.read_text() if rollout_log.exists() else ""
+        ):
+            assert process.poll() is None and time.monotonic() < deadline, "rollout never ready"
+            time.sleep(0.5)
+        tree = descendants_of(process.pid)
+        names = {Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in tree}
+        assert sum(b"-m env_svc" in n or b"-m rollout_svc" in n or b"-m trainer_svc" in n
+                   for n in names) == 3  # fmt: skip
+        assert len(tree) > 5  # tansu, valkey, 3 services, and vLLM's engine process(es)
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert not [pid for pid in tree if alive(pid)]
