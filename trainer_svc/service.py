@@ -14,7 +14,7 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from common.config import SharedSettings, TrainerSettings
 from common.messages import AdapterUpdate, JobSpec, Topic, Trajectory, job_event
 from common.registry import DROPPED_GROUPS, TERMINAL_STATUSES, Registry
 from common.service import Service
+from trainer_svc.groups import Group, Verdict, verdict
 from trainer_svc.grpo import group_advantages
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -34,24 +35,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "trainer_svc"
 KEEP_CHECKPOINTS = 2
-
-
-@dataclass
-class Group:
-    """Trajectories of one group as they arrive, with the commits they hold."""
-
-    group_id: str
-    trajectories: dict[str, Trajectory] = field(default_factory=dict)
-    releases: list[Callable[[], None]] = field(default_factory=list)
-
-    def release(self) -> None:
-        for release in self.releases:
-            release()
-        self.releases.clear()
-
-    @property
-    def oldest_version(self) -> int:
-        return min(v for t in self.trajectories.values() for v in t.adapter_versions or [0])
 
 
 @dataclass
@@ -128,9 +111,8 @@ class TrainerService(Service):
         group = job.filling.setdefault(trajectory.group_id, Group(trajectory.group_id))
         if trajectory.episode_id in group.trajectories:
             return  # a duplicate of one we hold; the first copy's commit covers it
-        group.trajectories[trajectory.episode_id] = trajectory
-        group.releases.append(delivery.hold_commit())
-        if len(group.trajectories) >= trajectory.group_size:
+        group.add(trajectory, delivery.hold_commit())
+        if group.complete(trajectory.group_size):
             job.ready.append(job.filling.pop(group.group_id))
             self._wake.set()
 
@@ -197,18 +179,16 @@ class TrainerService(Service):
     async def _drop_unusable(self, job: OwnedJob) -> None:
         keep: deque[Group] = deque()
         for group in job.ready:
-            lag = job.version - group.oldest_version
-            valid = [t for t in group.trajectories.values() if not t.error]
-            if lag > job.spec.rl.max_staleness:
-                await self._drop(job, group, "dropped_stale", f"{lag} versions behind")
-            elif len(valid) < 2:
-                errors = {t.error for t in group.trajectories.values() if t.error}
-                await self._drop(job, group, "dropped_invalid", "; ".join(sorted(errors)))
-            else:
+            kind, reason = verdict(
+                group, trained_version=job.version, max_staleness=job.spec.rl.max_staleness
+            )
+            if kind == "train":
                 keep.append(group)
+            else:
+                await self._drop(job, group, kind, reason)
         job.ready = keep
 
-    async def _drop(self, job: OwnedJob, group: Group, kind: str, reason: str) -> None:
+    async def _drop(self, job: OwnedJob, group: Group, kind: Verdict, reason: str) -> None:
         registry = self._registry()
         job_id = job.spec.job_id
         await registry.incr_counter(job_id, DROPPED_GROUPS)
@@ -234,7 +214,7 @@ class TrainerService(Service):
         advantages: list[float] = []
         rewards: list[float] = []
         for group in groups:
-            valid = [t for t in group.trajectories.values() if not t.error]
+            valid = group.valid
             rewards_G = [t.reward for t in valid]
             advantages += group_advantages_list(rewards_G, std_normalize=rl.std_normalize)
             trajectories += valid

@@ -1,0 +1,65 @@
+"""trainer_svc.groups: which groups are trained and which are dropped, and why."""
+
+from __future__ import annotations
+
+from common.messages import Trajectory
+from trainer_svc.groups import Group, verdict
+
+
+def trajectory(
+    episode: str, versions: list[int], reward: float = 1.0, error: str = ""
+) -> Trajectory:
+    return Trajectory(
+        episode_id=episode, job_id="j", group_id="g", sample_index=0, group_size=3,
+        token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behaviour_logprobs=[0.0, -1.0, -1.0],
+        reward=reward, adapter_versions=versions, error=error,
+    )  # fmt: skip
+
+
+def group(*trajectories: Trajectory) -> tuple[Group, list[str]]:
+    released: list[str] = []
+    built = Group("g")
+    for t in trajectories:
+        built.add(t, lambda episode=t.episode_id: released.append(episode))
+    return built, released
+
+
+def test_the_oldest_turn_decides_staleness() -> None:
+    g, _ = group(trajectory("a", [3, 4]), trajectory("b", [4]), trajectory("c", [2, 4, 4]))
+    assert g.oldest_version == 2
+    assert verdict(g, trained_version=4, max_staleness=2) == ("train", "2 versions behind")
+    kind, reason = verdict(g, trained_version=5, max_staleness=2)
+    assert kind == "dropped_stale" and reason.startswith("3 versions behind")
+
+
+def test_on_policy_bound_accepts_only_the_current_version() -> None:
+    g, _ = group(trajectory("a", [7]), trajectory("b", [7]), trajectory("c", [7]))
+    assert verdict(g, trained_version=7, max_staleness=0)[0] == "train"
+    assert verdict(g, trained_version=8, max_staleness=0)[0] == "dropped_stale"
+
+
+def test_a_group_needs_two_rewarded_trajectories() -> None:
+    g, _ = group(
+        trajectory("a", [0]),
+        trajectory("b", [0], error="reward 'correct' failed: ZeroDivisionError"),
+        trajectory("c", [0], error="reward 'correct' failed: ZeroDivisionError"),
+    )
+    kind, reason = verdict(g, trained_version=0, max_staleness=1)
+    assert kind == "dropped_invalid"
+    assert reason == "1 rewarded trajectories; reward 'correct' failed: ZeroDivisionError"
+    g2, _ = group(
+        trajectory("a", [0]), trajectory("b", [0], reward=0.0), trajectory("c", [0], error="x")
+    )
+    assert verdict(g2, trained_version=0, max_staleness=1)[0] == "train"
+    assert [t.episode_id for t in g2.valid] == ["a", "b"]
+
+
+def test_completion_and_releasing_holds() -> None:
+    g, released = group(trajectory("a", [0]), trajectory("b", [0]))
+    assert not g.complete(3)
+    g.add(trajectory("c", [0]), lambda: released.append("c"))
+    assert g.complete(3)
+    g.release()
+    assert released == ["a", "b", "c"]
+    g.release()  # releasing twice commits nothing twice
+    assert released == ["a", "b", "c"]
