@@ -19,6 +19,7 @@ from rich.table import Table
 from common.config import SharedSettings
 from common.jobwatch import JobProgress, submit_jobs, watch_jobs
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from common.registry import Registry
 from common.stack import SERVICES, LocalStack
 
 REWARD_WINDOW = 3
@@ -105,6 +106,9 @@ async def run_demo(
                 stack.kafka_bootstrap, jobs, timeout_s=timeout_s,
                 on_event=lambda _: live.update(progress_table(jobs)),
             )  # fmt: skip
+        registry = await Registry.connect(stack.redis_url)
+        rollout_stats = await registry.stats("rollout:")
+        await registry.close()
     console.print(progress_table(jobs, final=True))
     summary = {
         "run_id": run_id,
@@ -112,6 +116,7 @@ async def run_demo(
         "wall_s": round(time.time() - started, 1),
         "reward_window_steps": REWARD_WINDOW,
         "jobs": [job.summary(REWARD_WINDOW) for job in jobs.values()],
+        "rollout_replicas": rollout_stats,
     }
     path = run_dir / "demo-summary.json"
     path.write_text(json.dumps(summary, indent=2))

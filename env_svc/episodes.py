@@ -220,7 +220,7 @@ def advance_episode(
     completion_ids = list(result.completion_token_ids)
     context_ids = list(result.context_token_ids)
     if result.finish_reason == "abort":
-        # An aborted completion is not what the policy would have written; re-issue instead.
+        # An aborted turn is not what the policy would have written: the episode ends here.
         raise EpisodeError(f"{result.request_id}: generation was aborted")
     if result.job_id != job.job_id or result.turn != carry.turn:
         raise EpisodeCarryError(f"{result.request_id}: result does not match its carry")
@@ -261,6 +261,27 @@ def advance_episode(
         job, result.episode_id, result.group_id, result.sample_index, context_ids, carry
     )
     return msgspec.structs.replace(follow_up, min_adapter_version=result.adapter_version)
+
+
+def failed_trajectory(job: JobSpec, result: GenerationResult, error: str) -> Trajectory:
+    """The end of an episode that cannot go on: recorded with its error, never scored.
+
+    It still completes its group, so the group's other samples are trained (or the group is
+    dropped as invalid and replaced) instead of waiting forever for the missing sample.
+    """
+    return Trajectory(
+        episode_id=result.episode_id,
+        job_id=result.job_id,
+        group_id=result.group_id,
+        sample_index=result.sample_index,
+        group_size=job.rl.group_size,
+        token_ids=list(result.context_token_ids),
+        loss_mask=[0] * len(result.context_token_ids),
+        behaviour_logprobs=[0.0] * len(result.context_token_ids),
+        reward=0.0,
+        error=error,
+        finished_at=time.time(),
+    )
 
 
 def _request(

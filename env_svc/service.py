@@ -18,16 +18,24 @@ from common.jobspec import JobSpecError, validate_job
 from common.messages import (
     AdapterUpdate,
     Event,
+    GenerationRequest,
     GenerationResult,
     JobCommand,
     JobSpec,
     Message,
     Topic,
+    Trajectory,
     job_event,
 )
 from common.registry import TRAINED_VERSION, JobRecord, Registry
 from common.service import Service
-from env_svc.episodes import ChatTokenizer, advance_episode, start_episode
+from env_svc.episodes import (
+    ChatTokenizer,
+    EpisodeError,
+    advance_episode,
+    failed_trajectory,
+    start_episode,
+)
 from env_svc.protocol import Environment, EnvSpecError, environment_for
 
 log = logging.getLogger(__name__)
@@ -106,8 +114,12 @@ class EnvService(Service):
             validate_job(
                 spec, base_model=self.shared.base_model, max_lora_rank=self.shared.max_lora_rank
             )
-            environment_for(spec.env)
-        except (JobSpecError, EnvSpecError) as exc:
+            # A first episode proves the environment, its params and the prompt length.
+            start_episode(
+                environment_for(spec.env), self.tokenizer, spec, group_id="probe",
+                group_index=0, sample_index=0,
+            )  # fmt: skip
+        except (JobSpecError, EnvSpecError, EpisodeError) as exc:
             log.warning("job %s (tenant %s) rejected: %s", spec.job_id, spec.tenant, exc)
             await self.producer.send(
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
@@ -180,7 +192,12 @@ class EnvService(Service):
         if record is None or record.status in ("cancelled", "completed", "failed"):
             return
         spec, env = self._job(record)
-        follow_up = advance_episode(env, self.tokenizer, spec, result)
+        follow_up: GenerationRequest | Trajectory
+        try:
+            follow_up = advance_episode(env, self.tokenizer, spec, result)
+        except EpisodeError as exc:
+            log.warning("job %s: episode %s failed: %s", spec.job_id, result.episode_id, exc)
+            follow_up = failed_trajectory(spec, result, str(exc))
         await self.producer.send(follow_up)
         await registry.mark_seen("results", result.job_id, result.request_id)
 

@@ -17,7 +17,14 @@ from typing import Any
 
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
-from common.messages import AdapterUpdate, DeadLetter, GenerationRequest, Topic, encode
+from common.messages import (
+    AdapterUpdate,
+    DeadLetter,
+    GenerationRequest,
+    GenerationResult,
+    Topic,
+    encode,
+)
 from common.registry import Registry
 from common.service import Service
 from rollout_svc.engine import AdapterRef, RolloutEngine
@@ -31,6 +38,17 @@ STATS_INTERVAL_S = 5.0
 def adapter_path(uri: str) -> str:
     """Local path of an artifact URI (`file:///...` or a plain path)."""
     return uri.removeprefix("file://")
+
+
+def aborted(request: GenerationRequest) -> GenerationResult:
+    """A result that tells env_svc this turn could not be sampled."""
+    return GenerationResult(
+        request_id=request.request_id, job_id=request.job_id, episode_id=request.episode_id,
+        group_id=request.group_id, sample_index=request.sample_index, turn=request.turn,
+        context_token_ids=request.context_token_ids, completion_token_ids=[], logprobs=[],
+        adapter_version=request.min_adapter_version, finish_reason="abort",
+        env_state=request.env_state,
+    )  # fmt: skip
 
 
 class RolloutService(Service):
@@ -117,20 +135,24 @@ class RolloutService(Service):
         self, request: GenerationRequest, release_commit: Callable[[], None]
     ) -> None:
         try:
-            result = await self.engine.generate(request, await self._adapter_for(request))
+            try:
+                result = await self.engine.generate(request, await self._adapter_for(request))
+            except Exception as exc:
+                log.exception("rollout_svc: request %s failed", request.request_id)
+                await self.producer.send(self._dead_letter(request, exc))
+                result = aborted(request)  # the episode ends with an error instead of hanging
             await self.producer.send(result)
-        except Exception as exc:
-            log.exception("rollout_svc: request %s failed", request.request_id)
-            await self.producer.send(
-                DeadLetter(
-                    source_topic=Topic.PROMPTS, source_partition=-1, source_offset=-1,
-                    source_key=request.episode_id.encode(), raw_value=encode(request),
-                    error=f"{type(exc).__name__}: {exc}", service=SERVICE, at=time.time(),
-                )
-            )  # fmt: skip
         finally:
             release_commit()
             self._slots.release()
+
+    @staticmethod
+    def _dead_letter(request: GenerationRequest, exc: Exception) -> DeadLetter:
+        return DeadLetter(
+            source_topic=Topic.PROMPTS, source_partition=-1, source_offset=-1,
+            source_key=request.episode_id.encode(), raw_value=encode(request),
+            error=f"{type(exc).__name__}: {exc}", service=SERVICE, at=time.time(),
+        )  # fmt: skip
 
     async def _adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
         current = self.latest.get(request.job_id)

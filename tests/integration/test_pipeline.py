@@ -103,7 +103,12 @@ async def test_concurrent_jobs_run_to_max_steps(
         job_id=f"bad-{new_id()[:8]}", tenant="tenant-bad", base_model=base,
         env=EnvSettings(name="no-such-env"),
     )  # fmt: skip
-    specs = [lagging, on_policy, duplicated, rejected]
+    too_long = JobSpec(
+        job_id=f"long-{new_id()[:8]}", tenant="tenant-bad", base_model=base,
+        env=EnvSettings(name="arithmetic"),
+        rl=RLSettings(max_context_tokens=24, sampling=SamplingSettings(max_new_tokens=8)),
+    )  # fmt: skip
+    specs = [lagging, on_policy, duplicated, rejected, too_long]
     progress = {spec.job_id: JobProgress.of(spec) for spec in specs}
     events: list[Event] = []
     stop_duplicating = asyncio.Event()
@@ -119,6 +124,8 @@ async def test_concurrent_jobs_run_to_max_steps(
 
     assert progress[rejected.job_id].status == "rejected"
     assert "unknown environment 'no-such-env'" in progress[rejected.job_id].reason
+    assert progress[too_long.job_id].status == "rejected"
+    assert "max_context_tokens" in progress[too_long.job_id].reason
 
     registry = await Registry.connect(local_stack.redis_url)
     try:

@@ -30,6 +30,7 @@ from env_svc.episodes import (
     advance_episode,
     decode_carry,
     encode_carry,
+    failed_trajectory,
     start_episode,
 )
 from env_svc.protocol import ChatMessage, Environment, Reward, environment_for
@@ -337,3 +338,22 @@ def test_bad_carry_and_results_raise_clear_errors(tokenizer: ChatTokenizer) -> N
         advance_episode(env, tokenizer, job, msgspec.structs.replace(result, logprobs=[]))
     with pytest.raises(EpisodeError, match="aborted"):
         advance_episode(env, tokenizer, job, msgspec.structs.replace(result, finish_reason="abort"))
+
+
+def test_a_failed_episode_still_completes_its_group_with_an_error(
+    tokenizer: ChatTokenizer,
+) -> None:
+    job = make_job("arithmetic")
+    env = environment_for(job.env)
+    request = start(env, tokenizer, job)
+    result = msgspec.structs.replace(
+        sample(tokenizer, request, "5", version=0), finish_reason="abort",
+        completion_token_ids=[], logprobs=[],
+    )  # fmt: skip
+    failed = failed_trajectory(job, result, "generation was aborted")
+    assert (failed.episode_id, failed.group_id, failed.group_size) == (
+        request.episode_id, request.group_id, job.rl.group_size,
+    )  # fmt: skip
+    assert failed.error == "generation was aborted" and failed.reward == 0.0
+    assert failed.token_ids == request.context_token_ids
+    assert sum(failed.loss_mask) == 0  # nothing in it is trained
