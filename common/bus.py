@@ -56,18 +56,31 @@ DEFAULT_RETRYABLE: tuple[type[BaseException], ...] = (RetryableError, Connection
 # --- topics -------------------------------------------------------------------------
 
 
-async def _start_admin(bootstrap: str, timeout_s: float) -> AIOKafkaAdminClient:
-    async def attempt() -> AIOKafkaAdminClient:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="marlaas-admin")
+C = TypeVar("C", AIOKafkaProducer, AIOKafkaConsumer, AIOKafkaAdminClient)
+
+
+async def _started(make: Callable[[], C], bootstrap: str, timeout_s: float) -> C:
+    """A started client, retried with back-off; a client whose start failed is closed."""
+
+    async def attempt() -> C:
+        client = make()
         try:
-            await admin.start()
+            await client.start()
         except BaseException:
-            await admin.close()
+            await (client.close() if isinstance(client, AIOKafkaAdminClient) else client.stop())
             raise
-        return admin
+        return client
 
     return await connect_with_backoff(
         "Kafka", bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+    )
+
+
+async def _start_admin(bootstrap: str, timeout_s: float) -> AIOKafkaAdminClient:
+    return await _started(
+        lambda: AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="marlaas-admin"),
+        bootstrap,
+        timeout_s,
     )
 
 
@@ -121,24 +134,17 @@ class Producer:
         self._producer: AIOKafkaProducer | None = None
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        async def attempt() -> AIOKafkaProducer:
-            producer = AIOKafkaProducer(
+        self._producer = await _started(
+            lambda: AIOKafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 client_id=self.client_id,
                 acks="all",
                 enable_idempotence=False,
                 linger_ms=5,
                 max_request_size=16 * 1024 * 1024,
-            )
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()
-                raise
-            return producer
-
-        self._producer = await connect_with_backoff(
-            "Kafka", self.bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+            ),
+            self.bootstrap,
+            timeout_s,
         )
 
     async def stop(self) -> None:
@@ -259,24 +265,17 @@ class ConsumerLoop(Generic[M]):
         return set(self._trackers)
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        async def attempt() -> AIOKafkaConsumer:
-            consumer = AIOKafkaConsumer(
+        self._consumer = await _started(
+            lambda: AIOKafkaConsumer(
                 bootstrap_servers=self.bootstrap,
                 group_id=self.group_id,
                 client_id=f"{self.service}-{self.group_id}",
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 max_poll_records=self._max_records,
-            )
-            try:
-                await consumer.start()
-            except BaseException:
-                await consumer.stop()
-                raise
-            return consumer
-
-        self._consumer = await connect_with_backoff(
-            "Kafka", self.bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+            ),
+            self.bootstrap,
+            timeout_s,
         )
         self._consumer.subscribe(self.topics, listener=_Rebalance(self))
 
@@ -503,22 +502,15 @@ class BroadcastReader(Generic[M]):
         self._stopping = asyncio.Event()
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        async def attempt() -> AIOKafkaConsumer:
-            consumer = AIOKafkaConsumer(
+        consumer = await _started(
+            lambda: AIOKafkaConsumer(
                 bootstrap_servers=self.bootstrap,
                 client_id=f"{self.service}-broadcast",
                 enable_auto_commit=False,
                 auto_offset_reset="latest",
-            )
-            try:
-                await consumer.start()
-            except BaseException:
-                await consumer.stop()
-                raise
-            return consumer
-
-        consumer = await connect_with_backoff(
-            "Kafka", self.bootstrap, attempt, timeout_s=timeout_s, retry_on=_CONNECT_ERRORS
+            ),
+            self.bootstrap,
+            timeout_s,
         )
         partitions = consumer.partitions_for_topic(self.topic)
         if not partitions:

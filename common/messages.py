@@ -207,6 +207,27 @@ class GenerationResult(_Wire, tag="generation_result"):
         return self.episode_id
 
 
+def result_for(
+    request: GenerationRequest,
+    *,
+    completion_token_ids: list[int],
+    logprobs: list[float],
+    adapter_version: int,
+    finish_reason: FinishReason,
+    queue_s: float = 0.0,
+    generate_s: float = 0.0,
+) -> GenerationResult:
+    """The answer to `request`: its ids and context echoed, with what was sampled."""
+    return GenerationResult(
+        request_id=request.request_id, job_id=request.job_id, episode_id=request.episode_id,
+        group_id=request.group_id, sample_index=request.sample_index, turn=request.turn,
+        context_token_ids=request.context_token_ids, env_state=request.env_state,
+        completion_token_ids=completion_token_ids, logprobs=logprobs,
+        adapter_version=adapter_version, finish_reason=finish_reason, queue_s=queue_s,
+        generate_s=generate_s,
+    )  # fmt: skip
+
+
 # --- marlaas.trajectories -------------------------------------------------------------
 
 

@@ -54,7 +54,7 @@ class ModelNotFoundError(ValueError):
     """Neither a known model name nor a local Hugging Face model directory."""
 
 
-def build_once(target: Path, marker: dict[str, object], build: Callable[[Path], None]) -> Path:
+def build_once(target: Path, marker: dict[str, object], build: Callable[[Path], object]) -> Path:
     """Return `target`, first running `build(tmp_dir)` unless `target` already matches `marker`.
 
     `build` writes into a fresh temporary directory next to `target`, which is renamed into

@@ -14,8 +14,9 @@ Every read-modify-write is one Lua script, so concurrent replicas cannot interle
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import msgspec
 from redis import asyncio as aioredis
@@ -208,7 +209,7 @@ class Registry:
         if not fields:
             return None
         return JobRecord(
-            spec=_spec_decoder.decode(fields["spec"]),
+            spec=_spec_decoder.decode(fields["spec"]),  # type: ignore[arg-type]
             status=_status(fields["status"]),
             reason=_text(fields["reason"]),
             created_at=float(fields["created_at"]),
@@ -263,7 +264,7 @@ class Registry:
         """Publish a replica's numbers under `stats:{name}`; they vanish if it stops reporting."""
         key = f"stats:{name}"
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=stats)
+            pipe.hset(key, mapping=dict(stats))  # type: ignore[arg-type]
             pipe.expire(key, ttl_s)
             await pipe.execute()
 
@@ -291,7 +292,7 @@ class Registry:
         await self._redis.srem(f"dedup:{scope}:{job_id}", item_id)
 
 
-def _pointer(job_id: str, fields: dict[bytes, bytes]) -> AdapterPointer:
+def _pointer(job_id: str, fields: Mapping[Any, Any]) -> AdapterPointer:
     values = {_text(k): _text(v) for k, v in fields.items()}
     return AdapterPointer(
         job_id=job_id,

@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.messages import FinishReason, GenerationRequest, GenerationResult, SamplingSettings
+from common.messages import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    result_for,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -318,19 +324,12 @@ class RolloutEngine:
             queue_s = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
         self.generated_tokens += len(token_ids)
         self.completed_requests += 1
-        return GenerationResult(
-            request_id=request.request_id,
-            job_id=request.job_id,
-            episode_id=request.episode_id,
-            group_id=request.group_id,
-            sample_index=request.sample_index,
-            turn=request.turn,
-            context_token_ids=request.context_token_ids,
+        return result_for(
+            request,
             completion_token_ids=token_ids,
             logprobs=logprobs,
             adapter_version=adapter.version if adapter is not None else 0,
             finish_reason=_finish_reason(completion.finish_reason),
-            env_state=request.env_state,
             queue_s=queue_s,
             generate_s=max(0.0, elapsed - queue_s),
         )

@@ -24,6 +24,7 @@ from common.messages import (
     GenerationResult,
     Topic,
     encode,
+    result_for,
 )
 from common.registry import Registry
 from common.service import Service
@@ -42,12 +43,9 @@ def adapter_path(uri: str) -> str:
 
 def aborted(request: GenerationRequest) -> GenerationResult:
     """A result that tells env_svc this turn could not be sampled."""
-    return GenerationResult(
-        request_id=request.request_id, job_id=request.job_id, episode_id=request.episode_id,
-        group_id=request.group_id, sample_index=request.sample_index, turn=request.turn,
-        context_token_ids=request.context_token_ids, completion_token_ids=[], logprobs=[],
+    return result_for(
+        request, completion_token_ids=[], logprobs=[],
         adapter_version=request.min_adapter_version, finish_reason="abort",
-        env_state=request.env_state,
     )  # fmt: skip
 
 

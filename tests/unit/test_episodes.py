@@ -20,6 +20,7 @@ from common.messages import (
     RLSettings,
     SamplingSettings,
     Trajectory,
+    result_for,
 )
 from env_svc.episodes import (
     ChatTokenizer,
@@ -70,19 +71,12 @@ def sample(
 ) -> GenerationResult:
     """What rollout_svc would send back had the model written `text` (canonical tokens)."""
     completion_ids = tokenizer.encode(text) + ([tokenizer.eos_token_id] if eos else [])
-    return GenerationResult(
-        request_id=request.request_id,
-        job_id=request.job_id,
-        episode_id=request.episode_id,
-        group_id=request.group_id,
-        sample_index=request.sample_index,
-        turn=request.turn,
-        context_token_ids=request.context_token_ids,
+    return result_for(
+        request,
         completion_token_ids=completion_ids,
         logprobs=[-0.01 * (i + 1) - version for i in range(len(completion_ids))],
         adapter_version=version,
         finish_reason="stop" if eos else "length",
-        env_state=request.env_state,
     )
 
 
