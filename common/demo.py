@@ -28,9 +28,12 @@ REWARD_WINDOW = 3
 
 def demo_jobs(base_model: str, run_id: str) -> list[JobSpec]:
     """Two tenants, each with an arithmetic job and a calculator (tool-use) job."""
+    # Measured: at lr 5e-4 with Dr. GRPO advantages arithmetic rose 0.09 -> 0.47 in one run
+    # but only 0.27 -> 0.41 in another; lr 1e-3 with std-normalised (GRPO) advantages
+    # moves faster from the rare early successes.
     arithmetic_rl = RLSettings(
-        group_size=8, groups_per_step=2, max_steps=12, max_staleness=1, learning_rate=5e-4,
-        max_context_tokens=256, sampling=SamplingSettings(max_new_tokens=16, stop=[]),
+        group_size=8, groups_per_step=2, max_steps=12, max_staleness=1, learning_rate=1e-3,
+        std_normalize=True, max_context_tokens=256, sampling=SamplingSettings(max_new_tokens=16),
     )  # fmt: skip
     calculator_rl = RLSettings(
         group_size=8, groups_per_step=2, max_steps=12, max_staleness=1, learning_rate=5e-4,

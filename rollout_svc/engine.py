@@ -23,15 +23,24 @@ How vLLM 0.32 runs here (read from its source, checked on a 2-core CPU machine):
   (open upstream fixes: vllm-project/vllm#48421, #49656; GPU kernels skip -1). On CPU we
   therefore serve base-model requests through a pinned all-zero rank-1 "null" adapter in
   one extra slot, so no request ever carries -1.
+  The LoRA path itself is costly on CPU (each token gathers its adapter's weights):
+  SmolLM2, 16 greedy requests, 1 thread: ~200 tok/s without LoRA, ~70 tok/s with any.
 - Thread binding on CPU: `VLLM_CPU_OMP_THREADS_BIND` (default `auto`: one OpenMP thread
   per physical core, minus `VLLM_CPU_NUM_OF_RESERVED_CPU` cores, default 1, left to the
-  scheduler and this process). `torch.set_num_threads` is disabled in the worker.
+  scheduler and this process). `torch.set_num_threads` is disabled in the worker. On 2
+  cores keep `auto` (1 thread on core 0): `0-1` is ~1.4x faster on an idle machine but
+  collapses (3-4x slower) when another process (the trainer) competes for the cores, and
+  `nobind` swings from normal to 0.6 tok/s.
+- Prompts go in as `TokensPrompt`; vLLM 0.32 logs once that raw prompts are deprecated in
+  favour of `engine.renderer.render_cmpl`, which older vLLM (GPU images) lacks.
 
 vllm is imported inside `start()`: services import this module before deciding to start.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -175,6 +184,7 @@ class RolloutEngine:
         self._adapters: dict[tuple[str, int], _LoadedAdapter] = {}
         self._lora_ids = itertools.count(1)  # vLLM rejects id 0
         self._request_seq = itertools.count()
+        self._engine_request_ids: set[str] = set()
         self.start_seconds = 0.0
         """Wall time `start()` took, warm-up request included."""
         self.generated_tokens = 0
@@ -183,6 +193,8 @@ class RolloutEngine:
         self._in_flight = 0
         self._busy_seconds = 0.0
         self._busy_since = 0.0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -233,8 +245,14 @@ class RolloutEngine:
         self.start_seconds = time.monotonic() - started
         log.info("vLLM engine for %s ready in %.1f s", self.model, self.start_seconds)
 
-    async def stop(self) -> None:
-        """Shut the engine and its processes down; requests still in flight fail."""
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Abort requests in flight (their `generate` returns finish_reason "abort"), then
+        shut the engine and its processes down."""
+        if self._engine is not None and self._engine_request_ids:
+            # Without this a pending generate() would wait forever on a dead engine.
+            await self._engine.abort(list(self._engine_request_ids))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
@@ -291,6 +309,7 @@ class RolloutEngine:
         engine_request_id = f"{request.request_id}#{next(self._request_seq)}"
         lora = self._acquire(adapter)
         self._enter()
+        self._engine_request_ids.add(engine_request_id)
         started = time.monotonic()
         try:
             final = None
@@ -302,6 +321,7 @@ class RolloutEngine:
             ):
                 final = output
         finally:
+            self._engine_request_ids.discard(engine_request_id)
             self._leave()
             await self._release(adapter)
         elapsed = time.monotonic() - started
@@ -436,12 +456,14 @@ class RolloutEngine:
     def _enter(self) -> None:
         if self._in_flight == 0:
             self._busy_since = time.monotonic()
+            self._idle.clear()
         self._in_flight += 1
 
     def _leave(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._busy_seconds += time.monotonic() - self._busy_since
+            self._idle.set()
 
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:

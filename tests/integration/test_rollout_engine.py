@@ -39,7 +39,7 @@ def make_adapter(base_dir: Path, out_dir: Path, seed: int) -> Path:
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:  # PEFT initialises lora_B to zero: a no-op adapter
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    peft_model.save_pretrained(out_dir)
+    peft_model.save_pretrained(str(out_dir))
     return out_dir
 
 
@@ -49,7 +49,7 @@ def reference_logprobs(
     """transformers' float32 logprob of each completion token given everything before it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -156,9 +156,9 @@ async def test_max_new_tokens_ends_with_length_and_stop_strings_with_stop(
     stop_at = next(
         i
         for i, token_id in enumerate(greedy.completion_token_ids)
-        if i >= 2 and tokenizer.decode([token_id]).strip()
+        if i >= 2 and str(tokenizer.decode([token_id])).strip()
     )
-    stop = tokenizer.decode([greedy.completion_token_ids[stop_at]]).strip()
+    stop = str(tokenizer.decode([greedy.completion_token_ids[stop_at]])).strip()
     stopped = await engine.generate(request(max_new_tokens=8, stop=[stop]), adapters["a"])
     assert stopped.finish_reason == "stop"
     assert stopped.completion_token_ids == greedy.completion_token_ids[: len(stopped.logprobs)]
@@ -224,3 +224,15 @@ async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, A
     assert 0 < busy <= wall + 1e-3
     assert all(r.queue_s >= 0 and r.generate_s > 0 for r in results)
     assert all(r.queue_s + r.generate_s <= wall + 1e-3 for r in results)
+
+
+async def test_stop_aborts_requests_in_flight(engine: RolloutEngine) -> None:
+    """Last in this module: it stops the shared engine (the fixture's stop is then a no-op)."""
+    in_flight = asyncio.create_task(engine.generate(request(max_new_tokens=900)))
+    await asyncio.sleep(0.5)
+    assert engine.in_flight == 1
+    await engine.stop()
+    result = await asyncio.wait_for(in_flight, timeout=10)  # without the abort: forever
+    assert result.finish_reason == "abort"
+    assert len(result.completion_token_ids) == len(result.logprobs) < 900
+    assert engine.in_flight == 0
