@@ -55,8 +55,7 @@ class EnvService(Service):
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
         self.registry: Registry | None = None
         self.consumer: ConsumerLoop[Message] | None = None
-        # Immutable per job, so caching them keeps replicas stateless in every way that matters.
-        self._jobs: dict[str, JobSpec] = {}
+        # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
 
     async def start(self) -> None:
@@ -211,6 +210,5 @@ class EnvService(Service):
     def _job(self, record: JobRecord) -> tuple[JobSpec, Environment[Any]]:
         job_id = record.spec.job_id
         if job_id not in self._envs:
-            self._jobs[job_id] = record.spec
             self._envs[job_id] = environment_for(record.spec.env)
-        return self._jobs[job_id], self._envs[job_id]
+        return record.spec, self._envs[job_id]
