@@ -7,13 +7,13 @@ import signal
 import sys
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from common.backoff import ServerUnreachable
+from common import cli_jobs
+from common.cli_support import USER_ERRORS, console, err_console, one_line_errors, options
 from common.config import SharedSettings, load
 from common.logs import setup_logging
-from common.stack import SERVICES, LocalStack, StackError
+from common.stack import SERVICES, LocalStack
 
 app = typer.Typer(
     help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",
@@ -23,11 +23,24 @@ app = typer.Typer(
 topics_app = typer.Typer(help="Kafka topics of MARLaaS.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 
-console = Console()
+cli_jobs.register(app)
 
 
-# Errors a user can cause or fix; printed as one line, never as a traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ServerUnreachable, StackError, ValueError, OSError)
+@app.callback()
+def _global_options(
+    connect_timeout_s: float = typer.Option(
+        options.connect_timeout_s,
+        "--connect-timeout",
+        min=0.1,
+        help="Seconds to wait for an unreachable Kafka or Redis before giving up.",
+    ),
+) -> None:
+    """MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.
+
+    Connection settings come from MARLAAS_KAFKA_BOOTSTRAP / MARLAAS_REDIS_URL, else from the
+    embedded stack's stack.env (`marlaas up`), else localhost defaults.
+    """
+    options.connect_timeout_s = connect_timeout_s
 
 
 def _stack_table(stack: LocalStack) -> Table:
@@ -70,6 +83,7 @@ async def _watch_children(stack: LocalStack) -> None:
 
 
 @app.command()
+@one_line_errors
 def up(
     infra_only: bool = typer.Option(
         False, "--infra-only", help="Start broker and Redis only, not the three services."
@@ -89,6 +103,7 @@ def up(
 
 
 @topics_app.command("create")
+@one_line_errors
 def topics_create(
     partitions: int = typer.Option(
         None, help="Partitions per topic (default: MARLAAS_TOPIC_PARTITIONS, 12)."
@@ -111,6 +126,7 @@ def topics_create(
 
 
 @app.command()
+@one_line_errors
 def demo() -> None:
     """The main job: 4 jobs of 2 tenants learning at once on the embedded stack.
 
@@ -129,8 +145,8 @@ def demo() -> None:
 def main() -> None:
     try:
         app()
-    except USER_ERRORS as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+    except USER_ERRORS as exc:  # raised outside a command (e.g. while loading settings)
+        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

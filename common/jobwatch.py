@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer
-
 from common.bus import Producer
-from common.messages import Event, JobSpec, MessageDecodeError, Topic, decode
-
-FINAL_STATES = frozenset({"completed", "failed", "rejected", "cancelled"})
+from common.eventlog import EventFeed
+from common.messages import Event, JobSpec
+from common.registry import TERMINAL_STATUSES
 
 
 @dataclass
@@ -27,40 +24,76 @@ class JobProgress:
     steps: int = 0
     rewards: list[float] = field(default_factory=list)
     """Mean reward of each trained step, in step order."""
+    step_at: list[float] = field(default_factory=list)
+    """When each step's event was sent (unix s), aligned with `rewards`."""
+    last_staleness: int = 0
     max_staleness_seen: int = 0
     dropped_groups: int = 0
     reason: str = ""
     submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    """When env_svc accepted the job."""
     finished_at: float | None = None
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobProgress:
-        return cls(spec.job_id, spec.tenant, spec.env.name, spec.rl.max_steps)
+        return cls(
+            spec.job_id, spec.tenant, spec.env.name, spec.rl.max_steps,
+            submitted_at=spec.submitted_at or time.time(),
+        )  # fmt: skip
 
     @property
     def done(self) -> bool:
-        return self.status in FINAL_STATES
+        return self.status in TERMINAL_STATUSES
 
     @property
     def wall_s(self) -> float:
         return (self.finished_at or time.time()) - self.submitted_at
 
+    @property
+    def latest_reward(self) -> float | None:
+        return self.rewards[-1] if self.rewards else None
+
+    @property
+    def best_reward(self) -> float | None:
+        return max(self.rewards) if self.rewards else None
+
+    def eta_s(self, now: float) -> float | None:
+        """Seconds to max_steps at the pace of the last few steps; None before a pace is known."""
+        if self.done or self.status == "paused" or not self.step_at or self.max_steps <= 0:
+            return None
+        recent = self.step_at[-6:]
+        if len(recent) >= 2:
+            per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
+        elif self.started_at is not None:
+            per_step = recent[0] - self.started_at
+        else:
+            return None
+        remaining = max(self.max_steps - self.steps, 0)
+        return max(per_step * remaining - (now - recent[-1]), 0.0)
+
     def apply(self, event: Event) -> None:
+        if self.tenant in ("", "-") and event.tenant:
+            self.tenant = event.tenant
         match event.event:
             case "step":
                 self.steps = max(self.steps, event.step)
                 self.rewards.append(event.metrics.get("mean_reward", float("nan")))
-                staleness = int(event.metrics.get("staleness_max", 0))
-                self.max_staleness_seen = max(self.max_staleness_seen, staleness)
-                self.status = "running"
+                self.step_at.append(event.at)
+                self.last_staleness = int(event.metrics.get("staleness_max", 0))
+                self.max_staleness_seen = max(self.max_staleness_seen, self.last_staleness)
+                if not self.done and self.status != "paused":
+                    self.status = "running"
             case "dropped_stale" | "dropped_invalid":
                 self.dropped_groups += 1
             case "accepted" | "resumed":
-                self.status = "running"
+                self.started_at = self.started_at or event.at
+                if not self.done:
+                    self.status = "running"
             case _:
                 self.status = event.event
                 self.reason = event.reason
-        if self.done:
+        if self.done and self.finished_at is None:
             self.finished_at = event.at or time.time()
 
     def reward_window(self, first: bool, window: int) -> float | None:
@@ -104,30 +137,13 @@ async def watch_jobs(
 
     Raises TimeoutError when they are not done within `timeout_s`.
     """
-    consumer = AIOKafkaConsumer(
-        Topic.EVENTS.value,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-    )
-    await consumer.start()
     deadline = time.monotonic() + timeout_s
-    try:
+    async with EventFeed(bootstrap, jobs) as feed:
         while not all(job.done for job in jobs.values()):
             if time.monotonic() > deadline:
                 pending = [j for j, p in jobs.items() if not p.done]
                 raise TimeoutError(f"jobs not finished after {timeout_s:.0f}s: {pending}")
-            batches = await consumer.getmany(timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    try:
-                        event = decode(Topic.EVENTS, record.value)
-                    except MessageDecodeError:
-                        continue  # env_svc dead-letters those; a watcher just skips them
-                    if isinstance(event, Event) and event.job_id in jobs:
-                        jobs[event.job_id].apply(event)
-                        if on_event is not None:
-                            on_event(event)
-            await asyncio.sleep(0)
-    finally:
-        await consumer.stop()
+            for event in await feed.poll(0.5):
+                jobs[event.job_id].apply(event)
+                if on_event is not None:
+                    on_event(event)

@@ -29,6 +29,17 @@ class Topic(StrEnum):
     DLQ = "marlaas.dlq"
 
 
+CONSUMED_TOPICS: dict[str, tuple[Topic, ...]] = {
+    "env_svc": (Topic.JOBS, Topic.ROLLOUTS, Topic.ADAPTERS, Topic.EVENTS),
+    "rollout_svc": (Topic.PROMPTS,),
+    "trainer_svc": (Topic.TRAJECTORIES,),
+}
+"""What each service reads in its consumer group (its lag is measured on these).
+
+rollout_svc also reads marlaas.adapters, outside any group (every replica reads every update).
+"""
+
+
 def new_id() -> str:
     """A random id, unique enough to de-duplicate on."""
     return uuid.uuid4().hex

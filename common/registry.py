@@ -33,6 +33,11 @@ ISSUED_GROUPS = "issued_groups"
 DROPPED_GROUPS = "dropped_groups"
 TRAINED_VERSION = "trained_version"
 
+STATS_HISTORY_SAMPLES = 20_000
+"""Samples kept per replica (one per 5 s report: over a day)."""
+STATS_HISTORY_TTL_S = 7 * 24 * 3600
+"""A stopped replica's history outlives it by a week, for reports of past runs."""
+
 
 def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
     """How many live groups a job may have issued: `(trained_version + S + 1) * B`.
@@ -261,11 +266,21 @@ class Registry:
     # --- service stats --------------------------------------------------------------
 
     async def put_stats(self, name: str, stats: dict[str, float], *, ttl_s: int) -> None:
-        """Publish a replica's numbers under `stats:{name}`; they vanish if it stops reporting."""
+        """Publish a replica's numbers under `stats:{name}`; they vanish if it stops reporting.
+
+        Each call also appends a timestamped sample to `stats-history:{name}` (a capped Redis
+        stream) for reports of utilisation and throughput over time.
+        """
         key = f"stats:{name}"
+        sample = {**stats, "at": time.time()}
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=dict(stats))  # type: ignore[arg-type]
             pipe.expire(key, ttl_s)
+            pipe.xadd(
+                f"stats-history:{name}", sample,  # type: ignore[arg-type]
+                maxlen=STATS_HISTORY_SAMPLES, approximate=True,
+            )  # fmt: skip
+            pipe.expire(f"stats-history:{name}", STATS_HISTORY_TTL_S)
             await pipe.execute()
 
     async def stats(self, prefix: str) -> dict[str, dict[str, float]]:
@@ -276,6 +291,16 @@ class Registry:
             found[_text(key).removeprefix("stats:")] = {
                 _text(k): float(v) for k, v in fields.items()
             }
+        return found
+
+    async def stats_history(self, prefix: str) -> dict[str, list[dict[str, float]]]:
+        """Time-ordered samples (each with `at`) of each replica whose name starts with `prefix`."""
+        found: dict[str, list[dict[str, float]]] = {}
+        async for key in self._redis.scan_iter(match=f"stats-history:{prefix}*", count=500):
+            entries = await self._redis.xrange(key)
+            found[_text(key).removeprefix("stats-history:")] = [
+                {_text(k): float(v) for k, v in fields.items()} for _, fields in entries
+            ]
         return found
 
     # --- de-duplication -------------------------------------------------------------

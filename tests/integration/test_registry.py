@@ -179,3 +179,15 @@ async def test_unreachable_redis_fails_with_its_address() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ServerUnreachable, match=f"Redis at {url} unreachable"):
         await Registry.connect(url, timeout_s=1.0)
+
+
+async def test_stats_keep_latest_values_and_a_time_ordered_history(registry: Registry) -> None:
+    replica = f"rollout:test-{new_id()[:8]}"
+    for busy_s in (1.0, 2.5, 4.0):
+        await registry.put_stats(replica, {"busy_s": busy_s, "uptime_s": 5.0}, ttl_s=60)
+    assert (await registry.stats(replica))[replica] == {"busy_s": 4.0, "uptime_s": 5.0}
+    history = (await registry.stats_history(replica))[replica]
+    assert [sample["busy_s"] for sample in history] == [1.0, 2.5, 4.0]
+    assert all(sample["uptime_s"] == 5.0 for sample in history)
+    times = [sample["at"] for sample in history]
+    assert times == sorted(times) and times[-1] - times[0] < 5

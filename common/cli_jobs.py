@@ -1,0 +1,226 @@
+"""`marlaas submit | status | pause | resume | cancel | logs | export | report`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.live import Live
+
+from common.cli_support import console, fail, one_line_errors, options, run
+from common.client import MarlaasClient
+from common.config import SharedSettings, load
+from common.jobfile import load_job_file
+from common.jobstatus import StatusSnapshot, event_cells, render
+from common.logs import setup_logging
+from common.messages import JobAction, JobSpec
+
+if TYPE_CHECKING:
+    from common.export import ExportedAdapter
+
+
+def _client() -> MarlaasClient:
+    # Retries are logged as warnings for services; a command reports only its final error.
+    setup_logging("ERROR")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    return MarlaasClient(load(SharedSettings), connect_timeout_s=options.connect_timeout_s)
+
+
+# --- submit ---------------------------------------------------------------------------
+
+
+@one_line_errors
+def submit(
+    files: Annotated[list[Path], typer.Argument(help="Job files (TOML): examples/jobs/*.toml")],
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the jobs until they end.")] = False,
+) -> None:
+    """Validate job files, produce them to marlaas.jobs and print the job ids.
+
+    Every file is checked before anything is sent: one bad file sends none.
+    """
+    settings = load(SharedSettings)
+    specs = [
+        load_job_file(path, base_model=settings.base_model, max_lora_rank=settings.max_lora_rank)
+        for path in files
+    ]
+    run(_submit(specs, wait))
+
+
+async def _submit(specs: list[JobSpec], wait: bool) -> None:
+    async with _client() as client:
+        await client.submit(specs)
+        for spec in specs:
+            console.print(spec.job_id, highlight=False)
+        if not wait:
+            return
+        snapshot = await _follow(client, specs, until_done=True)
+    unfinished = [row for row in snapshot.jobs if row.state != "completed"]
+    if unfinished:
+        fail("; ".join(f"job {r.progress.job_id} {r.state}: {r.progress.reason or '-'}"
+                       for r in unfinished))  # fmt: skip
+
+
+# --- status ---------------------------------------------------------------------------
+
+
+@one_line_errors
+def status(
+    job: Annotated[
+        str | None, typer.Argument(help="One job (adds its recent events); default: every job.")
+    ] = None,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print once and exit (default off a terminal).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+    interval_s: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes.")
+    ] = 2.0,
+) -> None:
+    """Every job's progress, reward, staleness and ETA; the services' lag and utilisation.
+
+    Live (refreshing until Ctrl-C) on a terminal. Reads marlaas.events and Redis only.
+    """
+    run(_status(job, once or as_json or not console.is_terminal, as_json, interval_s))
+
+
+async def _status(job: str | None, once: bool, as_json: bool, interval_s: float) -> None:
+    async with _client() as client:
+        job_ids = [job] if job else None
+        if once:
+            async with client.status_board(job_ids) as board:
+                snapshot = await board.snapshot()
+            if as_json:
+                console.print_json(json.dumps(snapshot.to_json()))
+            else:
+                console.print(render(snapshot, detail=job is not None))
+            return
+        await _follow(client, job_ids, until_done=False, interval_s=interval_s)
+
+
+async def _follow(
+    client: MarlaasClient,
+    jobs: list[str] | list[JobSpec] | None,
+    *,
+    until_done: bool,
+    interval_s: float = 2.0,
+) -> StatusSnapshot:
+    """A live view until Ctrl-C, or (until_done) until every job has ended."""
+    job_ids = None if jobs is None else [j if isinstance(j, str) else j.job_id for j in jobs]
+    detail = job_ids is not None and len(job_ids) == 1
+    async with client.status_board(job_ids) as board:
+        board.expect([j for j in jobs or [] if isinstance(j, JobSpec)])
+        snapshot = await board.snapshot()
+        with Live(render(snapshot, detail=detail), console=console, auto_refresh=False) as live:
+            while not (until_done and all(row.progress.done for row in snapshot.jobs)):
+                await asyncio.sleep(interval_s)
+                snapshot = await board.snapshot()
+                live.update(render(snapshot, detail=detail), refresh=True)
+    return snapshot
+
+
+# --- control --------------------------------------------------------------------------
+
+
+def _control(action: JobAction, help_text: str) -> Callable[..., None]:
+    @one_line_errors
+    def command(
+        job: Annotated[str, typer.Argument(help="The job id.")],
+        wait_s: Annotated[
+            float, typer.Option("--timeout", help="Seconds to wait for env_svc to apply it.")
+        ] = 30.0,
+    ) -> None:
+        state = run(_command(job, action, wait_s))
+        console.print(f"job {job}: {state}", highlight=False)
+
+    command.__doc__ = help_text
+    return command
+
+
+async def _command(job: str, action: JobAction, wait_s: float) -> str:
+    async with _client() as client:
+        return await client.command(job, action, wait_s=wait_s)
+
+
+# --- logs -----------------------------------------------------------------------------
+
+
+@one_line_errors
+def logs(
+    job: Annotated[str, typer.Argument(help="The job id.")],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
+    ] = False,
+) -> None:
+    """The job's events (accepted, steps with their metrics, drops, pauses, the end)."""
+    run(_logs(job, follow))
+
+
+async def _logs(job: str, follow: bool) -> None:
+    async with _client() as client:
+        if follow:
+            async for event in client.follow(job):
+                console.print("  ".join(event_cells(event)), highlight=False, soft_wrap=True)
+        else:
+            for event in await client.events(job):
+                console.print("  ".join(event_cells(event)), highlight=False, soft_wrap=True)
+
+
+# --- export / report ------------------------------------------------------------------
+
+
+@one_line_errors
+def export(
+    job: Annotated[str, typer.Argument(help="The job id.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write (empty or new).")],
+    version: Annotated[
+        int | None, typer.Option("--version", help="An earlier version still on disk.")
+    ] = None,
+) -> None:
+    """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM)."""
+    exported = run(_export(job, out, version))
+    console.print(
+        f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}", highlight=False
+    )
+
+
+async def _export(job: str, out: Path, version: int | None) -> ExportedAdapter:
+    async with _client() as client:
+        return await client.export(job, out, version=version)
+
+
+@one_line_errors
+def report(
+    out: Annotated[Path, typer.Option("--out", help="Directory for index.html, CSV, JSON.")],
+    jobs: Annotated[
+        list[str] | None, typer.Argument(help="Jobs to include; default: every job.")
+    ] = None,
+) -> None:
+    """A self-contained HTML report: reward, staleness, throughput and utilisation over time."""
+    started = time.monotonic()
+    index = run(_report(jobs or [], out))
+    console.print(f"report: {index} ({time.monotonic() - started:.1f}s)", highlight=False)
+
+
+async def _report(jobs: list[str], out: Path) -> Path:
+    async with _client() as client:
+        return await client.report(jobs, out)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(submit)
+    app.command()(status)
+    for action, text in [
+        ("pause", "Pause a job: no new groups are issued; those in flight finish."),
+        ("resume", "Resume a paused job."),
+        ("cancel", "Cancel a job for good; its adapters stay exportable."),
+    ]:
+        app.command(action)(_control(action, text))
+    app.command()(logs)
+    app.command()(export)
+    app.command()(report)

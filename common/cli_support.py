@@ -1,0 +1,71 @@
+"""What every `marlaas` command shares: consoles, the connect timeout, one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+from rich.console import Console
+
+from common.backoff import ServerUnreachable
+from common.registry import UnknownJobError
+from common.stack import StackError
+
+console = Console()
+err_console = Console(stderr=True)
+
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ServerUnreachable, StackError, UnknownJobError, KafkaError, RedisError, ValueError, OSError,
+)  # fmt: skip
+"""Errors a user can cause or fix: printed as one line, never as a traceback."""
+
+
+@dataclass
+class Options:
+    connect_timeout_s: float = 10.0
+    """How long a command waits for an unreachable broker or Redis before giving up."""
+
+
+options = Options()
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def one_line_errors(command: Callable[P, T]) -> Callable[P, T]:
+    """Turn a user error into `error: <text>` on stderr and exit code 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as exc:
+            fail(_one_line(exc))
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def fail(message: str) -> NoReturn:
+    err_console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coroutine)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, KafkaError):
+        return f"Kafka: {text}"
+    if isinstance(exc, RedisError):
+        return f"Redis: {text}"
+    return text

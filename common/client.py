@@ -1,0 +1,193 @@
+"""What tenants and operators do with MARLaaS, over Kafka and Redis only: the CLI's engine.
+
+Usable from Python as well:
+
+    async with MarlaasClient(load(SharedSettings)) as client:
+        await client.submit([load_job_file(path, base_model=...)])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Collection, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.bus import Producer
+from common.config import (
+    EnvServiceSettings,
+    RolloutSettings,
+    SharedSettings,
+    TrainerSettings,
+    load,
+)
+from common.eventlog import EventFeed
+from common.jobstatus import StatusBoard
+from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
+from common.registry import TERMINAL_STATUSES, JobRecord, Registry, UnknownJobError
+
+if TYPE_CHECKING:
+    from common.export import ExportedAdapter
+
+ACTION_STATES: dict[JobAction, str] = {
+    "pause": "paused", "resume": "running", "cancel": "cancelled",
+}  # fmt: skip
+"""The state a command moves a job to."""
+
+
+class JobStateError(ValueError):
+    """A command that does not apply to the job's current state."""
+
+
+class MarlaasClient:
+    def __init__(self, settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> None:
+        self.settings = settings
+        self.connect_timeout_s = connect_timeout_s
+        self._registry: Registry | None = None
+
+    async def __aenter__(self) -> MarlaasClient:
+        self._registry = await Registry.connect(
+            self.settings.redis_url, timeout_s=self.connect_timeout_s
+        )
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._registry is not None:
+            await self._registry.close()
+            self._registry = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            raise RuntimeError("use `async with MarlaasClient(...)`")
+        return self._registry
+
+    # --- jobs -------------------------------------------------------------------------
+
+    async def submit(self, specs: Sequence[JobSpec]) -> None:
+        """Produce every spec to marlaas.jobs; refuses ids that already exist (none is sent)."""
+        for spec in specs:
+            if (record := await self.registry.job(spec.job_id)) is not None:
+                raise JobStateError(
+                    f"job {spec.job_id!r} already exists ({record.status}); "
+                    "give the file another job_id or leave it out for a fresh one"
+                )
+        await self._send(*specs)
+
+    async def job(self, job_id: str) -> JobRecord:
+        record = await self.registry.job(job_id)
+        if record is None:
+            raise UnknownJobError(job_id)
+        return record
+
+    async def command(self, job_id: str, action: JobAction, *, wait_s: float = 30.0) -> str:
+        """Send pause/resume/cancel and wait until env_svc has applied it; returns the state."""
+        record = await self.job(job_id)
+        target = ACTION_STATES[action]
+        if record.status in TERMINAL_STATUSES:
+            raise JobStateError(f"job {job_id!r} is already {record.status}; nothing to {action}")
+        if record.status == target:
+            return target
+        await self._send(
+            JobCommand(command_id=new_id(), job_id=job_id, action=action, issued_at=time.time())
+        )
+        deadline = time.monotonic() + wait_s
+        while (status := (await self.job(job_id)).status) != target:
+            if status in TERMINAL_STATUSES:
+                return status  # it ended meanwhile (completed, or cancelled by someone else)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{action} of job {job_id!r} sent, but not applied within {wait_s:.0f}s "
+                    "(is env_svc running?)"
+                )
+            await asyncio.sleep(0.2)
+        return status
+
+    # --- events -----------------------------------------------------------------------
+
+    async def events(self, job_id: str) -> list[Event]:
+        """Every event of the job so far, oldest first."""
+        async with self._feed({job_id}) as feed:
+            events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
+        if not events and await self.registry.job(job_id) is None:
+            raise UnknownJobError(job_id)
+        return events
+
+    async def follow(self, job_id: str) -> AsyncIterator[Event]:
+        """The job's events so far, then each new one until the job ends."""
+        if await self.registry.job(job_id) is None and not await self.events(job_id):
+            raise UnknownJobError(job_id)
+        async with self._feed({job_id}) as feed:
+            async for event in feed.follow():
+                yield event
+                if event.event in TERMINAL_STATUSES and feed.caught_up:
+                    return
+
+    def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
+        return StatusBoard(
+            self.settings.kafka_bootstrap, self.registry, consumer_groups(),
+            job_ids=job_ids, timeout_s=self.connect_timeout_s,
+        )  # fmt: skip
+
+    # --- results ----------------------------------------------------------------------
+
+    async def export(
+        self, job_id: str, out_dir: Path, *, version: int | None = None
+    ) -> ExportedAdapter:
+        from common.export import export_adapter
+        from common.models import resolve_base_model
+
+        await self.job(job_id)
+        base_model_dir = await asyncio.to_thread(
+            resolve_base_model, self.settings.base_model, self.settings.cache_dir
+        )
+        return await export_adapter(
+            self.registry, job_id, out_dir, base_model_path=str(base_model_dir), version=version
+        )
+
+    async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
+        """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
+        from common.report import build_report, write_report
+
+        for job_id in job_ids:
+            await self.job(job_id)
+        async with self._feed(set(job_ids) or None) as feed:
+            events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
+        specs = {}
+        for job_id in set(job_ids) or {e.job_id for e in events} | set(
+            await self.registry.job_ids()
+        ):
+            if (record := await self.registry.job(job_id)) is not None:
+                specs[job_id] = record.spec
+        history = await self.registry.stats_history("rollout:")
+        report = build_report(
+            events, {name.removeprefix("rollout:"): samples for name, samples in history.items()},
+            specs=specs,
+        )  # fmt: skip
+        return write_report(report, out_dir)
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _feed(self, job_ids: Collection[str] | None) -> EventFeed:
+        return EventFeed(
+            self.settings.kafka_bootstrap, job_ids, connect_timeout_s=self.connect_timeout_s
+        )
+
+    async def _send(self, *messages: JobSpec | JobCommand) -> None:
+        producer = Producer(self.settings.kafka_bootstrap, client_id="marlaas-cli")
+        await producer.start(timeout_s=self.connect_timeout_s)
+        try:
+            for message in messages:
+                await producer.send(message)
+        finally:
+            await producer.stop()
+
+
+def consumer_groups() -> dict[str, str]:
+    """Each service's consumer group, as this machine's settings name them."""
+    return {
+        "env_svc": load(EnvServiceSettings).consumer_group,
+        "rollout_svc": load(RolloutSettings).consumer_group,
+        "trainer_svc": load(TrainerSettings).consumer_group,
+    }

@@ -1,0 +1,125 @@
+"""Job spec files (TOML) -> `JobSpec`, with errors that name the file and the field.
+
+A file holds the fields of `JobSpec` (common/messages.py) as TOML tables:
+
+    tenant = "acme"
+    [env]
+    name = "arithmetic"
+    [rl]
+    group_size = 8
+
+`job_id` may be omitted: each submission then gets a fresh id `<tenant>-<file stem>-<hex>`.
+`base_model` defaults to the deployment's. Checks beyond types are `common.jobspec`'s, and
+the environment's own for its params when the environment is installed here.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from common.jobspec import JobSpecError, validate_job
+from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, new_id
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be read or does not describe a valid job."""
+
+
+_TOP_LEVEL: dict[str, type] = {"job_id": str, "tenant": str, "base_model": str}
+_TABLES: dict[str, type[msgspec.Struct]] = {
+    "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings,
+}  # fmt: skip
+_REQUIRED = ("tenant", "env")
+
+
+def load_job_file(path: Path, *, base_model: str, max_lora_rank: int | None = None) -> JobSpec:
+    """Read, type-check and validate one job file; raises JobFileError('<file>: <field>: ...')."""
+    try:
+        return _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank)
+    except (JobFileError, JobSpecError) as exc:
+        raise JobFileError(f"{path}: {exc}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise JobFileError("no such file") from None
+    except IsADirectoryError:
+        raise JobFileError("is a directory, not a job file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobFileError(f"cannot read: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise JobFileError(f"invalid TOML: {exc}") from None
+
+
+def _spec_of(
+    data: dict[str, Any], stem: str, base_model: str, max_lora_rank: int | None
+) -> JobSpec:
+    unknown = sorted(set(data) - set(_TOP_LEVEL) - set(_TABLES))
+    if unknown:
+        allowed = ", ".join([*_TOP_LEVEL, *_TABLES])
+        raise JobFileError(f"{unknown[0]}: unknown field (a job file has {allowed})")
+    for name in _REQUIRED:
+        if name not in data:
+            raise JobFileError(f"{name}: missing (required)")
+    for name, kind in _TOP_LEVEL.items():
+        if name in data and not isinstance(data[name], kind):
+            raise JobFileError(f"{name}: expected {kind.__name__}, got {type(data[name]).__name__}")
+    parts = {name: _table(name, data[name], kind) for name, kind in _TABLES.items() if name in data}
+    tenant = data["tenant"]
+    spec = JobSpec(
+        job_id=data.get("job_id") or f"{tenant}-{stem}-{new_id()[:6]}",
+        tenant=tenant,
+        base_model=data.get("base_model", base_model),
+        submitted_at=time.time(),
+        **parts,
+    )
+    validate_job(spec, base_model=base_model, max_lora_rank=max_lora_rank)
+    _check_env_params(spec)
+    return spec
+
+
+def _check_env_params(spec: JobSpec) -> None:
+    """Environment params checked here when the environment is installed on this machine.
+
+    An environment only the deployment has (a plugin) is left to env_svc, which rejects a
+    bad one with the reason on `marlaas.events`.
+    """
+    from env_svc.protocol import EnvSpecError, UnknownEnvironmentError, environment_for
+
+    try:
+        environment_for(spec.env)
+    except UnknownEnvironmentError:
+        return
+    except EnvSpecError as exc:
+        raise JobFileError(f"env: {exc}") from None
+
+
+def _table(name: str, value: Any, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    if not isinstance(value, dict):
+        raise JobFileError(f"{name}: expected a table, got {type(value).__name__}")
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        raise JobFileError(_located(name, str(exc))) from None
+
+
+def _located(table: str, message: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.sampling.x`" -> "rl.sampling.x: expected..."."""
+    text, _, where = message.partition(" - at `$")
+    path = table + where.rstrip("`")
+    if text.startswith("Object contains unknown field `"):
+        field = text.removeprefix("Object contains unknown field `").rstrip("`")
+        return f"{path}.{field}: unknown field"
+    if text.startswith("Object missing required field `"):
+        field = text.removeprefix("Object missing required field `").rstrip("`")
+        return f"{path}.{field}: missing (required)"
+    return f"{path}: {text[:1].lower()}{text[1:].replace('`', '')}"

@@ -1,0 +1,302 @@
+"""`marlaas status`: every job's progress and the services' health, from Kafka and Redis only.
+
+Job progress comes from `marlaas.events` (read from the start, then followed); job state,
+flow-control counters and rollout replica stats from Redis; consumer lag from the broker.
+Nothing here talks to a service, so it works from any machine that reaches both servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from common.bus import group_lag
+from common.eventlog import EventFeed
+from common.jobwatch import JobProgress
+from common.messages import CONSUMED_TOPICS, Event, JobSpec
+from common.registry import (
+    DROPPED_GROUPS,
+    ISSUED_GROUPS,
+    TRAINED_VERSION,
+    Registry,
+    UnknownJobError,
+)
+
+RECENT_EVENTS = 200
+"""Events kept per job for `marlaas status JOB` and `--json`."""
+
+
+@dataclass
+class JobRow:
+    progress: JobProgress
+    state: str
+    """The registry's state when it knows the job (authoritative), else the events'."""
+    in_flight_episodes: int
+    """Episodes of groups issued but not yet trained or dropped."""
+    recent_events: list[Event] = field(default_factory=list)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        p = self.progress
+        return {
+            "job_id": p.job_id, "tenant": p.tenant, "env": p.env, "state": self.state,
+            "step": p.steps, "max_steps": p.max_steps, "latest_reward": p.latest_reward,
+            "best_reward": p.best_reward, "rewards": p.rewards, "staleness": p.last_staleness,
+            "max_staleness_seen": p.max_staleness_seen, "dropped_groups": p.dropped_groups,
+            "in_flight_episodes": self.in_flight_episodes, "eta_s": p.eta_s(now),
+            "reason": p.reason,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServiceLag:
+    service: str
+    group: str
+    lag: int
+    """Records on the service's topics not yet committed by its consumer group."""
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    name: str
+    utilisation: float
+    """Share of its uptime the engine had at least one request running."""
+    tokens_per_s: float
+    in_flight: int
+
+
+@dataclass
+class StatusSnapshot:
+    jobs: list[JobRow]
+    lags: list[ServiceLag]
+    replicas: list[ReplicaStats]
+    taken_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "taken_at": self.taken_at,
+            "jobs": [row.to_json(self.taken_at) for row in self.jobs],
+            "services": [lag.__dict__ for lag in self.lags],
+            "rollout_replicas": [replica.__dict__ for replica in self.replicas],
+        }
+
+
+class StatusBoard:
+    """Keeps following events between refreshes, so a live view reads each event once."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        registry: Registry,
+        consumer_groups: dict[str, str],
+        *,
+        job_ids: Collection[str] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.registry = registry
+        self.consumer_groups = consumer_groups
+        """Consumer group of each service, e.g. {"env_svc": "marlaas-env"}."""
+        self.job_ids = set(job_ids) if job_ids else None
+        self.timeout_s = timeout_s
+        self._feed = EventFeed(bootstrap, self.job_ids, connect_timeout_s=timeout_s)
+        self._progress: dict[str, JobProgress] = {}
+        self._events: dict[str, deque[Event]] = {}
+        self._last_tokens: dict[str, tuple[float, float]] = {}
+
+    async def start(self) -> None:
+        await self._feed.start()
+        self._apply(await self._feed.read_to_end(timeout_s=self.timeout_s * 3))
+
+    async def stop(self) -> None:
+        await self._feed.stop()
+
+    async def __aenter__(self) -> StatusBoard:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()
+
+    async def snapshot(self) -> StatusSnapshot:
+        self._apply(await self._feed.poll(0.05))
+        job_ids = self.job_ids or set(await self.registry.job_ids()) | set(self._progress)
+        rows = [await self._row(job_id) for job_id in sorted(job_ids)]
+        if self.job_ids:
+            for row, job_id in zip(rows, sorted(job_ids), strict=True):
+                if row is None:
+                    raise UnknownJobError(job_id)
+        lags, replicas = await asyncio.gather(self._lags(), self._replicas())
+        jobs = [row for row in rows if row is not None]
+        jobs.sort(key=lambda row: (row.progress.done, row.progress.submitted_at))
+        return StatusSnapshot(jobs=jobs, lags=lags, replicas=replicas, taken_at=time.time())
+
+    def expect(self, specs: Collection[JobSpec]) -> None:
+        """Jobs just submitted: shown as `submitted` until env_svc has registered them."""
+        for spec in specs:
+            self._progress.setdefault(spec.job_id, JobProgress.of(spec))
+
+    def _apply(self, events: list[Event]) -> None:
+        for event in events:
+            progress = self._progress.get(event.job_id)
+            if progress is None:
+                progress = JobProgress(event.job_id, event.tenant or "-", "-", 0)
+                progress.submitted_at = event.at
+                self._progress[event.job_id] = progress
+            progress.apply(event)
+            self._events.setdefault(event.job_id, deque(maxlen=RECENT_EVENTS)).append(event)
+
+    async def _row(self, job_id: str) -> JobRow | None:
+        record = await self.registry.job(job_id)
+        progress = self._progress.get(job_id)
+        if record is None and progress is None:
+            return None
+        if progress is None:
+            progress = JobProgress.of(record.spec)  # type: ignore[union-attr]
+            self._progress[job_id] = progress
+        in_flight = 0
+        state = progress.status
+        if record is not None:
+            spec = record.spec
+            progress.tenant, progress.env, progress.max_steps = (
+                spec.tenant, spec.env.name, spec.rl.max_steps,
+            )  # fmt: skip
+            state = record.status
+            if state in ("running", "paused"):
+                counters = await self.registry.counters(job_id)
+                live_groups = (
+                    counters.get(ISSUED_GROUPS, 0)
+                    - counters.get(DROPPED_GROUPS, 0)
+                    - counters.get(TRAINED_VERSION, 0) * spec.rl.groups_per_step
+                )
+                in_flight = max(live_groups, 0) * spec.rl.group_size
+        return JobRow(progress, state, in_flight, list(self._events.get(job_id, ())))
+
+    async def _lags(self) -> list[ServiceLag]:
+        async def one(service: str, group: str) -> ServiceLag:
+            partitions = await group_lag(
+                self.bootstrap, group, CONSUMED_TOPICS[service], timeout_s=self.timeout_s
+            )
+            return ServiceLag(service, group, sum(max(p.lag, 0) for p in partitions))
+
+        return list(await asyncio.gather(*(one(s, g) for s, g in self.consumer_groups.items())))
+
+    async def _replicas(self) -> list[ReplicaStats]:
+        replicas = []
+        for name, stats in sorted((await self.registry.stats("rollout:")).items()):
+            tokens, uptime = stats.get("generated_tokens", 0.0), stats.get("uptime_s", 0.0)
+            previous = self._last_tokens.get(name)
+            if previous is not None and uptime > previous[1]:
+                rate = (tokens - previous[0]) / (uptime - previous[1])  # since the last refresh
+            else:
+                rate = tokens / uptime if uptime > 0 else 0.0  # average since the replica began
+            self._last_tokens[name] = (tokens, uptime)
+            replicas.append(
+                ReplicaStats(
+                    name.removeprefix("rollout:"), stats.get("utilisation", 0.0), max(rate, 0.0),
+                    int(stats.get("in_flight", 0)),
+                )
+            )  # fmt: skip
+        return replicas
+
+
+# --- rendering --------------------------------------------------------------------------
+
+STATE_STYLES = {
+    "running": "green", "paused": "yellow", "completed": "bold green", "cancelled": "dim",
+    "rejected": "red", "failed": "bold red", "submitted": "cyan", "pending": "cyan",
+}  # fmt: skip
+
+
+def render(snapshot: StatusSnapshot, *, detail: bool = False) -> RenderableType:
+    """The jobs table, the services table and (with `detail`) each job's recent events."""
+    parts: list[RenderableType] = [_jobs_table(snapshot), _services_table(snapshot)]
+    if detail:
+        parts += [_events_table(row) for row in snapshot.jobs]
+    return Group(*parts)
+
+
+def _jobs_table(snapshot: StatusSnapshot) -> Table:
+    table = Table(
+        title=f"MARLaaS jobs — {time.strftime('%H:%M:%S')}", title_justify="left",
+        caption=None if snapshot.jobs else "no jobs yet: marlaas submit examples/jobs/*.toml",
+    )  # fmt: skip
+    table.add_column("job", no_wrap=True, overflow="fold")
+    for column in ("tenant", "env", "state", "progress"):
+        table.add_column(column)
+    for column in ("reward", "best", "stale", "in flight", "ETA"):
+        table.add_column(column, justify="right")
+    for row in snapshot.jobs:
+        p = row.progress
+        state = Text(row.state, style=STATE_STYLES.get(row.state, ""))
+        if p.reason and row.state in ("rejected", "failed"):
+            state.append(f": {p.reason}", style="dim")
+        total = max(p.max_steps, 1)
+        progress = Table.grid(padding=(0, 1))
+        progress.add_row(
+            ProgressBar(total=total, completed=min(p.steps, total), width=12),
+            f"{p.steps}/{p.max_steps or '?'}",
+        )
+        table.add_row(
+            p.job_id, p.tenant, p.env, state, progress, _reward(p.latest_reward),
+            _reward(p.best_reward), f"{p.last_staleness}/{p.max_staleness_seen}",
+            str(row.in_flight_episodes), _duration(p.eta_s(snapshot.taken_at)),
+        )  # fmt: skip
+    return table
+
+
+def _services_table(snapshot: StatusSnapshot) -> Table:
+    table = Table(
+        title="services", title_justify="left",
+        caption="stale: staleness of the last step / max seen; lag: records not yet committed",
+    )  # fmt: skip
+    for column in ("service", "consumer group", "lag", "engine busy", "tokens/s", "in engine"):
+        table.add_column(column)
+    for lag in snapshot.lags:
+        replicas = [r for r in snapshot.replicas] if lag.service == "rollout_svc" else []
+        if not replicas:
+            table.add_row(lag.service, lag.group, str(lag.lag), "", "", "")
+        for index, replica in enumerate(replicas):
+            table.add_row(
+                lag.service if index == 0 else "", lag.group if index == 0 else "",
+                str(lag.lag) if index == 0 else "",
+                f"{replica.utilisation:.0%} ({replica.name})", f"{replica.tokens_per_s:.1f}",
+                str(replica.in_flight),
+            )  # fmt: skip
+    return table
+
+
+def _events_table(row: JobRow) -> Table:
+    table = Table(title=f"recent events of {row.progress.job_id}", title_justify="left")
+    for column in ("time", "service", "event", "step", "details"):
+        table.add_column(column)
+    for event in row.recent_events[-15:]:
+        table.add_row(*event_cells(event))
+    return table
+
+
+def event_cells(event: Event) -> tuple[str, str, str, str, str]:
+    """One event as table cells / a log line: time, service, kind, step, reason or metrics."""
+    details = event.reason or " ".join(f"{k}={v:.4g}" for k, v in sorted(event.metrics.items()))
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
+    return stamp, event.service, event.event, str(event.step) if event.step else "", details
+
+
+def _reward(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
