@@ -16,6 +16,7 @@ from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import EnvServiceSettings, SharedSettings
 from common.jobspec import JobSpecError, validate_job
 from common.messages import (
+    CONSUMED_TOPICS,
     AdapterUpdate,
     Event,
     GenerationRequest,
@@ -23,7 +24,6 @@ from common.messages import (
     JobCommand,
     JobSpec,
     Message,
-    Topic,
     Trajectory,
     job_event,
 )
@@ -66,7 +66,7 @@ class EnvService(Service):
         self.consumer = ConsumerLoop[Message](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
-            topics=[Topic.JOBS, Topic.ROLLOUTS, Topic.ADAPTERS, Topic.EVENTS],
+            topics=CONSUMED_TOPICS[SERVICE],
             handler=self.handle,
             dead_letters=self.producer,
             service=SERVICE,

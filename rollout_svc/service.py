@@ -18,6 +18,7 @@ from typing import Any
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
 from common.messages import (
+    CONSUMED_TOPICS,
     AdapterUpdate,
     DeadLetter,
     GenerationRequest,
@@ -86,7 +87,7 @@ class RolloutService(Service):
         self.consumer = ConsumerLoop[GenerationRequest](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
-            topics=[Topic.PROMPTS],
+            topics=CONSUMED_TOPICS[SERVICE],
             handler=self.on_request,
             dead_letters=self.producer,
             service=SERVICE,

@@ -24,7 +24,7 @@ from aiokafka.structs import TopicPartition
 
 from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import SharedSettings, TrainerSettings
-from common.messages import AdapterUpdate, JobSpec, Topic, Trajectory, job_event
+from common.messages import CONSUMED_TOPICS, AdapterUpdate, JobSpec, Topic, Trajectory, job_event
 from common.registry import DROPPED_GROUPS, TERMINAL_STATUSES, Registry
 from common.service import Service
 from trainer_svc.groups import Group, Verdict, verdict
@@ -74,7 +74,7 @@ class TrainerService(Service):
         self.consumer = ConsumerLoop[Trajectory](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
-            topics=[Topic.TRAJECTORIES],
+            topics=CONSUMED_TOPICS[SERVICE],
             handler=self.on_trajectory,
             dead_letters=self.producer,
             service=SERVICE,
