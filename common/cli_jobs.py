@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 from rich.live import Live
 
 from common.cli_support import console, fail, one_line_errors, options, run
@@ -23,6 +24,10 @@ from common.messages import JobAction, JobSpec
 
 if TYPE_CHECKING:
     from common.export import ExportedAdapter
+
+
+PIPED_WIDTH = 200
+"""Columns of `status` output that does not go to a terminal."""
 
 
 def _client() -> MarlaasClient:
@@ -98,7 +103,9 @@ async def _status(job: str | None, once: bool, as_json: bool, interval_s: float)
             if as_json:
                 console.print_json(json.dumps(snapshot.to_json()))
             else:
-                console.print(render(snapshot, detail=job is not None))
+                # Piped output is read by people and scripts: never crop it to 80 columns.
+                out = console if console.is_terminal else Console(width=PIPED_WIDTH)
+                out.print(render(snapshot, detail=job is not None))
             return
         await _follow(client, job_ids, until_done=False, interval_s=interval_s)
 

@@ -135,10 +135,10 @@ class MarlaasClient:
     async def export(
         self, job_id: str, out_dir: Path, *, version: int | None = None
     ) -> ExportedAdapter:
+        await self.job(job_id)
         from common.export import export_adapter
         from common.models import resolve_base_model
 
-        await self.job(job_id)
         base_model_dir = await asyncio.to_thread(
             resolve_base_model, self.settings.base_model, self.settings.cache_dir
         )

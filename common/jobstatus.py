@@ -170,6 +170,7 @@ class StatusBoard:
                 spec.tenant, spec.env.name, spec.rl.max_steps,
             )  # fmt: skip
             state = record.status
+            progress.submitted_at = spec.submitted_at or progress.submitted_at
             if state in ("running", "paused"):
                 counters = await self.registry.counters(job_id)
                 live_groups = (
@@ -279,13 +280,20 @@ def _events_table(row: JobRow) -> Table:
     for column in ("time", "service", "event", "step", "details"):
         table.add_column(column)
     for event in row.recent_events[-15:]:
-        table.add_row(*event_cells(event))
+        table.add_row(*event_cells(event, brief=True))
     return table
 
 
-def event_cells(event: Event) -> tuple[str, str, str, str, str]:
+BRIEF_METRICS = ("mean_reward", "loss", "staleness_max", "tokens", "step_s")
+"""The step metrics `marlaas status JOB` shows; `marlaas logs` shows them all."""
+
+
+def event_cells(event: Event, *, brief: bool = False) -> tuple[str, str, str, str, str]:
     """One event as table cells / a log line: time, service, kind, step, reason or metrics."""
-    details = event.reason or " ".join(f"{k}={v:.4g}" for k, v in sorted(event.metrics.items()))
+    metrics = sorted(event.metrics.items())
+    if brief:
+        metrics = [(k, event.metrics[k]) for k in BRIEF_METRICS if k in event.metrics]
+    details = event.reason or " ".join(f"{k}={v:.4g}" for k, v in metrics)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
     return stamp, event.service, event.event, str(event.step) if event.step else "", details
 

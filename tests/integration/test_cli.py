@@ -1,0 +1,348 @@
+"""The `marlaas` CLI against a real broker and Redis, with a job's history written directly.
+
+Events and registry entries are produced here as the services would write them, so the
+numbers each command shows can be checked exactly. The commands that need running services
+(pause applied by env_svc, `submit --wait`, `export` of a trained adapter) are in
+test_cli_services.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from typer.testing import CliRunner
+
+from common.bus import Producer
+from common.cli import app
+from common.messages import (
+    EnvSettings,
+    JobCommand,
+    JobSpec,
+    Message,
+    RLSettings,
+    Topic,
+    decode,
+    job_event,
+    new_id,
+)
+from common.registry import DROPPED_GROUPS, ISSUED_GROUPS, Registry
+from common.stack import free_port
+
+pytestmark = pytest.mark.kafka
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "jobs"
+G, B = 4, 2
+REWARDS = [0.25, 0.5, 0.375]
+
+
+@pytest.fixture
+def cli(
+    monkeypatch: pytest.MonkeyPatch, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> Iterator[CliRunner]:
+    monkeypatch.setenv("MARLAAS_KAFKA_BOOTSTRAP", kafka_bootstrap)
+    monkeypatch.setenv("MARLAAS_REDIS_URL", redis_url)
+    monkeypatch.setenv("MARLAAS_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("MARLAAS_BASE_MODEL", raising=False)
+    yield CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["--connect-timeout", "2", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.stdout, result.stderr
+
+
+def spec(job_id: str, tenant: str = "acme", max_steps: int = 5) -> JobSpec:
+    return JobSpec(
+        job_id=job_id, tenant=tenant, base_model="smollm2-135m-instruct",
+        env=EnvSettings(name="arithmetic"),
+        rl=RLSettings(group_size=G, groups_per_step=B, max_steps=max_steps),
+        submitted_at=1.0,
+    )  # fmt: skip
+
+
+async def _with_registry(redis_url: str, work):  # type: ignore[no-untyped-def]
+    registry = await Registry.connect(redis_url, timeout_s=10)
+    try:
+        return await work(registry)
+    finally:
+        await registry.close()
+
+
+def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") -> JobSpec:
+    """A job 3 steps into 5, as env_svc and trainer_svc would have recorded it."""
+    job = spec(f"cli-{new_id()[:8]}")
+
+    async def write(registry: Registry) -> None:
+        await registry.register_job(job, status=status)  # type: ignore[arg-type]
+        await registry.incr_counter(job.job_id, ISSUED_GROUPS, 9)
+        await registry.incr_counter(job.job_id, DROPPED_GROUPS, 1)
+        await registry.advance_trained_version(job.job_id, len(REWARDS))
+        producer = Producer(kafka_bootstrap, client_id="test-history")
+        await producer.start()
+        events = [job_event(job.job_id, "accepted", "env_svc", tenant=job.tenant)]
+        for step, reward in enumerate(REWARDS, start=1):
+            metrics = {"mean_reward": reward, "staleness_max": float(step % 2), "loss": 0.1,
+                       "tokens": 640.0, "step_s": 2.0}  # fmt: skip
+            events.append(
+                job_event(
+                    job.job_id, "step", "trainer_svc", tenant=job.tenant, step=step, metrics=metrics
+                )
+            )
+        events.append(
+            job_event(
+                job.job_id,
+                "dropped_stale",
+                "trainer_svc",
+                tenant=job.tenant,
+                reason="group g7: 3 versions behind",
+            )
+        )
+        for event in events:
+            await producer.send(event)
+        await producer.send(events[1])  # a redelivered step event is counted once
+        await producer.stop()
+
+    asyncio.run(_with_registry(redis_url, write))
+    return job
+
+
+def topic_messages(kafka_bootstrap: str, topic: Topic) -> list[Message]:
+    async def read() -> list[Message]:
+        consumer = AIOKafkaConsumer(
+            topic.value, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        try:
+            batches = await consumer.getmany(timeout_ms=3000)
+            return [decode(topic, r.value) for rs in batches.values() for r in rs]
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(read())
+
+
+# --- submit ---------------------------------------------------------------------------
+
+
+def test_submit_sends_each_example_and_prints_its_id(cli: CliRunner, kafka_bootstrap: str) -> None:
+    files = sorted(EXAMPLES.glob("*.toml"))
+    code, out, _ = invoke(cli, "submit", *map(str, files))
+    assert code == 0
+    job_ids = out.split()
+    assert len(job_ids) == len(files)
+    sent = {m.job_id: m for m in topic_messages(kafka_bootstrap, Topic.JOBS)
+            if isinstance(m, JobSpec)}  # fmt: skip
+    for job_id, path in zip(job_ids, files, strict=True):
+        assert sent[job_id].env.name == path.stem
+
+
+def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    job_id = f"never-sent-{new_id()[:8]}"
+    good.write_text(f'job_id = "{job_id}"\n' + (EXAMPLES / "arithmetic.toml").read_text())
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        (EXAMPLES / "arithmetic.toml").read_text().replace("group_size = 8", "group_size = 1")
+    )
+    code, out, err = invoke(cli, "submit", str(good), str(bad))
+    assert code == 1 and out == ""
+    assert err.strip() == f"error: {bad}: rl.group_size: must be >= 2, got 1"
+    assert job_id not in {m.job_id for m in topic_messages(kafka_bootstrap, Topic.JOBS)
+                          if isinstance(m, JobSpec)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        ("tenant = 'a'\n[env\n", "invalid TOML: "),
+        ("tenant = 'a'\n[env]\nname = 'arithmetic'\n[rl]\ngroup_size = 1\n",
+         "rl.group_size: must be >= 2, got 1"),
+    ],
+)  # fmt: skip
+def test_submit_errors_are_one_line(
+    cli: CliRunner, tmp_path: Path, content: str | None, message: str
+) -> None:
+    path = tmp_path / "job.toml"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = invoke(cli, "submit", str(path))
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: {path}: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_submit_refuses_an_existing_job_id(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+    path = tmp_path / "again.toml"
+    path.write_text(f'job_id = "{job.job_id}"\n' + (EXAMPLES / "arithmetic.toml").read_text())
+    code, _, err = invoke(cli, "submit", str(path))
+    assert code == 1
+    assert f"job '{job.job_id}' already exists (running)" in err
+
+
+# --- status / logs --------------------------------------------------------------------
+
+
+def test_status_json_has_the_numbers_of_the_events_and_redis(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+    code, out, _ = invoke(cli, "status", job.job_id, "--json")
+    assert code == 0
+    (row,) = json.loads(out)["jobs"]
+    assert row["job_id"] == job.job_id and row["tenant"] == "acme" and row["env"] == "arithmetic"
+    assert row["state"] == "running"
+    assert (row["step"], row["max_steps"]) == (3, 5)
+    assert row["rewards"] == REWARDS
+    assert (row["latest_reward"], row["best_reward"]) == (REWARDS[-1], max(REWARDS))
+    assert (row["staleness"], row["max_staleness_seen"], row["dropped_groups"]) == (1, 1, 1)
+    # issued 9 groups, 1 dropped, 3 steps of B=2 trained: 2 groups of G=4 still in flight
+    assert row["in_flight_episodes"] == (9 - 1 - 3 * B) * G
+    assert row["eta_s"] is not None and row["eta_s"] >= 0
+    services = {s["service"]: s for s in json.loads(out)["services"]}
+    assert set(services) == {"env_svc", "rollout_svc", "trainer_svc"}
+
+
+def test_status_table_shows_every_job_including_rejected_ones(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+    rejected = f"cli-rejected-{new_id()[:6]}"
+
+    async def reject() -> None:
+        producer = Producer(kafka_bootstrap, client_id="test")
+        await producer.start()
+        await producer.send(job_event(rejected, "rejected", "env_svc", tenant="globex",
+                                      reason="rl.group_size: must be >= 2, got 1"))  # fmt: skip
+        await producer.stop()
+
+    asyncio.run(reject())
+    code, out, _ = invoke(cli, "status", "--once")
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if job.job_id[:10] in ln)
+    assert "3/5" in line and "0.375" in line and "0.500" in line and "running" in line
+    assert rejected[:10] in out and "rejected" in out
+
+
+def test_logs_prints_each_event_once_with_its_metrics(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+    code, out, _ = invoke(cli, "logs", job.job_id)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert [ln.split()[3] for ln in lines] == ["accepted", "step", "step", "step", "dropped_stale"]
+    steps = [ln for ln in lines if " step " in ln]
+    assert [float(re.search(r"mean_reward=(\S+)", ln).group(1)) for ln in steps] == REWARDS  # type: ignore[union-attr]
+    assert "group g7: 3 versions behind" in lines[-1]
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "pause", "resume", "cancel", "export"])
+def test_an_unknown_job_is_one_line_and_exit_1(cli: CliRunner, command: str) -> None:
+    args = [command, "no-such-job"] + (["--out", "x"] if command == "export" else [])
+    code, _, err = invoke(cli, *args)
+    assert code == 1
+    assert err == "error: unknown job 'no-such-job'\n"
+
+
+# --- control --------------------------------------------------------------------------
+
+
+def test_pause_sends_a_command_and_says_when_nobody_applies_it(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+    code, _, err = invoke(cli, "pause", job.job_id, "--timeout", "1")
+    assert code == 1
+    assert "pause of job" in err and "not applied within 1s (is env_svc running?)" in err
+    commands = [m for m in topic_messages(kafka_bootstrap, Topic.JOBS)
+                if isinstance(m, JobCommand) and m.job_id == job.job_id]  # fmt: skip
+    assert [c.action for c in commands] == ["pause"]
+
+
+def test_a_finished_job_cannot_be_paused(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url, status="completed")
+    code, _, err = invoke(cli, "pause", job.job_id)
+    assert code == 1
+    assert err == f"error: job '{job.job_id}' is already completed; nothing to pause\n"
+
+
+# --- unreachable servers --------------------------------------------------------------
+
+
+def test_unreachable_kafka_names_its_address(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MARLAAS_KAFKA_BOOTSTRAP", address)
+    code, _, err = invoke(cli, "submit", str(EXAMPLES / "arithmetic.toml"))
+    assert code == 1
+    assert err.startswith(f"error: Kafka at {address} unreachable after 2s")
+    assert err.count("\n") == 1
+
+
+def test_unreachable_redis_names_its_address(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.setenv("MARLAAS_REDIS_URL", url)
+    code, _, err = invoke(cli, "status")
+    assert code == 1
+    assert err.startswith(f"error: Redis at {url} unreachable after 2s")
+    assert err.count("\n") == 1
+
+
+# --- report ---------------------------------------------------------------------------
+
+
+class _Charts(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.series: dict[tuple[str, str], list[list[float]]] = {}
+        self._chart = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "svg" and found.get("data-chart"):
+            self._chart = found["data-chart"] or ""
+        if "data-series" in found and "data-values" in found:
+            self.series[(self._chart, found["data-series"] or "")] = json.loads(
+                found["data-values"] or "[]"
+            )
+
+
+def test_report_plots_the_rewards_of_the_events(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    job = history(kafka_bootstrap, redis_url)
+
+    async def rollout_stats(registry: Registry) -> None:
+        for second in (5.0, 10.0):
+            stats = {"busy_s": second / 2, "uptime_s": second, "utilisation": 0.5,
+                     "generated_tokens": 100 * second, "in_flight": 3.0}  # fmt: skip
+            await registry.put_stats(f"rollout:cli-test-{job.job_id}", stats, ttl_s=60)
+
+    asyncio.run(_with_registry(redis_url, rollout_stats))
+    code, out, _ = invoke(cli, "report", job.job_id, "--out", str(tmp_path / "report"))
+    assert code == 0 and "index.html" in out
+    html = (tmp_path / "report" / "index.html").read_text()
+    charts = _Charts()
+    charts.feed(html)
+    assert [y for _, y in charts.series[("reward", job.job_id)]] == REWARDS
+    assert [x for x, _ in charts.series[("reward", job.job_id)]] == [1, 2, 3]
+    assert ("utilisation", f"cli-test-{job.job_id}") in charts.series
+    assert (tmp_path / "report" / "steps.csv").read_text().count(job.job_id) == len(REWARDS)

@@ -1,0 +1,105 @@
+"""Job files (TOML): the examples are valid, and every mistake is named with file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.jobfile import JobFileError, load_job_file
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "jobs"
+BASE = "smollm2-135m-instruct"
+
+GOOD = """
+tenant = "acme"
+[env]
+name = "arithmetic"
+params = { max_operand = 20 }
+[rl]
+group_size = 4
+max_steps = 3
+[rl.sampling]
+max_new_tokens = 8
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_example_is_a_valid_job(path: Path) -> None:
+    spec = load_job_file(path, base_model=BASE, max_lora_rank=16)
+    assert spec.env.name == path.stem  # one example per built-in environment
+    assert spec.job_id.startswith(f"{spec.tenant}-{path.stem}-")
+    assert spec.base_model == BASE and spec.submitted_at > 0
+
+
+def test_examples_cover_every_built_in_environment() -> None:
+    from env_svc.protocol import available_environments
+
+    assert {p.stem for p in EXAMPLES.glob("*.toml")} == set(available_environments())
+
+
+def test_fields_map_onto_the_job_spec_and_defaults_fill_the_rest(tmp_path: Path) -> None:
+    spec = load_job_file(write(tmp_path, GOOD), base_model=BASE)
+    assert (spec.tenant, spec.env.params, spec.rl.group_size, spec.rl.max_steps) == (
+        "acme", {"max_operand": 20}, 4, 3,
+    )  # fmt: skip
+    assert spec.rl.sampling.max_new_tokens == 8 and spec.rl.sampling.temperature == 1.0
+    assert spec.lora.rank == 8  # the default LoraSettings
+
+
+def test_without_job_id_each_load_gets_a_fresh_id_and_with_one_it_is_kept(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD)
+    assert (
+        load_job_file(path, base_model=BASE).job_id != load_job_file(path, base_model=BASE).job_id
+    )
+    fixed = write(tmp_path, 'job_id = "my-run"\n' + GOOD, "fixed.toml")
+    assert load_job_file(fixed, base_model=BASE).job_id == "my-run"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (GOOD.replace("group_size = 4", "group_size = 1"), "rl.group_size: must be >= 2, got 1"),
+        (GOOD.replace("group_size = 4", 'group_size = "4"'),
+         "rl.group_size: expected int, got str"),
+        (GOOD.replace("max_new_tokens = 8", "max_new_tokens = 8\ntopk = 3"),
+         "rl.sampling.topk: unknown field"),
+        (GOOD.replace("[rl]", "[rl]\nlearning_rate = 2.0"),
+         "rl.learning_rate: must be in (0, 1), got 2.0"),
+        (GOOD.replace('tenant = "acme"', ""), "tenant: missing (required)"),
+        (GOOD.replace('tenant = "acme"', "tenant = 3"), "tenant: expected str, got int"),
+        (GOOD.replace('name = "arithmetic"', 'seed = 1'), "env.name: missing (required)"),
+        ("colour = 'red'\n" + GOOD, "colour: unknown field"),
+        (GOOD.replace("max_operand = 20", "max_operand = 'x'"),
+         "env: environment 'arithmetic': bad param 'max_operand'"),
+        ('base_model = "llama-70b"\n' + GOOD, "base_model: this deployment serves"),
+        (GOOD + "[lora]\nrank = 64\n", "lora.rank: 64 exceeds the rollout engine's max_lora_rank"),
+        ("tenant = 'a'\nenv = 'arithmetic'\n", "env: expected a table, got str"),
+        ("tenant = \n", "invalid TOML: "),
+    ],
+)  # fmt: skip
+def test_mistakes_are_named_by_file_and_field(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(JobFileError) as caught:
+        load_job_file(path, base_model=BASE, max_lora_rank=16)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_environment_only_the_deployment_has_is_left_to_env_svc(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.replace('name = "arithmetic"', 'name = "my-plugin-env"'))
+    assert load_job_file(path, base_model=BASE).env.name == "my-plugin-env"
+
+
+def test_unreadable_paths_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(JobFileError, match="no such file"):
+        load_job_file(tmp_path / "missing.toml", base_model=BASE)
+    with pytest.raises(JobFileError, match="is a directory"):
+        load_job_file(tmp_path, base_model=BASE)
