@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,3 +48,29 @@ def kafka_bootstrap(local_stack: LocalStack) -> str:
 @pytest.fixture
 def redis_url(local_stack: LocalStack) -> str:
     return local_stack.redis_url
+
+
+@pytest.fixture(scope="session")
+def pipeline_services(
+    local_stack: LocalStack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedSettings]:
+    """env_svc, rollout_svc (vLLM CPU) and trainer_svc as processes on the tiny model.
+
+    Session-scoped: starting vLLM takes tens of seconds, and jobs of different tests are
+    independent (unique job ids), as tenants' jobs are in production.
+    """
+    from common.models import tiny_model
+    from common.stack import SERVICES, start_services, stop_services
+
+    state_dir = tmp_path_factory.mktemp("services")
+    settings = SharedSettings(
+        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
+    )
+    os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
+    children = start_services(
+        SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
+    )
+    yield settings
+    stop_services(children)
+    for child in children:
+        print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")

@@ -1,0 +1,145 @@
+"""The CLI driving real services on the tiny model: submit --wait, control, export, report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from common.cli import app
+from common.config import SharedSettings
+from common.registry import ISSUED_GROUPS, Registry
+from common.stack import LocalStack
+
+pytestmark = pytest.mark.kafka
+
+JOB_FILE = """
+tenant = "cli-tenant"
+base_model = "{base_model}"
+{job_id}
+[env]
+name = "arithmetic"
+seed = 5
+[rl]
+group_size = 4
+groups_per_step = 1
+max_steps = {max_steps}
+max_staleness = 1
+learning_rate = 1e-3
+max_context_tokens = 128
+[rl.sampling]
+max_new_tokens = 8
+"""
+
+
+@pytest.fixture
+def cli(
+    monkeypatch: pytest.MonkeyPatch,
+    local_stack: LocalStack,
+    pipeline_services: SharedSettings,
+) -> CliRunner:
+    monkeypatch.setenv("MARLAAS_KAFKA_BOOTSTRAP", local_stack.kafka_bootstrap)
+    monkeypatch.setenv("MARLAAS_REDIS_URL", local_stack.redis_url)
+    monkeypatch.setenv("MARLAAS_STATE_DIR", str(pipeline_services.state_dir))
+    monkeypatch.setenv("MARLAAS_ARTIFACT_DIR", str(pipeline_services.artifacts))
+    monkeypatch.setenv("MARLAAS_BASE_MODEL", pipeline_services.base_model)
+    return CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["--connect-timeout", "5", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.stdout, result.stderr
+
+
+def job_file(tmp_path: Path, base_model: str, *, max_steps: int, job_id: str = "") -> Path:
+    path = tmp_path / f"job-{max_steps}.toml"
+    path.write_text(
+        JOB_FILE.format(
+            base_model=base_model, max_steps=max_steps,
+            job_id=f'job_id = "{job_id}"' if job_id else "",
+        )
+    )  # fmt: skip
+    return path
+
+
+def registry_value(redis_url: str, read):  # type: ignore[no-untyped-def]
+    async def run():  # type: ignore[no-untyped-def]
+        registry = await Registry.connect(redis_url, timeout_s=10)
+        try:
+            return await read(registry)
+        finally:
+            await registry.close()
+
+    return asyncio.run(run())
+
+
+def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
+    cli: CliRunner, pipeline_services: SharedSettings, tmp_path: Path
+) -> None:
+    path = job_file(tmp_path, pipeline_services.base_model, max_steps=2)
+    code, out, err = invoke(cli, "submit", str(path), "--wait")
+    assert code == 0, err
+    job_id = out.split()[0]
+    assert job_id.startswith("cli-tenant-job-2-")
+
+    code, out, _ = invoke(cli, "status", job_id, "--json")
+    (row,) = json.loads(out)["jobs"]
+    assert (row["state"], row["step"], row["max_steps"], row["in_flight_episodes"]) == (
+        "completed", 2, 2, 0,
+    )  # fmt: skip
+    assert len(row["rewards"]) == 2
+
+    out_dir = tmp_path / "exported"
+    code, out, err = invoke(cli, "export", job_id, "--out", str(out_dir))
+    assert code == 0, err
+    assert f"adapter v2 -> {out_dir}" in out
+    config = json.loads((out_dir / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == pipeline_services.base_model
+    assert (out_dir / "adapter_model.safetensors").stat().st_size > 0
+    code, _, err = invoke(cli, "export", job_id, "--out", str(out_dir))
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1  # not empty
+
+    code, out, err = invoke(cli, "report", job_id, "--out", str(tmp_path / "report"))
+    assert code == 0, err
+    steps_csv = (tmp_path / "report" / "steps.csv").read_text().strip().splitlines()
+    assert len(steps_csv) == 1 + 2  # header + one row per step
+
+
+def test_pause_resume_cancel_are_applied_by_env_svc(
+    cli: CliRunner, pipeline_services: SharedSettings, local_stack: LocalStack, tmp_path: Path
+) -> None:
+    path = job_file(tmp_path, pipeline_services.base_model, max_steps=200)
+    code, out, _ = invoke(cli, "submit", str(path))
+    job_id = out.split()[0]
+    deadline = time.monotonic() + 120
+    while registry_value(local_stack.redis_url, lambda r: r.job(job_id)) is None:
+        assert time.monotonic() < deadline, "env_svc never registered the job"
+        time.sleep(0.5)
+
+    code, out, err = invoke(cli, "pause", job_id)
+    assert (code, out.strip()) == (0, f"job {job_id}: paused"), err
+    issued = registry_value(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
+    time.sleep(4)  # training goes on with what is in flight; no new group is issued
+    assert (
+        registry_value(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
+    )
+
+    code, out, _ = invoke(cli, "resume", job_id)
+    assert (code, out.strip()) == (0, f"job {job_id}: running")
+    code, out, _ = invoke(cli, "cancel", job_id)
+    assert (code, out.strip()) == (0, f"job {job_id}: cancelled")
+    code, _, err = invoke(cli, "resume", job_id)
+    assert code == 1
+    assert err == f"error: job '{job_id}' is already cancelled; nothing to resume\n"
+
+    code, out, _ = invoke(cli, "logs", job_id)
+    kinds = [line.split()[3] for line in out.strip().splitlines()]
+    assert kinds[0] == "accepted"
+    assert [k for k in kinds if k in ("paused", "resumed", "cancelled")] == [
+        "paused", "resumed", "cancelled",
+    ]  # fmt: skip
