@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -12,13 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.live import Live
 
 from common.cli_support import console, fail, one_line_errors, options, run
 from common.client import MarlaasClient
 from common.config import SharedSettings, load
 from common.jobfile import load_job_file
-from common.jobstatus import StatusSnapshot, event_cells, render
+from common.jobstatus import StatusSnapshot, event_cells, live_view, render
 from common.logs import setup_logging
 from common.messages import JobAction, JobSpec
 
@@ -117,18 +115,10 @@ async def _follow(
     until_done: bool,
     interval_s: float = 2.0,
 ) -> StatusSnapshot:
-    """A live view until Ctrl-C, or (until_done) until every job has ended."""
     job_ids = None if jobs is None else [j if isinstance(j, str) else j.job_id for j in jobs]
-    detail = job_ids is not None and len(job_ids) == 1
     async with client.status_board(job_ids) as board:
         board.expect([j for j in jobs or [] if isinstance(j, JobSpec)])
-        snapshot = await board.snapshot()
-        with Live(render(snapshot, detail=detail), console=console, auto_refresh=False) as live:
-            while not (until_done and all(row.progress.done for row in snapshot.jobs)):
-                await asyncio.sleep(interval_s)
-                snapshot = await board.snapshot()
-                live.update(render(snapshot, detail=detail), refresh=True)
-    return snapshot
+        return await live_view(board, console, until_done=until_done, interval_s=interval_s)
 
 
 # --- control --------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.bus import Producer
 from common.config import (
     EnvServiceSettings,
     RolloutSettings,
@@ -24,6 +23,7 @@ from common.config import (
 )
 from common.eventlog import EventFeed
 from common.jobstatus import StatusBoard
+from common.jobwatch import submit_jobs
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import TERMINAL_STATUSES, JobRecord, Registry, UnknownJobError
 
@@ -175,13 +175,7 @@ class MarlaasClient:
         )
 
     async def _send(self, *messages: JobSpec | JobCommand) -> None:
-        producer = Producer(self.settings.kafka_bootstrap, client_id="marlaas-cli")
-        await producer.start(timeout_s=self.connect_timeout_s)
-        try:
-            for message in messages:
-                await producer.send(message)
-        finally:
-            await producer.stop()
+        await submit_jobs(self.settings.kafka_bootstrap, messages, timeout_s=self.connect_timeout_s)
 
 
 def consumer_groups() -> dict[str, str]:

@@ -13,13 +13,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
+from common.client import MarlaasClient
 from common.config import SharedSettings
-from common.jobwatch import JobProgress, submit_jobs, watch_jobs
+from common.jobstatus import live_view
+from common.jobwatch import JobProgress
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
-from common.registry import Registry
 from common.stack import SERVICES, LocalStack
 
 REWARD_WINDOW = 3
@@ -98,20 +98,21 @@ async def run_demo(
     # A fresh state dir per run: the embedded broker forgets topics, Redis must too.
     run_settings = settings.model_copy(update={"state_dir": run_dir / "state"})
     specs = demo_jobs(settings.base_model, run_id)
-    jobs = {spec.job_id: JobProgress.of(spec) for spec in specs}
     started = time.time()
     async with LocalStack(run_settings, services=SERVICES) as stack:
         console.print(f"stack up: Kafka {stack.kafka_bootstrap}, Redis {stack.redis_url}")
         console.print(f"service logs: {run_settings.state_dir / 'logs'}")
-        await submit_jobs(stack.kafka_bootstrap, specs)
-        with Live(progress_table(jobs), console=console, refresh_per_second=1) as live:
-            await watch_jobs(
-                stack.kafka_bootstrap, jobs, timeout_s=timeout_s,
-                on_event=lambda _: live.update(progress_table(jobs)),
-            )  # fmt: skip
-        registry = await Registry.connect(stack.redis_url)
-        rollout_stats = await registry.stats("rollout:")
-        await registry.close()
+        stack_settings = run_settings.model_copy(
+            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
+        )
+        async with MarlaasClient(stack_settings) as client:
+            await client.submit(specs)
+            async with client.status_board([spec.job_id for spec in specs]) as board:
+                board.expect(specs)
+                snapshot = await live_view(board, console, until_done=True, timeout_s=timeout_s)
+            jobs = {row.progress.job_id: row.progress for row in snapshot.jobs}
+            rollout_stats = await client.registry.stats("rollout:")
+            report = await client.report(list(jobs), run_dir / "report")
     console.print(progress_table(jobs, final=True))
     summary = {
         "run_id": run_id,
@@ -123,6 +124,7 @@ async def run_demo(
     }
     path = run_dir / "demo-summary.json"
     path.write_text(json.dumps(summary, indent=2))
+    console.print(f"report: {report}")
     return path
 
 

@@ -14,7 +14,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -207,6 +208,32 @@ class StatusBoard:
                 )
             )  # fmt: skip
         return replicas
+
+
+async def live_view(
+    board: StatusBoard,
+    console: Console,
+    *,
+    until_done: bool,
+    interval_s: float = 2.0,
+    timeout_s: float | None = None,
+) -> StatusSnapshot:
+    """Refresh the view until Ctrl-C, or (until_done) until every job has ended.
+
+    Raises TimeoutError when `timeout_s` passes first.
+    """
+    detail = board.job_ids is not None and len(board.job_ids) == 1
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    snapshot = await board.snapshot()
+    with Live(render(snapshot, detail=detail), console=console, auto_refresh=False) as live:
+        while not (until_done and all(row.progress.done for row in snapshot.jobs)):
+            if deadline is not None and time.monotonic() > deadline:
+                pending = [row.progress.job_id for row in snapshot.jobs if not row.progress.done]
+                raise TimeoutError(f"jobs not finished after {timeout_s:.0f}s: {pending}")
+            await asyncio.sleep(interval_s)
+            snapshot = await board.snapshot()
+            live.update(render(snapshot, detail=detail), refresh=True)
+    return snapshot
 
 
 # --- rendering --------------------------------------------------------------------------

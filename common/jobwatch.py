@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from common.bus import Producer
 from common.eventlog import EventFeed
-from common.messages import Event, JobSpec
+from common.messages import Event, JobSpec, Message
 from common.registry import TERMINAL_STATUSES
 
 
@@ -116,12 +116,15 @@ class JobProgress:
         }
 
 
-async def submit_jobs(bootstrap: str, specs: Iterable[JobSpec], *, timeout_s: float = 60) -> None:
+async def submit_jobs(
+    bootstrap: str, messages: Iterable[Message], *, timeout_s: float = 60
+) -> None:
+    """Produce job specs or commands to marlaas.jobs; `MarlaasClient.submit` checks ids first."""
     producer = Producer(bootstrap, client_id="marlaas-cli")
     await producer.start(timeout_s=timeout_s)
     try:
-        for spec in specs:
-            await producer.send(spec)
+        for message in messages:
+            await producer.send(message)
     finally:
         await producer.stop()
 
