@@ -212,11 +212,12 @@ async def _report(jobs: list[str], out: Path) -> Path:
 def register(app: typer.Typer) -> None:
     app.command()(submit)
     app.command()(status)
-    for action, text in [
+    controls: list[tuple[JobAction, str]] = [
         ("pause", "Pause a job: no new groups are issued; those in flight finish."),
         ("resume", "Resume a paused job."),
         ("cancel", "Cancel a job for good; its adapters stay exportable."),
-    ]:
+    ]
+    for action, text in controls:
         app.command(action)(_control(action, text))
     app.command()(logs)
     app.command()(export)

@@ -75,11 +75,14 @@ def _spec_of(
             raise JobFileError(f"{name}: expected {kind.__name__}, got {type(data[name]).__name__}")
     parts = {name: _table(name, data[name], kind) for name, kind in _TABLES.items() if name in data}
     tenant = data["tenant"]
-    spec = JobSpec(
-        job_id=data.get("job_id") or f"{tenant}-{stem}-{new_id()[:6]}",
-        tenant=tenant,
-        base_model=data.get("base_model", base_model),
-        submitted_at=time.time(),
+    spec = msgspec.structs.replace(
+        JobSpec(
+            job_id=data.get("job_id") or f"{tenant}-{stem}-{new_id()[:6]}",
+            tenant=tenant,
+            base_model=data.get("base_model", base_model),
+            env=parts.pop("env"),  # type: ignore[arg-type]
+            submitted_at=time.time(),
+        ),
         **parts,
     )
     validate_job(spec, base_model=base_model, max_lora_rank=max_lora_rank)

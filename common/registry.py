@@ -297,9 +297,9 @@ class Registry:
         """Time-ordered samples (each with `at`) of each replica whose name starts with `prefix`."""
         found: dict[str, list[dict[str, float]]] = {}
         async for key in self._redis.scan_iter(match=f"stats-history:{prefix}*", count=500):
-            entries = await self._redis.xrange(key)
+            entries = await self._redis.xrange(key) or []
             found[_text(key).removeprefix("stats-history:")] = [
-                {_text(k): float(v) for k, v in fields.items()} for _, fields in entries
+                {_text(k): float(v) for k, v in (fields or {}).items()} for _, fields in entries
             ]
         return found
 
