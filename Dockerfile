@@ -29,7 +29,7 @@ RUN useradd --create-home --uid 1000 marlaas \
     && chown marlaas:marlaas /artifacts /cache
 WORKDIR /home/marlaas
 
-# Core package only: msgspec, aiokafka, redis, pydantic, typer. Serves the CLI.
+# Core package only: msgspec, aiokafka, redis, pydantic, typer, prometheus_client. Serves the CLI.
 FROM runtime AS base
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \

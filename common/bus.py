@@ -35,6 +35,7 @@ from common.messages import (
     key_bytes,
     topic_of,
 )
+from common.metrics import ConsumerMetrics, consumer_metrics
 from common.offsets import OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,9 @@ class ConsumerLoop(Generic[M]):
     Commits each partition up to its processed (and not held) records after every
     batch and before partitions are revoked. Undecodable records and handler
     failures that are not `retryable` become `DeadLetter`s; retryable failures
-    re-read the record after `retry_backoff_s`.
+    re-read the record after `retry_backoff_s`. Every record moves the `marlaas_*` consumer
+    metrics of `service` (common/metrics.py); while `run()` runs, the lag gauges are
+    refreshed every `lag_interval_s`.
     """
 
     def __init__(
@@ -238,6 +241,7 @@ class ConsumerLoop(Generic[M]):
         max_records: int = 100,
         poll_timeout_ms: int = 200,
         retry_backoff_s: float = 1.0,
+        lag_interval_s: float = 5.0,
         on_assigned: PartitionsCallback | None = None,
         on_revoked: PartitionsCallback | None = None,
     ) -> None:
@@ -251,6 +255,8 @@ class ConsumerLoop(Generic[M]):
         self._max_records = max_records
         self._poll_timeout_ms = poll_timeout_ms
         self._retry_backoff_s = retry_backoff_s
+        self._lag_interval_s = lag_interval_s
+        self._metrics = {str(topic): consumer_metrics(service, str(topic)) for topic in self.topics}
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
@@ -282,13 +288,18 @@ class ConsumerLoop(Generic[M]):
     async def run(self) -> None:
         """Poll, handle and commit until `stop()` is called."""
         consumer = self._require_consumer()
-        while not self._stopping.is_set():
-            batches = await consumer.getmany(
-                timeout_ms=self._poll_timeout_ms, max_records=self._max_records
-            )
-            for tp, records in batches.items():
-                await self._handle_partition(tp, records)
-            await self.commit()
+        lag_export = asyncio.create_task(self._export_lag(), name=f"{self.service}-lag")
+        try:
+            while not self._stopping.is_set():
+                batches = await consumer.getmany(
+                    timeout_ms=self._poll_timeout_ms, max_records=self._max_records
+                )
+                for tp, records in batches.items():
+                    await self._handle_partition(tp, records)
+                await self.commit()
+        finally:
+            lag_export.cancel()
+            await asyncio.gather(lag_export, return_exceptions=True)
 
     def stop(self) -> None:
         """Ask `run()` to return after the batch in hand."""
@@ -343,7 +354,44 @@ class ConsumerLoop(Generic[M]):
             for tp in assigned
         ]
 
+    async def reachable(self, timeout_s: float = 2.0) -> bool:
+        """Whether the consumer is started and the broker answers a metadata request in time."""
+        if self._consumer is None:
+            return False
+        try:
+            await asyncio.wait_for(self._consumer.topics(), timeout_s)
+        except (KafkaError, OSError, TimeoutError):
+            return False
+        return True
+
     # --- internals ------------------------------------------------------------------
+
+    def _metrics_for(self, topic: str) -> ConsumerMetrics:
+        if (metrics := self._metrics.get(topic)) is None:
+            metrics = self._metrics[topic] = consumer_metrics(self.service, topic)
+        return metrics
+
+    async def _export_lag(self) -> None:
+        """Set the lag gauge of every consumed topic now and every `lag_interval_s`.
+
+        Telemetry only: a failed refresh keeps the last values and is retried; the poll
+        loop itself reports an unreachable broker.
+        """
+        while True:
+            try:
+                partitions = await asyncio.wait_for(self.lag(), self._lag_interval_s)
+            except Exception as exc:
+                log.debug("%s: consumer lag not refreshed: %r", self.service, exc)
+            else:
+                # A topic this replica owns no partition of (any more) reads 0.
+                lag_by_topic = dict.fromkeys(self._metrics, 0)
+                for partition in partitions:
+                    lag_by_topic[partition.topic] = (
+                        lag_by_topic.get(partition.topic, 0) + partition.lag
+                    )
+                for topic, lag in lag_by_topic.items():
+                    self._metrics_for(topic).lag.set(lag)
+            await asyncio.sleep(self._lag_interval_s)
 
     def _require_consumer(self) -> AIOKafkaConsumer:
         if self._consumer is None:
@@ -374,19 +422,27 @@ class ConsumerLoop(Generic[M]):
             self.processed_count += 1
 
     async def _handle_record(self, record: ConsumerRecord, tracker: OffsetTracker) -> None:
+        metrics = self._metrics_for(record.topic)
         try:
             message = decode(record.topic, record.value)
         except MessageDecodeError as exc:
+            metrics.failed.inc()
             await self._dead_letter(record, str(exc))
             return
         delivery = Delivery(
             record.topic, record.partition, record.offset, record.key, record.timestamp, tracker
         )
+        started = time.perf_counter()
         try:
-            await self._handler(message, delivery)  # type: ignore[arg-type]
+            try:
+                await self._handler(message, delivery)  # type: ignore[arg-type]
+            finally:
+                metrics.handler_seconds.observe(time.perf_counter() - started)
         except self._retryable:
+            metrics.failed.inc()
             raise
         except Exception as exc:
+            metrics.failed.inc()
             log.exception(
                 "%s: handler failed on %s[%d]@%d; dead-lettering",
                 self.service,
@@ -396,6 +452,8 @@ class ConsumerLoop(Generic[M]):
             )
             detail = "".join(traceback.format_exception_only(exc)).strip()
             await self._dead_letter(record, detail)
+            return
+        metrics.processed.inc()
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
         letter = DeadLetter(
@@ -413,6 +471,7 @@ class ConsumerLoop(Generic[M]):
         except KafkaError as exc:
             raise RetryableError(f"cannot write dead letter: {exc}") from exc
         self.dead_letter_count += 1
+        self._metrics_for(record.topic).dead_letters.inc()
         log.error(
             "%s: %s[%d]@%d -> %s: %s",
             self.service,

@@ -53,7 +53,10 @@ def _stack_table(stack: LocalStack) -> Table:
     table.add_row("state dir", str(stack.state_dir))
     table.add_row("connection file", str(stack.env_file))
     for child in stack.children:
-        table.add_row(child.name, f"pid {child.process.pid}, log {child.log_path}")
+        where = f"pid {child.process.pid}, log {child.log_path}"
+        if child.metrics_url is not None:
+            where += f", metrics/health {child.metrics_url}"
+        table.add_row(child.name, where)
     return table
 
 

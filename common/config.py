@@ -16,6 +16,8 @@ from typing import TypeVar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.logs import LogFormat
+
 
 def default_state_dir() -> Path:
     """`$MARLAAS_STATE_DIR`, else `$XDG_STATE_HOME/marlaas`, else `~/.local/state/marlaas`."""
@@ -65,6 +67,10 @@ class SharedSettings(BaseSettings):
     """How long to keep retrying an unreachable broker or Redis before giving up."""
     log_level: str = "INFO"
     """Python logging level of every process."""
+    log_format: LogFormat = "text"
+    """Log lines as text (`... job=<id> tenant=<tenant>`) or as JSON objects, one a line."""
+    metrics_host: str = "0.0.0.0"
+    """Address each service's metrics and health endpoint listens on (port: per service)."""
 
     @property
     def artifacts(self) -> Path:
@@ -80,6 +86,8 @@ class EnvServiceSettings(BaseSettings):
     """Kafka consumer group shared by all env_svc replicas."""
     tokenizer_dir: Path | None = None
     """Directory with the base model's tokenizer; default: the resolved base model's."""
+    metrics_port: int = Field(default=9101, ge=0, le=65535)
+    """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
 
 class RolloutSettings(BaseSettings):
@@ -95,6 +103,8 @@ class RolloutSettings(BaseSettings):
     """Longest context + completion the engine serves, in tokens."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV cache size on CPU (vLLM's CPU backend cannot size it from free memory)."""
+    metrics_port: int = Field(default=9102, ge=0, le=65535)
+    """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
 
 class TrainerSettings(BaseSettings):
@@ -106,6 +116,8 @@ class TrainerSettings(BaseSettings):
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
+    metrics_port: int = Field(default=9103, ge=0, le=65535)
+    """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
 
 S = TypeVar("S", bound=BaseSettings)

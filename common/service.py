@@ -1,4 +1,8 @@
-"""How every MARLaaS service runs: start, named tasks, stop; a crash stops all; graceful SIGTERM."""
+"""How every MARLaaS service runs: start, named tasks, stop; a crash stops all; graceful SIGTERM.
+
+Every service also serves /metrics, /healthz and /readyz (common/health.py) on its metrics
+port, from before `start()` (a long model load shows as alive but not ready) to after `stop()`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pydantic_settings import BaseSettings
+
+from common.health import HealthServer
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +41,60 @@ class Service(ABC):
     def request_stop(self) -> None:
         """Ask the tasks to wind down (e.g. stop polling); `stop()` follows."""
 
+    @abstractmethod
+    async def readiness(self) -> dict[str, bool]:
+        """Each dependency's check by name (Kafka, Redis, the model): all True means ready.
+
+        Called by /readyz at any time, also before `start()` finished and after `stop()`,
+        so it must read what is not there yet as not ready, never raise.
+        """
+
 
 def log_settings(*settings: BaseSettings) -> None:
     for block in settings:
         log.info("%s: %s", type(block).__name__, block.model_dump_json())
 
 
-async def run_service(service: Service, *, grace_s: float = 30.0) -> int:
+async def run_service(
+    service: Service,
+    *,
+    grace_s: float = 30.0,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> int:
     """Run until SIGTERM/SIGINT or until any task ends; returns the process exit code.
 
     A task that raises or returns stops the whole service (exit code 1): a half-working
-    replica is worse than a restarted one.
+    replica is worse than a restarted one. With a `metrics_port` (0: a free one) the
+    service's health endpoints are up the whole time; /readyz also requires `start()` to
+    have returned and no stop to have begun ("serving").
     """
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stopping.set)
-    await service.start()
+    serving = asyncio.Event()
+
+    async def readiness() -> dict[str, bool]:
+        return {"serving": serving.is_set() and not stopping.is_set(), **await service.readiness()}
+
+    health: HealthServer | None = None
+    if metrics_port is not None:
+        health = HealthServer(readiness, host=metrics_host, port=metrics_port)
+        await health.start()
+        log.info("%s: metrics and health on %s", service.name, health.url)
+    try:
+        await service.start()
+        serving.set()
+        return await _serve(service, stopping, serving, grace_s)
+    finally:
+        if health is not None:
+            await health.stop()
+
+
+async def _serve(
+    service: Service, stopping: asyncio.Event, serving: asyncio.Event, grace_s: float
+) -> int:
     tasks = {asyncio.create_task(coro, name=name) for name, coro in service.tasks().items()}
     signalled = asyncio.create_task(stopping.wait(), name="signal")
     done, _ = await asyncio.wait(tasks | {signalled}, return_when=asyncio.FIRST_COMPLETED)
@@ -65,6 +108,7 @@ async def run_service(service: Service, *, grace_s: float = 30.0) -> int:
         else:
             log.error("%s: task %s ended unexpectedly; stopping", service.name, task.get_name())
     log.info("%s: stopping (grace %.0fs)", service.name, grace_s)
+    serving.clear()  # /readyz says 503 from the moment the service winds down
     service.request_stop()
     try:
         await asyncio.wait_for(_drain(tasks), grace_s)

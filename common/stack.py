@@ -6,6 +6,8 @@ ports. Once both answer, the topics are created and `<state dir>/stack.env`
 tells every other process where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or
 `MARLAAS_REDIS_URL` is set in the environment, that server is used and nothing
 is started for it. Children get SIGTERM if this process dies, so none is left behind.
+Each service serves /metrics, /healthz and /readyz on a free loopback port (unless its
+`<PREFIX>_METRICS_PORT` is set), kept as `ChildServer.metrics_url`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pydantic_settings import BaseSettings
+
 from common.bus import ensure_topics
-from common.config import SharedSettings, stack_env_file
+from common.config import (
+    EnvServiceSettings,
+    RolloutSettings,
+    SharedSettings,
+    TrainerSettings,
+    stack_env_file,
+)
 from common.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -56,6 +66,8 @@ class ChildServer:
     process: subprocess.Popen[bytes]
     log_path: Path
     _log_file: IO[bytes] = field(repr=False)
+    metrics_url: str | None = None
+    """Where a service serves /metrics, /healthz and /readyz; None for the servers."""
 
     def check_alive(self) -> None:
         if (code := self.process.poll()) is not None:
@@ -182,6 +194,11 @@ async def wait_ready(
 
 
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
+_SETTINGS_OF: dict[str, type[BaseSettings]] = {
+    "env_svc": EnvServiceSettings,
+    "rollout_svc": RolloutSettings,
+    "trainer_svc": TrainerSettings,
+}
 
 
 def start_service(
@@ -197,7 +214,19 @@ def start_service(
         MARLAAS_ARTIFACT_DIR=str(settings.artifacts),
         MARLAAS_BASE_MODEL=settings.base_model,
     )
-    return _spawn(module, [sys.executable, "-m", module], log_path, env=env)
+    # Loopback and a free port, as the broker and Redis: stacks and test runs side by side on
+    # one machine must not collide on the services' fixed default ports.
+    env.setdefault("MARLAAS_METRICS_HOST", "127.0.0.1")
+    port_variable = None
+    if (settings_class := _SETTINGS_OF.get(module)) is not None:
+        port_variable = f"{settings_class.model_config['env_prefix']}METRICS_PORT"
+        env.setdefault(port_variable, str(free_port()))
+    child = _spawn(module, [sys.executable, "-m", module], log_path, env=env)
+    if port_variable is not None:
+        host = env["MARLAAS_METRICS_HOST"]
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        child.metrics_url = f"http://{host}:{env[port_variable]}"
+    return child
 
 
 def start_services(

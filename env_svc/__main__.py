@@ -12,7 +12,7 @@ from common.service import log_settings, run_service
 
 def main() -> int:
     shared, settings = load(SharedSettings), load(EnvServiceSettings)
-    setup_logging(shared.log_level)
+    setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     from common.models import resolve_base_model
     from env_svc.episodes import ChatTokenizer
@@ -22,7 +22,10 @@ def main() -> int:
         shared.base_model, shared.cache_dir
     )
     tokenizer = ChatTokenizer.from_dir(tokenizer_dir)
-    return asyncio.run(run_service(EnvService(shared, settings, tokenizer)))
+    service = EnvService(shared, settings, tokenizer)
+    return asyncio.run(
+        run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
+    )
 
 
 if __name__ == "__main__":

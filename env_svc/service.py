@@ -14,7 +14,9 @@ import msgspec
 
 from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import EnvServiceSettings, SharedSettings
+from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
+from common.logs import job_logger
 from common.messages import (
     CONSUMED_TOPICS,
     AdapterUpdate,
@@ -88,6 +90,12 @@ class EnvService(Service):
         if self.registry is not None:
             await self.registry.close()
 
+    async def readiness(self) -> dict[str, bool]:
+        return {
+            "kafka": self.consumer is not None and await self.consumer.reachable(),
+            "redis": await redis_ready(self.registry),
+        }
+
     # --- dispatch -------------------------------------------------------------------
 
     async def handle(self, message: Message, delivery: Delivery) -> None:
@@ -109,6 +117,7 @@ class EnvService(Service):
 
     async def on_job(self, spec: JobSpec) -> None:
         registry = self._registry()
+        job_log = job_logger(log, spec.job_id, spec.tenant)
         try:
             validate_job(
                 spec, base_model=self.shared.base_model, max_lora_rank=self.shared.max_lora_rank
@@ -119,13 +128,13 @@ class EnvService(Service):
                 group_index=0, sample_index=0,
             )  # fmt: skip
         except (JobSpecError, EnvSpecError, EpisodeError) as exc:
-            log.warning("job %s (tenant %s) rejected: %s", spec.job_id, spec.tenant, exc)
+            job_log.warning("job rejected: %s", exc)
             await self.producer.send(
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
             )
             return
         if await registry.register_job(spec, status="running"):
-            log.info("job %s (tenant %s) accepted: env %s", spec.job_id, spec.tenant, spec.env.name)
+            job_log.info("job accepted: env %s", spec.env.name)
             await self.producer.send(
                 job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant)
             )
@@ -135,7 +144,9 @@ class EnvService(Service):
         registry = self._registry()
         record = await registry.job(command.job_id)
         if record is None:
-            log.warning("command %s for unknown job %s ignored", command.action, command.job_id)
+            job_logger(log, command.job_id).warning(
+                "command %s for an unknown job ignored", command.action
+            )
             return
         status = {"pause": "paused", "resume": "running", "cancel": "cancelled"}[command.action]
         if not await registry.set_job_status(command.job_id, status):  # type: ignore[arg-type]
@@ -144,7 +155,7 @@ class EnvService(Service):
         await self.producer.send(
             job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant)  # type: ignore[arg-type]
         )
-        log.info("job %s %s", command.job_id, kind)
+        job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)
         if command.action == "resume":
             await self.issue_groups(command.job_id)
 
@@ -179,7 +190,7 @@ class EnvService(Service):
                 await self.producer.send(
                     msgspec.structs.replace(request, min_adapter_version=trained_version)
                 )
-            log.debug("job %s: issued group %d", job_id, group_index)
+            job_logger(log, job_id, spec.tenant).debug("issued group %d", group_index)
 
     # --- episodes -------------------------------------------------------------------
 
@@ -195,7 +206,9 @@ class EnvService(Service):
         try:
             follow_up = advance_episode(env, self.tokenizer, spec, result)
         except EpisodeError as exc:
-            log.warning("job %s: episode %s failed: %s", spec.job_id, result.episode_id, exc)
+            job_logger(log, spec.job_id, spec.tenant).warning(
+                "episode %s failed: %s", result.episode_id, exc
+            )
             follow_up = failed_trajectory(spec, result, str(exc))
         await self.producer.send(follow_up)
         await registry.mark_seen("results", result.job_id, result.request_id)

@@ -12,7 +12,7 @@ from common.service import log_settings, run_service
 
 def main() -> int:
     shared, settings = load(SharedSettings), load(RolloutSettings)
-    setup_logging(shared.log_level)
+    setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     from common.models import resolve_base_model
     from rollout_svc.engine import RolloutEngine
@@ -25,7 +25,10 @@ def main() -> int:
         max_model_len=settings.max_model_len,
         kv_cache_gib=settings.kv_cache_gib,
     )
-    return asyncio.run(run_service(RolloutService(shared, settings, engine)))
+    service = RolloutService(shared, settings, engine)
+    return asyncio.run(
+        run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
+    )
 
 
 if __name__ == "__main__":  # vLLM spawns an engine process that re-imports the main module

@@ -231,8 +231,10 @@ class RolloutEngine:
             # Per-request stats carry the engine's queued/scheduled timestamps (queue_s).
             disable_log_stats=False,
         )
-        # Must run inside the event loop: AsyncLLM starts its output handler task on it.
-        self._engine = AsyncLLM.from_engine_args(args)
+        # In a thread: the constructor blocks until the engine process has loaded the model,
+        # and the caller's event loop must go on (rollout_svc answers /healthz meanwhile).
+        # Built outside the loop, AsyncLLM starts its output handler on the first request.
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         if self._null_adapter_dir is not None:
             self._null_lora = LoRARequest(
                 lora_name=NULL_ADAPTER_NAME,
@@ -440,6 +442,16 @@ class RolloutEngine:
             log.info("retired adapter %s (removed from engine: %s)", entry.ref.lora_name, removed)
 
     # --- utilisation --------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Started and not dead (vLLM marks the engine errored when its core process died)."""
+        return self._engine is not None and not self._engine.errored
+
+    @property
+    def loaded_adapters(self) -> int:
+        """Adapter versions registered with the engine and not retired (the null one aside)."""
+        return len(self._adapters)
 
     @property
     def in_flight(self) -> int:

@@ -17,6 +17,8 @@ from typing import Any
 
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
+from common.health import redis_ready
+from common.logs import job_logger
 from common.messages import (
     CONSUMED_TOPICS,
     AdapterUpdate,
@@ -26,6 +28,15 @@ from common.messages import (
     Topic,
     encode,
     result_for,
+)
+from common.metrics import (
+    DEAD_LETTERS,
+    ROLLOUT_ADAPTERS_LOADED,
+    ROLLOUT_BUSY_FRACTION,
+    ROLLOUT_GENERATED_TOKENS,
+    ROLLOUT_REQUESTS_IN_FLIGHT,
+    ROLLOUT_TOKENS_PER_SECOND,
+    export_service_metrics,
 )
 from common.registry import Registry
 from common.service import Service
@@ -73,6 +84,12 @@ class RolloutService(Service):
         self._generations: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
         self._stopping = asyncio.Event()
+        self._tenants: dict[str, str] = {}
+        """Tenant of each job this replica logged about, read from the registry once."""
+        export_service_metrics(SERVICE)
+        # Read at scrape time: both change with every request.
+        ROLLOUT_REQUESTS_IN_FLIGHT.set_function(lambda: engine.in_flight)
+        ROLLOUT_ADAPTERS_LOADED.set_function(lambda: engine.loaded_adapters)
 
     async def start(self) -> None:
         self.registry = await Registry.connect(
@@ -120,6 +137,13 @@ class RolloutService(Service):
         if self.registry is not None:
             await self.registry.close()
 
+    async def readiness(self) -> dict[str, bool]:
+        return {
+            "engine": self.engine.ready,
+            "kafka": self.consumer is not None and await self.consumer.reachable(),
+            "redis": await redis_ready(self.registry),
+        }
+
     async def on_request(self, request: GenerationRequest, delivery: Delivery) -> None:
         # Waiting here stops the poll loop: back-pressure instead of an unbounded buffer.
         await self._slots.acquire()
@@ -137,9 +161,13 @@ class RolloutService(Service):
             try:
                 result = await self.engine.generate(request, await self._adapter_for(request))
             except Exception as exc:
-                log.exception("rollout_svc: request %s failed", request.request_id)
+                (await self._job_log(request.job_id)).exception(
+                    "request %s failed", request.request_id
+                )
                 await self.producer.send(self._dead_letter(request, exc))
+                DEAD_LETTERS.labels(SERVICE, Topic.PROMPTS).inc()
                 result = aborted(request)  # the episode ends with an error instead of hanging
+            ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
             await self.producer.send(result)
         finally:
             release_commit()
@@ -177,11 +205,27 @@ class RolloutService(Service):
         await self.engine.load(new)  # loaded before its first request needs it
         if current is not None:
             await self.engine.retire(current.job_id, current.version)
-        log.info("rollout_svc: job %s now samples with v%d", update.job_id, update.version)
+        (await self._job_log(update.job_id)).info("job now samples with v%d", update.version)
+
+    async def _job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger tagged with the job and its tenant (one registry read per job, ever)."""
+        if job_id not in self._tenants and self.registry is not None:
+            try:
+                record = await self.registry.job(job_id)
+            except Exception as exc:  # logging must not fail the path that logs (tried again)
+                log.debug("no tenant for job %s: %r", job_id, exc)
+                record = None
+            if record is not None:
+                self._tenants[job_id] = record.spec.tenant
+        return job_logger(log, job_id, self._tenants.get(job_id))
 
     async def _report_stats(self) -> None:
         registry = self.registry
         assert registry is not None
+        engine = self.engine
+        last_at, last_busy_s, last_tokens = (
+            time.monotonic(), engine.busy_seconds, engine.generated_tokens
+        )  # fmt: skip
         while not self._stopping.is_set():
             uptime = time.monotonic() - self._started_at
             stats = {
@@ -196,3 +240,9 @@ class RolloutService(Service):
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:
                 pass
+            # Over the last interval, not since start: the dashboards' "now".
+            now, busy_s, tokens = time.monotonic(), engine.busy_seconds, engine.generated_tokens
+            if now > last_at:
+                ROLLOUT_BUSY_FRACTION.set((busy_s - last_busy_s) / (now - last_at))
+                ROLLOUT_TOKENS_PER_SECOND.set((tokens - last_tokens) / (now - last_at))
+            last_at, last_busy_s, last_tokens = now, busy_s, tokens

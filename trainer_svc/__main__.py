@@ -12,17 +12,23 @@ from common.service import log_settings, run_service
 
 def main() -> int:
     shared, settings = load(SharedSettings), load(TrainerSettings)
-    setup_logging(shared.log_level)
+    setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     from common.models import resolve_base_model
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
 
-    policy = MultiAdapterPolicy(
-        resolve_base_model(shared.base_model, shared.cache_dir),
-        torch_threads=settings.torch_threads,
+    def load_policy() -> MultiAdapterPolicy:
+        return MultiAdapterPolicy(
+            resolve_base_model(shared.base_model, shared.cache_dir),
+            torch_threads=settings.torch_threads,
+        )
+
+    # The model loads inside start(), so /healthz answers (and /readyz says 503) meanwhile.
+    service = TrainerService(shared, settings, load_policy)
+    return asyncio.run(
+        run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
     )
-    return asyncio.run(run_service(TrainerService(shared, settings, policy)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,16 @@ from aiokafka.structs import TopicPartition
 
 from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import SharedSettings, TrainerSettings
+from common.health import redis_ready
+from common.logs import job_logger
 from common.messages import CONSUMED_TOPICS, AdapterUpdate, JobSpec, Topic, Trajectory, job_event
+from common.metrics import (
+    TRAINER_GROUPS_DROPPED,
+    TRAINER_STEP_SECONDS,
+    TRAINER_STEPS,
+    TRAINER_TOKENS_PER_SECOND,
+    export_service_metrics,
+)
 from common.registry import DROPPED_GROUPS, TERMINAL_STATUSES, Registry
 from common.service import Service
 from trainer_svc.groups import Group, Verdict, verdict
@@ -52,11 +61,17 @@ class TrainerService(Service):
     name = SERVICE
 
     def __init__(
-        self, shared: SharedSettings, settings: TrainerSettings, policy: MultiAdapterPolicy
+        self,
+        shared: SharedSettings,
+        settings: TrainerSettings,
+        load_policy: Callable[[], MultiAdapterPolicy],
     ) -> None:
+        """`load_policy` loads the base model; `start()` calls it in a thread."""
         self.shared = shared
         self.settings = settings
-        self.policy = policy
+        self._load_policy = load_policy
+        self._policy: MultiAdapterPolicy | None = None
+        export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
         self.registry: Registry | None = None
@@ -66,7 +81,14 @@ class TrainerService(Service):
         self._stopping = asyncio.Event()
         self._turn = itertools.count()
 
+    @property
+    def policy(self) -> MultiAdapterPolicy:
+        if self._policy is None:
+            raise RuntimeError("trainer_svc: base model not loaded")
+        return self._policy
+
     async def start(self) -> None:
+        self._policy = await asyncio.to_thread(self._load_policy)
         self.registry = await Registry.connect(
             self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
         )
@@ -98,6 +120,13 @@ class TrainerService(Service):
         await self.producer.stop()
         if self.registry is not None:
             await self.registry.close()
+
+    async def readiness(self) -> dict[str, bool]:
+        return {
+            "model": self._policy is not None,
+            "kafka": self.consumer is not None and await self.consumer.reachable(),
+            "redis": await redis_ready(self.registry),
+        }
 
     # --- intake ---------------------------------------------------------------------
 
@@ -133,22 +162,26 @@ class TrainerService(Service):
             # A crash may have come between the checkpoint and marking its groups trained.
             for group_id in json.loads((checkpoint / "groups.json").read_text()):
                 await self._registry().mark_seen("trained", job_id, group_id)
-            log.info("job %s: resumed from %s at v%d", job_id, checkpoint, version)
+            job_logger(log, job_id, spec.tenant).info("resumed from %s at v%d", checkpoint, version)
         job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
         self.jobs[job_id] = job
         return job
 
     async def on_revoked(self, partitions: set[TopicPartition]) -> None:
         lost = {tp.partition for tp in partitions if tp.topic == Topic.TRAJECTORIES}
-        for job_id in [j for j, job in self.jobs.items() if job.partition in lost]:
+        for job in [job for job in self.jobs.values() if job.partition in lost]:
             # Uncommitted trajectories go to the new owner, which resumes from the checkpoint.
-            self._disown(job_id)
-            log.info("job %s: partition revoked, handed over", job_id)
+            self._disown(job.spec.job_id)
+            job_logger(log, job.spec.job_id, job.spec.tenant).info(
+                "partition revoked, job handed over"
+            )
 
     def _disown(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)
         if job_id in self.policy.jobs:
             self.policy.remove_job(job_id)
+        # A gauge of a job trained elsewhere (or finished) would repeat its last value forever.
+        TRAINER_TOKENS_PER_SECOND.remove(job_id)
 
     # --- training -------------------------------------------------------------------
 
@@ -198,7 +231,10 @@ class TrainerService(Service):
                 reason=f"group {group.group_id}: {reason}",
             )
         )  # fmt: skip
-        log.info("job %s: %s group %s (%s)", job_id, kind, group.group_id, reason)
+        TRAINER_GROUPS_DROPPED.labels(job_id, kind).inc()
+        job_logger(log, job_id, job.spec.tenant).info(
+            "%s group %s (%s)", kind, group.group_id, reason
+        )
         group.release()
 
     async def _step(self, job: OwnedJob) -> None:
@@ -224,6 +260,7 @@ class TrainerService(Service):
         metrics = await asyncio.to_thread(
             self.policy.train_step, spec.job_id, trajectories, advantages
         )
+        train_s = time.monotonic() - started
         version = job.version + 1
         uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
         await registry.publish_adapter(spec.job_id, version, uri, version)
@@ -250,17 +287,23 @@ class TrainerService(Service):
         )
         for group in groups:
             group.release()
-        log.info(
-            "job %s: step %d/%d reward %.3f loss %.4f staleness %d (%.1fs)",
-            spec.job_id, version, rl.max_steps, metrics["mean_reward"], metrics.get("loss", 0.0),
-            max(lags), metrics["wall_step_s"],
+        TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
+        TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics["wall_step_s"])
+        if train_s > 0:
+            tokens = sum(len(t.token_ids) for t in trajectories)
+            TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens / train_s)
+        job_log = job_logger(log, spec.job_id, spec.tenant)
+        job_log.info(
+            "step %d/%d reward %.3f loss %.4f staleness %d (%.1fs)",
+            version, rl.max_steps, metrics["mean_reward"], metrics.get("loss", 0.0), max(lags),
+            metrics["wall_step_s"],
         )  # fmt: skip
         if version >= rl.max_steps:
             await registry.set_job_status(spec.job_id, "completed")
             await self.producer.send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
             )
-            log.info("job %s: completed after %d steps", spec.job_id, version)
+            job_log.info("completed after %d steps", version)
             self._release_all(job)
             self._disown(spec.job_id)
 

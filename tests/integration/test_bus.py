@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from prometheus_client import REGISTRY
 
 from common.backoff import ServerUnreachable
 from common.bus import (
@@ -327,3 +328,101 @@ async def test_group_lag_counts_uncommitted_records(kafka_bootstrap: str) -> Non
     assert len(never_consumed) == 12
     assert all(p.committed is None and p.lag == p.end_offset for p in never_consumed)
     assert sum(p.lag for p in never_consumed) >= 5
+
+
+def sample(name: str, service: str, topic: str = Topic.EVENTS.value, **labels: str) -> float:
+    """A consumer metric's current value (common/metrics.py) from the default registry."""
+    value = REGISTRY.get_sample_value(name, {"service": service, "topic": topic, **labels})
+    assert value is not None, f"{name} of {service} on {topic} is not exported"
+    return value
+
+
+async def caught_up(loop: ConsumerLoop[Any]) -> None:
+    """Wait until everything earlier tests left on the loop's topics is handled and committed."""
+    deadline = time.monotonic() + 60
+    while sum(p.lag for p in await loop.lag()) > 0:
+        assert time.monotonic() < deadline, "never caught up with the topic"
+        await asyncio.sleep(0.2)
+
+
+async def test_consumer_metrics_count_records_dead_letters_and_handler_latency(
+    kafka_bootstrap: str,
+) -> None:
+    job_id, group = f"metrics-{new_id()}", f"group-{new_id()}"
+    service = f"metrics-test-{new_id()[:8]}"
+    n_good, handler_s = 5, 0.02
+    received: list[Event] = []
+
+    async def take_a_while(message: Event) -> None:
+        await asyncio.sleep(handler_s)
+
+    names = (
+        "marlaas_messages_processed_total",
+        "marlaas_messages_failed_total",
+        "marlaas_dead_letters_total",
+        "marlaas_handler_seconds_count",
+        "marlaas_handler_seconds_sum",
+    )
+    async with producer(kafka_bootstrap) as prod:
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=take_a_while), dead_letters=prod,
+            service=service,
+        )  # fmt: skip
+        async with running(loop):
+            await caught_up(loop)
+            before = {name: sample(name, service) for name in names}
+            fast_before = sample("marlaas_handler_seconds_bucket", service, le="0.01")
+            await prod.send(event(job_id, step=0))
+            await prod.send_raw(Topic.EVENTS, b"\xc1 not msgpack", key=job_id.encode())
+            for step in range(1, n_good):
+                await prod.send(event(job_id, step))
+
+            def moved(name: str) -> float:
+                return sample(name, service) - before[name]
+
+            await wait_for(
+                lambda: (
+                    moved("marlaas_messages_processed_total") >= n_good
+                    and moved("marlaas_dead_letters_total") >= 1
+                ),
+                what="the records counted",
+            )
+            await asyncio.sleep(0.5)  # a double count would show by now
+
+    assert [m.step for m in received] == list(range(n_good))
+    assert moved("marlaas_messages_processed_total") == n_good
+    assert moved("marlaas_dead_letters_total") == 1
+    assert moved("marlaas_messages_failed_total") == 1  # the undecodable record
+    # Only decoded records reach the handler; each took at least `handler_s`.
+    assert moved("marlaas_handler_seconds_count") == n_good
+    assert moved("marlaas_handler_seconds_sum") >= n_good * handler_s
+    assert sample("marlaas_handler_seconds_bucket", service, le="0.01") == fast_before
+
+
+async def test_consumer_lag_gauge_follows_held_commits(kafka_bootstrap: str) -> None:
+    job_id, group = f"lag-gauge-{new_id()}", f"group-{new_id()}"
+    service = f"lag-test-{new_id()[:8]}"
+    releases: list[Callable[[], None]] = []
+
+    async def hold(message: Event, delivery: Delivery) -> None:
+        if message.job_id == job_id:
+            releases.append(delivery.hold_commit())
+
+    def lag() -> float:
+        return sample("marlaas_consumer_lag", service)
+
+    async with producer(kafka_bootstrap) as prod:
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=hold,
+            dead_letters=prod, service=service, lag_interval_s=0.2,
+        )  # fmt: skip
+        async with running(loop):
+            await caught_up(loop)
+            for step in range(3):
+                await prod.send(event(job_id, step))
+            await wait_for(lambda: len(releases) == 3, what="three held messages")
+            await wait_for(lambda: lag() == 3, what="the gauge to show three uncommitted")
+            for release in releases:
+                release()
+            await wait_for(lambda: lag() == 0, what="the gauge to drop to 0")

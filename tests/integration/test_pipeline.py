@@ -2,17 +2,22 @@
 
 Three jobs run at once to max_steps: one with S=1, one strictly on-policy (S=0), and one
 whose every trajectory is delivered twice. A job with an unknown environment is rejected.
+Afterwards every service is ready and its metrics count the work that was done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.bus import Producer
 from common.config import SharedSettings
@@ -30,17 +35,23 @@ from common.messages import (
 )
 from common.models import tiny_model
 from common.registry import Registry
-from common.stack import SERVICES, LocalStack, start_services, stop_services
+from common.stack import SERVICES, ChildServer, LocalStack, start_services, stop_services
 
 pytestmark = pytest.mark.kafka
 
 G, B = 4, 2
 
 
+@dataclass
+class Services:
+    settings: SharedSettings
+    children: list[ChildServer]
+
+
 @pytest.fixture(scope="module")
 def services(
     local_stack: LocalStack, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedSettings]:
+) -> Iterator[Services]:
     state_dir = tmp_path_factory.mktemp("pipeline")
     settings = SharedSettings(
         state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
@@ -49,7 +60,7 @@ def services(
     children = start_services(
         SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
     )
-    yield settings
+    yield Services(settings, children)
     stop_services(children)
     for child in children:
         print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")
@@ -91,11 +102,33 @@ async def duplicate_trajectories(bootstrap: str, job_id: str, stop: asyncio.Even
     return len(seen)
 
 
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def metric_samples(exposition: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+    }
+
+
+def metric(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
 async def test_concurrent_jobs_run_to_max_steps(
-    services: SharedSettings, local_stack: LocalStack
+    services: Services, local_stack: LocalStack
 ) -> None:
     bootstrap = local_stack.kafka_bootstrap
-    base = services.base_model
+    base = services.settings.base_model
     lagging = job(base, "lagging", max_staleness=1, max_steps=3)
     on_policy = job(base, "onpolicy", max_staleness=0, max_steps=3)
     duplicated = job(base, "dup", max_staleness=1, max_steps=2)
@@ -150,3 +183,28 @@ async def test_concurrent_jobs_run_to_max_steps(
     on_policy_steps = [e for e in events if e.job_id == on_policy.job_id and e.event == "step"]
     assert all(e.metrics["staleness_max"] == 0 for e in on_policy_steps)
     assert duplicated_count >= G * B * duplicated.rl.max_steps
+
+    # Every service is ready, and its metrics count what it did.
+    samples: dict[str, dict[tuple[str, frozenset[tuple[str, str]]], float]] = {}
+    for child in services.children:
+        assert child.metrics_url is not None, child.name
+        status, body = await asyncio.to_thread(http_get, f"{child.metrics_url}/readyz")
+        assert status == 200, (child.name, body)
+        status, body = await asyncio.to_thread(http_get, f"{child.metrics_url}/metrics")
+        assert status == 200, child.name
+        samples[child.name] = metric_samples(body)
+    processed = "marlaas_messages_processed_total"
+    assert metric(samples["env_svc"], processed, service="env_svc", topic="marlaas.jobs") >= 5
+    assert (
+        metric(samples["rollout_svc"], processed, service="rollout_svc", topic="marlaas.prompts")
+        > 0
+    )
+    assert metric(samples["rollout_svc"], "marlaas_rollout_generated_tokens_total") > 0
+    # A service exports the consumer metrics and its own, not another service's.
+    assert not [name for name, _ in samples["env_svc"] if name.startswith("marlaas_rollout_")]
+    for spec in (lagging, on_policy, duplicated):
+        trained = metric(
+            samples["trainer_svc"], "marlaas_trainer_steps_total", job_id=spec.job_id,
+            tenant=spec.tenant,
+        )  # fmt: skip
+        assert trained == spec.rl.max_steps, spec.job_id

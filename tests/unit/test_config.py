@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.config import (
+    EnvServiceSettings,
     RolloutSettings,
     SharedSettings,
     TrainerSettings,
@@ -67,4 +68,29 @@ def test_invalid_values_are_refused_with_the_field_name(
 ) -> None:
     monkeypatch.setenv("MARLAAS_TOPIC_PARTITIONS", "0")
     with pytest.raises(ValidationError, match="topic_partitions"):
+        load(SharedSettings)
+
+
+def test_each_service_has_its_own_metrics_port(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert [
+        load(EnvServiceSettings).metrics_port,
+        load(RolloutSettings).metrics_port,
+        load(TrainerSettings).metrics_port,
+    ] == [9101, 9102, 9103]
+    monkeypatch.setenv("ROLLOUT_METRICS_PORT", "0")  # 0: a free port, chosen at start
+    assert load(RolloutSettings).metrics_port == 0
+    assert load(TrainerSettings).metrics_port == 9103
+    monkeypatch.setenv("TRAINER_METRICS_PORT", "70000")
+    with pytest.raises(ValidationError, match="metrics_port"):
+        load(TrainerSettings)
+
+
+def test_log_format_is_text_or_json(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load(SharedSettings).log_format == "text"
+    monkeypatch.setenv("MARLAAS_LOG_FORMAT", "json")
+    assert load(SharedSettings).log_format == "json"
+    monkeypatch.setenv("MARLAAS_LOG_FORMAT", "xml")
+    with pytest.raises(ValidationError, match="log_format"):
         load(SharedSettings)

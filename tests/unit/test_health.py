@@ -1,0 +1,184 @@
+"""common.health and run_service's endpoints: /healthz, /readyz, /metrics over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import yaml
+
+from common.config import EnvServiceSettings, RolloutSettings, TrainerSettings
+from common.health import HealthServer
+from common.metrics import consumer_metrics
+from common.service import Service, run_service
+from tests.unit.test_compose import COMPOSE_FILE
+
+
+async def get(port: int, path: str, method: str = "GET") -> tuple[int, str, bytes]:
+    """(status, content type, body) of one request, as a scraper or probe sends it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: test\r\nAccept: */*\r\n\r\n".encode())
+    await writer.drain()
+    response = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    # HEAD: the length GET would send, and no body.
+    assert (method == "HEAD" and body == b"") or int(headers["Content-Length"]) == len(body)
+    return int(status_line.split()[1]), headers["Content-Type"], body
+
+
+class Flags:
+    def __init__(self) -> None:
+        self.checks = {"kafka": True, "redis": False}
+
+    async def readiness(self) -> dict[str, bool]:
+        return dict(self.checks)
+
+
+async def test_liveness_readiness_metrics_and_unknown_paths() -> None:
+    flags = Flags()
+    consumer_metrics("health-test", "marlaas.events").processed.inc(3)
+    async with HealthServer(flags.readiness, host="127.0.0.1", port=0) as server:
+        assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}"
+        assert await get(server.port, "/healthz") == (200, "text/plain; charset=utf-8", b"ok\n")
+
+        status, content_type, body = await get(server.port, "/readyz")
+        assert (status, content_type) == (503, "application/json")
+        assert json.loads(body) == {"ready": False, "checks": {"kafka": True, "redis": False}}
+        flags.checks["redis"] = True
+        status, _, body = await get(server.port, "/readyz?verbose=1")  # query strings ignored
+        assert status == 200
+        assert json.loads(body) == {"ready": True, "checks": {"kafka": True, "redis": True}}
+
+        status, content_type, body = await get(server.port, "/metrics")
+        assert status == 200 and content_type.startswith("text/plain; version=")
+        series = 'service="health-test",topic="marlaas.events"'
+        assert f"marlaas_messages_processed_total{{{series}}} 3.0".encode() in body.splitlines()
+        # Declared series are exported before anything happened.
+        assert f"marlaas_dead_letters_total{{{series}}} 0.0".encode() in body.splitlines()
+        assert b"_created" not in body
+
+        assert (await get(server.port, "/nope"))[0] == 404
+        assert (await get(server.port, "/metrics", method="POST"))[0] == 405
+        assert await get(server.port, "/healthz", method="HEAD") == (
+            200, "text/plain; charset=utf-8", b"",
+        )  # fmt: skip
+        port = server.port
+    with pytest.raises(OSError):
+        await get(port, "/healthz")
+
+
+async def test_failing_or_empty_readiness_is_not_ready() -> None:
+    async def broken() -> dict[str, bool]:
+        raise ConnectionError("redis went away")
+
+    async def nothing() -> dict[str, bool]:
+        return {}
+
+    for readiness in (broken, nothing):
+        async with HealthServer(readiness, host="127.0.0.1", port=0) as server:
+            status, _, body = await get(server.port, "/readyz")
+            assert status == 503
+            assert json.loads(body)["checks"] == {"readiness_checks": False}
+            assert (await get(server.port, "/healthz"))[0] == 200
+
+
+async def test_garbage_request_is_closed_and_the_server_goes_on() -> None:
+    async with HealthServer(Flags().readiness, host="127.0.0.1", port=0) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"\x16\x03\x01 not http\r\n\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        assert (await get(server.port, "/healthz"))[0] == 200
+
+
+class SlowService(Service):
+    """Starts when told to; its only task ends when told to (which stops the service)."""
+
+    name = "slow_svc"
+
+    def __init__(self) -> None:
+        self.may_start = asyncio.Event()
+        self.may_end = asyncio.Event()
+        self.kafka = False
+        self.stopped = False
+
+    async def start(self) -> None:
+        await self.may_start.wait()
+        self.kafka = True
+
+    def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"slow-work": self.may_end.wait()}  # type: ignore[dict-item]
+
+    def request_stop(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def readiness(self) -> dict[str, bool]:
+        return {"kafka": self.kafka}
+
+
+async def wait_for_port(caplog: pytest.LogCaptureFixture) -> int:
+    for _ in range(100):
+        for record in caplog.records:
+            found = re.fullmatch(
+                r"slow_svc: metrics and health on http://127\.0\.0\.1:(\d+)", record.getMessage()
+            )
+            if found:
+                return int(found.group(1))
+        await asyncio.sleep(0.05)
+    raise AssertionError("run_service never logged its metrics address")
+
+
+async def test_run_service_answers_health_during_start_and_readiness_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="common.service")
+    service = SlowService()
+    run = asyncio.create_task(run_service(service, metrics_port=0, metrics_host="127.0.0.1"))
+    port = await wait_for_port(caplog)
+
+    # Still in start(): alive, not ready, and the body says why.
+    assert (await get(port, "/healthz"))[0] == 200
+    status, _, body = await get(port, "/readyz")
+    assert status == 503
+    assert json.loads(body)["checks"] == {"serving": False, "kafka": False}
+
+    service.may_start.set()
+    for _ in range(100):
+        if (await get(port, "/readyz"))[0] == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert json.loads((await get(port, "/readyz"))[2])["checks"] == {
+        "serving": True, "kafka": True,
+    }  # fmt: skip
+
+    service.may_end.set()  # a task that returns stops the service with exit code 1
+    assert await asyncio.wait_for(run, 30) == 1
+    assert service.stopped
+    with pytest.raises(OSError):  # the endpoint goes with the service
+        await get(port, "/healthz")
+
+
+def test_compose_healthchecks_probe_each_services_readyz_on_its_port() -> None:
+    compose = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    ports = {
+        "env_svc": EnvServiceSettings().metrics_port,
+        "rollout_svc": RolloutSettings().metrics_port,
+        "trainer_svc": TrainerSettings().metrics_port,
+    }
+    assert len(set(ports.values())) == 3
+    for name, port in ports.items():
+        service = compose["services"][name]
+        assert service["expose"] == [str(port)]
+        assert f"http://127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"])
