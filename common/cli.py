@@ -10,7 +10,14 @@ import typer
 from rich.table import Table
 
 from common import cli_jobs
-from common.cli_support import USER_ERRORS, console, err_console, one_line_errors, options
+from common.cli_support import (
+    USER_ERRORS,
+    console,
+    err_console,
+    one_line_errors,
+    options,
+    quiet_logging,
+)
 from common.config import SharedSettings, load
 from common.logs import setup_logging
 from common.stack import SERVICES, LocalStack
@@ -116,7 +123,7 @@ def topics_create(
     from common.bus import ensure_topics
 
     settings = load(SharedSettings)
-    setup_logging(settings.log_level)
+    quiet_logging()
     counts = asyncio.run(
         ensure_topics(
             settings.kafka_bootstrap,

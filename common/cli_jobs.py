@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,12 +11,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from common.cli_support import console, fail, one_line_errors, options, run
+from common.cli_support import console, fail, one_line_errors, options, quiet_logging, run
 from common.client import MarlaasClient
 from common.config import SharedSettings, load
 from common.jobfile import load_job_file
 from common.jobstatus import StatusSnapshot, event_cells, live_view, render
-from common.logs import setup_logging
 from common.messages import JobAction, JobSpec
 
 if TYPE_CHECKING:
@@ -29,9 +27,7 @@ PIPED_WIDTH = 200
 
 
 def _client() -> MarlaasClient:
-    # Retries are logged as warnings for services; a command reports only its final error.
-    setup_logging("ERROR")
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    quiet_logging()
     return MarlaasClient(load(SharedSettings), connect_timeout_s=options.connect_timeout_s)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar
@@ -56,6 +57,14 @@ def one_line_errors(command: Callable[P, T]) -> Callable[P, T]:
 def fail(message: str) -> NoReturn:
     err_console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
+
+
+def quiet_logging() -> None:
+    """Only errors: retries are logged as warnings for services; a command reports its end."""
+    from common.logs import setup_logging
+
+    setup_logging("ERROR")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:

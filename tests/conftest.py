@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from common.config import SharedSettings
-from common.stack import LocalStack
+from common.stack import ChildServer, LocalStack
 
 
 @pytest.fixture(scope="session")
@@ -50,10 +51,16 @@ def redis_url(local_stack: LocalStack) -> str:
     return local_stack.redis_url
 
 
+@dataclass
+class RunningServices:
+    settings: SharedSettings
+    children: list[ChildServer]
+
+
 @pytest.fixture(scope="session")
 def pipeline_services(
     local_stack: LocalStack, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedSettings]:
+) -> Iterator[RunningServices]:
     """env_svc, rollout_svc (vLLM CPU) and trainer_svc as processes on the tiny model.
 
     Session-scoped: starting vLLM takes tens of seconds, and jobs of different tests are
@@ -70,7 +77,7 @@ def pipeline_services(
     children = start_services(
         SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
     )
-    yield settings
+    yield RunningServices(settings, children)
     stop_services(children)
     for child in children:
         print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")

@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from common.cli import app
-from common.config import SharedSettings
 from common.registry import ISSUED_GROUPS, Registry
 from common.stack import LocalStack
+from tests.conftest import RunningServices
 
 pytestmark = pytest.mark.kafka
 
@@ -40,13 +40,14 @@ max_new_tokens = 8
 def cli(
     monkeypatch: pytest.MonkeyPatch,
     local_stack: LocalStack,
-    pipeline_services: SharedSettings,
+    pipeline_services: RunningServices,
 ) -> CliRunner:
     monkeypatch.setenv("MARLAAS_KAFKA_BOOTSTRAP", local_stack.kafka_bootstrap)
     monkeypatch.setenv("MARLAAS_REDIS_URL", local_stack.redis_url)
-    monkeypatch.setenv("MARLAAS_STATE_DIR", str(pipeline_services.state_dir))
-    monkeypatch.setenv("MARLAAS_ARTIFACT_DIR", str(pipeline_services.artifacts))
-    monkeypatch.setenv("MARLAAS_BASE_MODEL", pipeline_services.base_model)
+    settings = pipeline_services.settings
+    monkeypatch.setenv("MARLAAS_STATE_DIR", str(settings.state_dir))
+    monkeypatch.setenv("MARLAAS_ARTIFACT_DIR", str(settings.artifacts))
+    monkeypatch.setenv("MARLAAS_BASE_MODEL", settings.base_model)
     return CliRunner()
 
 
@@ -79,9 +80,9 @@ def registry_value(redis_url: str, read):  # type: ignore[no-untyped-def]
 
 
 def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
-    cli: CliRunner, pipeline_services: SharedSettings, tmp_path: Path
+    cli: CliRunner, pipeline_services: RunningServices, tmp_path: Path
 ) -> None:
-    path = job_file(tmp_path, pipeline_services.base_model, max_steps=2)
+    path = job_file(tmp_path, pipeline_services.settings.base_model, max_steps=2)
     code, out, err = invoke(cli, "submit", str(path), "--wait")
     assert code == 0, err
     job_id = out.split()[0]
@@ -99,7 +100,7 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     assert code == 0, err
     assert f"adapter v2 -> {out_dir}" in out
     config = json.loads((out_dir / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == pipeline_services.base_model
+    assert config["base_model_name_or_path"] == pipeline_services.settings.base_model
     assert (out_dir / "adapter_model.safetensors").stat().st_size > 0
     code, _, err = invoke(cli, "export", job_id, "--out", str(out_dir))
     assert code == 1 and err.startswith("error: ") and err.count("\n") == 1  # not empty
@@ -111,9 +112,9 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
 
 
 def test_pause_resume_cancel_are_applied_by_env_svc(
-    cli: CliRunner, pipeline_services: SharedSettings, local_stack: LocalStack, tmp_path: Path
+    cli: CliRunner, pipeline_services: RunningServices, local_stack: LocalStack, tmp_path: Path
 ) -> None:
-    path = job_file(tmp_path, pipeline_services.base_model, max_steps=200)
+    path = job_file(tmp_path, pipeline_services.settings.base_model, max_steps=200)
     code, out, _ = invoke(cli, "submit", str(path))
     job_id = out.split()[0]
     deadline = time.monotonic() + 120

@@ -8,11 +8,8 @@ Afterwards every service is ready and its metrics count the work that was done.
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from aiokafka import AIOKafkaConsumer
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.bus import Producer
-from common.config import SharedSettings
 from common.jobwatch import JobProgress, submit_jobs, watch_jobs
 from common.messages import (
     EnvSettings,
@@ -33,37 +29,13 @@ from common.messages import (
     decode,
     new_id,
 )
-from common.models import tiny_model
 from common.registry import Registry
-from common.stack import SERVICES, ChildServer, LocalStack, start_services, stop_services
+from common.stack import LocalStack
+from tests.conftest import RunningServices
 
 pytestmark = pytest.mark.kafka
 
 G, B = 4, 2
-
-
-@dataclass
-class Services:
-    settings: SharedSettings
-    children: list[ChildServer]
-
-
-@pytest.fixture(scope="module")
-def services(
-    local_stack: LocalStack, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Services]:
-    state_dir = tmp_path_factory.mktemp("pipeline")
-    settings = SharedSettings(
-        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
-    )
-    os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
-    children = start_services(
-        SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
-    )
-    yield Services(settings, children)
-    stop_services(children)
-    for child in children:
-        print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")
 
 
 def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> JobSpec:
@@ -125,10 +97,10 @@ def metric(
 
 
 async def test_concurrent_jobs_run_to_max_steps(
-    services: Services, local_stack: LocalStack
+    pipeline_services: RunningServices, local_stack: LocalStack
 ) -> None:
     bootstrap = local_stack.kafka_bootstrap
-    base = services.settings.base_model
+    base = pipeline_services.settings.base_model
     lagging = job(base, "lagging", max_staleness=1, max_steps=3)
     on_policy = job(base, "onpolicy", max_staleness=0, max_steps=3)
     duplicated = job(base, "dup", max_staleness=1, max_steps=2)
@@ -186,7 +158,7 @@ async def test_concurrent_jobs_run_to_max_steps(
 
     # Every service is ready, and its metrics count what it did.
     samples: dict[str, dict[tuple[str, frozenset[tuple[str, str]]], float]] = {}
-    for child in services.children:
+    for child in pipeline_services.children:
         assert child.metrics_url is not None, child.name
         status, body = await asyncio.to_thread(http_get, f"{child.metrics_url}/readyz")
         assert status == 200, (child.name, body)
