@@ -171,6 +171,10 @@ class Registry:
         )
         return cls(client, url)
 
+    async def ping(self) -> None:
+        """Raises when Redis does not answer (readiness probes)."""
+        await self._redis.ping()
+
     async def close(self) -> None:
         await self._redis.aclose()
 
