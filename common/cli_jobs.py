@@ -6,21 +6,18 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from common.adapters import ExportedAdapter
 from common.cli_support import console, fail, one_line_errors, options, quiet_logging, run
 from common.client import MarlaasClient
 from common.config import SharedSettings, load
 from common.jobfile import load_job_file
 from common.jobstatus import StatusSnapshot, event_cells, live_view, render
 from common.messages import JobAction, JobSpec
-
-if TYPE_CHECKING:
-    from common.export import ExportedAdapter
-
 
 PIPED_WIDTH = 200
 """Columns of `status` output that does not go to a terminal."""

@@ -12,8 +12,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from common.adapters import ExportedAdapter, export_adapter
 from common.config import (
     EnvServiceSettings,
     RolloutSettings,
@@ -26,9 +26,6 @@ from common.jobstatus import StatusBoard
 from common.jobwatch import submit_jobs
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import TERMINAL_STATUSES, JobRecord, Registry, UnknownJobError
-
-if TYPE_CHECKING:
-    from common.export import ExportedAdapter
 
 ACTION_STATES: dict[JobAction, str] = {
     "pause": "paused", "resume": "running", "cancel": "cancelled",
@@ -136,7 +133,6 @@ class MarlaasClient:
         self, job_id: str, out_dir: Path, *, version: int | None = None
     ) -> ExportedAdapter:
         await self.job(job_id)
-        from common.export import export_adapter
         from common.models import resolve_base_model
 
         base_model_dir = await asyncio.to_thread(

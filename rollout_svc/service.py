@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from common.adapters import adapter_path
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
 from common.health import redis_ready
@@ -46,11 +47,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "rollout_svc"
 STATS_INTERVAL_S = 5.0
-
-
-def adapter_path(uri: str) -> str:
-    """Local path of an artifact URI (`file:///...` or a plain path)."""
-    return uri.removeprefix("file://")
 
 
 def aborted(request: GenerationRequest) -> GenerationResult:
@@ -98,7 +94,9 @@ class RolloutService(Service):
         await self.producer.start(timeout_s=self.shared.connect_timeout_s)
         await self.adapters.start(timeout_s=self.shared.connect_timeout_s)
         for job_id, pointer in (await self.registry.adapters()).items():
-            self.latest[job_id] = AdapterRef(job_id, pointer.version, adapter_path(pointer.uri))
+            self.latest[job_id] = AdapterRef(
+                job_id, pointer.version, str(adapter_path(pointer.uri))
+            )
         log.info("rollout_svc: %d adapters from Redis at start-up", len(self.latest))
         await self.engine.start()
         self.consumer = ConsumerLoop[GenerationRequest](
@@ -200,7 +198,7 @@ class RolloutService(Service):
         current = self.latest.get(update.job_id)
         if current is not None and current.version >= update.version:
             return
-        new = AdapterRef(update.job_id, update.version, adapter_path(update.uri))
+        new = AdapterRef(update.job_id, update.version, str(adapter_path(update.uri)))
         self.latest[update.job_id] = new
         await self.engine.load(new)  # loaded before its first request needs it
         if current is not None:

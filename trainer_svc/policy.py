@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import policy_loss, token_logprobs
 
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 MAX_GRAD_NORM = 1.0

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import tiny_model
 from trainer_svc.grpo import token_logprobs
-from trainer_svc.policy import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MultiAdapterPolicy
+from trainer_svc.policy import MultiAdapterPolicy
 
 LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 RL = RLSettings(learning_rate=1e-2)

@@ -1,0 +1,184 @@
+"""The adapter artifact: a standard PEFT LoRA directory, and exporting it for users.
+
+trainer_svc writes one directory per version (`<artifacts>/adapters/<job>/v<n>/`), rollout_svc
+loads it into vLLM by URI, and `marlaas export` copies it out. The format is PEFT's own:
+`adapter_config.json` + `adapter_model.safetensors` with `base_model.model.…lora_A.weight`
+keys, so `PeftModel.from_pretrained` and vLLM's `LoRARequest` load it unchanged.
+
+Nothing here imports torch or peft: exporting works on a machine with the core package only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from common.messages import new_id
+from common.registry import Registry
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+EXPORT_INFO = "marlaas_export.json"
+_LORA_KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+_REQUIRED_CONFIG = ("peft_type", "r", "lora_alpha", "target_modules")
+
+
+class ExportError(ValueError):
+    """An adapter that cannot be exported; the text says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ExportedAdapter:
+    job_id: str
+    tenant: str
+    version: int
+    out_dir: Path
+    base_model_name_or_path: str
+
+
+def adapter_path(uri: str) -> Path:
+    """Local path of an artifact URI (`file:///...` or a plain path)."""
+    return Path(uri.removeprefix("file://"))
+
+
+def lora_tensor_names(adapter_dir: Path) -> list[str]:
+    """Tensor names in the adapter's safetensors file, read from its header (no torch needed).
+
+    Raises ExportError when the file is missing, not safetensors, or holds no LoRA weights.
+    """
+    path = adapter_dir / ADAPTER_WEIGHTS
+    try:
+        with path.open("rb") as weights:
+            (header_len,) = struct.unpack("<Q", weights.read(8))
+            header = json.loads(weights.read(header_len))
+    except (OSError, struct.error, ValueError) as exc:
+        raise ExportError(f"{path}: not a readable safetensors file ({exc})") from None
+    names = sorted(name for name in header if name != "__metadata__")
+    if not names or not all(
+        name.startswith("base_model.model.") and name.endswith(_LORA_KEY_SUFFIXES) for name in names
+    ):
+        raise ExportError(f"{path}: not PEFT LoRA weights (tensor names {names[:3]}...)")
+    return names
+
+
+def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
+    """The adapter's config, after checking the directory is a loadable PEFT LoRA adapter."""
+    try:
+        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{adapter_dir / ADAPTER_CONFIG}: unreadable ({exc})") from None
+    missing = [key for key in _REQUIRED_CONFIG if key not in config]
+    if missing or config.get("peft_type") != "LORA":
+        raise ExportError(f"{adapter_dir}: not a PEFT LoRA config (missing {missing})")
+    lora_tensor_names(adapter_dir)
+    return dict(config)
+
+
+async def export_adapter(
+    registry: Registry,
+    job_id: str,
+    out_dir: Path,
+    *,
+    base_model_path: str | None = None,
+    version: int | None = None,
+) -> ExportedAdapter:
+    """Copy the job's adapter (latest, or `version`) to `out_dir` as a standalone PEFT dir.
+
+    `base_model_path` replaces the config's `base_model_name_or_path` (where the base model
+    lies on the exporting machine). `out_dir` must not exist or be empty; it appears whole
+    or not at all.
+    """
+    record = await registry.job(job_id)
+    if record is None:
+        raise ExportError(f"unknown job {job_id!r}")
+    pointer = await registry.adapter(job_id)
+    if pointer is None or pointer.version < 1:
+        raise ExportError(
+            f"job {job_id!r} has no trained adapter yet ({record.status}); "
+            "one appears after its first step"
+        )
+    wanted = pointer.version if version is None else version
+    if not 1 <= wanted <= pointer.version:
+        raise ExportError(f"job {job_id!r} has adapter versions 1..{pointer.version}, not {wanted}")
+    source = adapter_path(pointer.uri).parent / f"v{wanted}"
+    if not source.is_dir():
+        raise ExportError(
+            f"adapter v{wanted} of job {job_id!r} is not at {source}: run export where the "
+            "artifact store (MARLAAS_ARTIFACT_DIR) is mounted"
+        )
+    config = check_adapter_dir(source)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not an empty directory")
+    if base_model_path is not None:
+        config["base_model_name_or_path"] = base_model_path
+    info = {
+        "job_id": job_id, "tenant": record.spec.tenant, "env": record.spec.env.name,
+        "version": wanted, "latest_version": pointer.version, "base_model": record.spec.base_model,
+        "source": str(source), "exported_at": time.time(), "job_state": record.status,
+        # Field by field: messages travel as arrays, a reader wants the field names.
+        "spec": {name: msgspec.to_builtins(getattr(record.spec, name))
+                 for name in record.spec.__struct_fields__},
+    }  # fmt: skip
+    _write_atomically(out_dir, source, config, info)
+    return ExportedAdapter(
+        job_id, record.spec.tenant, wanted, out_dir, str(config["base_model_name_or_path"])
+    )
+
+
+def _write_atomically(
+    out_dir: Path, source: Path, config: dict[str, object], info: dict[str, object]
+) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.export-{new_id()[:8]}"
+    staging.mkdir()
+    try:
+        shutil.copyfile(source / ADAPTER_WEIGHTS, staging / ADAPTER_WEIGHTS)
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+        (staging / "README.md").write_text(_model_card(info, config))
+        check_adapter_dir(staging)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _model_card(info: dict[str, object], config: dict[str, object]) -> str:
+    base = config["base_model_name_or_path"]
+    return f"""# LoRA adapter of MARLaaS job `{info["job_id"]}` (v{info["version"]})
+
+Tenant `{info["tenant"]}`, environment `{info["env"]}`, base model `{info["base_model"]}`,
+rank {config["r"]}, alpha {config["lora_alpha"]}, modules {config["target_modules"]}.
+The job's settings are in `{EXPORT_INFO}`.
+
+## transformers + peft
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import PeftModel
+
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "<this directory>")
+tokenizer = AutoTokenizer.from_pretrained("{base}")
+```
+
+## vLLM
+
+```python
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+
+llm = LLM(model="{base}", enable_lora=True, max_lora_rank={config["r"]})
+outputs = llm.generate(["What is 7 + 5?"], SamplingParams(max_tokens=16),
+                       lora_request=LoRARequest("{info["job_id"]}", 1, "<this directory>"))
+```
+"""

@@ -1,0 +1,171 @@
+"""Exporting a trained adapter: a standalone PEFT dir that peft and vLLM load, and its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+from common.adapters import ExportError, export_adapter
+from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
+from common.models import tiny_model
+from common.registry import Registry
+from trainer_svc.policy import MultiAdapterPolicy
+
+pytestmark = pytest.mark.kafka
+
+T = TypeVar("T")
+LORA = LoraSettings(rank=4, alpha=8)
+TOKENS = [1, 420, 1337, 99, 2024, 7, 300, 451, 12, 880]
+
+
+def with_registry(redis_url: str, work: Callable[[Registry], Awaitable[T]]) -> T:
+    async def run() -> T:
+        registry = await Registry.connect(redis_url, timeout_s=10)
+        try:
+            return await work(registry)
+        finally:
+            await registry.close()
+
+    return asyncio.run(run())
+
+
+def spec(job_id: str) -> JobSpec:
+    return JobSpec(
+        job_id=job_id, tenant="acme", base_model="tiny", env=EnvSettings(name="arithmetic"),
+        lora=LORA, rl=RLSettings(learning_rate=0.05),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[MultiAdapterPolicy, str, Path]:
+    """A job trained 2 steps, its adapters saved where trainer_svc saves them."""
+    artifacts = tmp_path_factory.mktemp("artifacts")
+    job_id = f"export-{new_id()[:8]}"
+    policy = MultiAdapterPolicy(tiny_model())
+    policy.add_job(job_id, LORA, spec(job_id).rl, seed=1)
+    trajectory = Trajectory(
+        episode_id="e", job_id=job_id, group_id="g", sample_index=0, group_size=1,
+        token_ids=TOKENS, loss_mask=[0] * 4 + [1] * 6,
+        behaviour_logprobs=[0.0] * 4 + [-9.0] * 6, reward=1.0,
+    )  # fmt: skip
+    for version in (1, 2):
+        policy.train_step(job_id, [trajectory], [1.0])
+        policy.save_adapter(job_id, artifacts / "adapters" / job_id / f"v{version}")
+    return policy, job_id, artifacts
+
+
+@pytest.fixture(scope="module")
+def published(trained: tuple[MultiAdapterPolicy, str, Path], redis_url_module: str) -> str:
+    _, job_id, artifacts = trained
+
+    async def publish(registry: Registry) -> None:
+        await registry.register_job(spec(job_id), status="completed")
+        uri = (artifacts / "adapters" / job_id / "v2").resolve().as_uri()
+        await registry.publish_adapter(job_id, 2, uri, 2)
+
+    with_registry(redis_url_module, publish)
+    return job_id
+
+
+@pytest.fixture(scope="module")
+def redis_url_module(local_stack) -> str:  # type: ignore[no-untyped-def]
+    return str(local_stack.redis_url)
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def test_the_export_loads_with_peft_and_changes_the_output_as_trained(
+    trained: tuple[MultiAdapterPolicy, str, Path], published: str, redis_url_module: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    policy, job_id, _ = trained
+    out = tmp_path / "adapter"
+    base_path = str(tiny_model())
+    exported = with_registry(
+        redis_url_module,
+        lambda r: export_adapter(r, job_id, out, base_model_path=base_path),
+    )
+    assert (exported.version, exported.tenant, exported.out_dir) == (2, "acme", out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == base_path and config["r"] == LORA.rank
+    info = json.loads((out / "marlaas_export.json").read_text())
+    assert (info["job_id"], info["version"], info["spec"]["tenant"]) == (job_id, 2, "acme")
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # as trained
+    base_logits = logits(base)
+    model = PeftModel.from_pretrained(base, out)
+    adapted_logits = logits(model)
+    assert (adapted_logits - base_logits).abs().max().item() > 1e-3
+    # ...and it is the trained adapter: peft's logprobs equal the trainer's own.
+    logprobs_T = torch.log_softmax(adapted_logits, dim=-1)[:-1].gather(
+        1, torch.tensor(TOKENS[1:]).unsqueeze(1)
+    )[:, 0]
+    torch.testing.assert_close(
+        logprobs_T, torch.tensor(policy.logprobs(job_id, TOKENS)[1:]), atol=1e-4, rtol=0
+    )
+
+
+def test_vllm_accepts_the_exported_config(
+    published: str, redis_url_module: str, tmp_path: Path
+) -> None:
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    out = tmp_path / "adapter"
+    with_registry(redis_url_module, lambda r: export_adapter(r, published, out))
+    helper = PEFTHelper.from_local_dir(str(out), max_position_embeddings=None)
+    helper.validate_legal(LoRAConfig(max_lora_rank=16))
+    assert (helper.r, helper.lora_alpha) == (LORA.rank, LORA.alpha)
+
+
+def test_an_earlier_version_can_be_exported(
+    trained: tuple[MultiAdapterPolicy, str, Path], published: str, redis_url_module: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    _, job_id, artifacts = trained
+    out = tmp_path / "v1"
+    exported = with_registry(redis_url_module, lambda r: export_adapter(r, job_id, out, version=1))
+    assert exported.version == 1
+    source = artifacts / "adapters" / job_id / "v1" / "adapter_model.safetensors"
+    assert (out / "adapter_model.safetensors").read_bytes() == source.read_bytes()
+
+
+def test_export_errors_say_what_is_wrong(
+    published: str, redis_url_module: str, tmp_path: Path
+) -> None:
+    def export(job_id: str, out: Path, **kwargs: object) -> str:
+        with pytest.raises(ExportError) as caught:
+            with_registry(redis_url_module, lambda r: export_adapter(r, job_id, out, **kwargs))  # type: ignore[arg-type]
+        return str(caught.value)
+
+    assert export("no-such-job", tmp_path / "a") == "unknown job 'no-such-job'"
+    untrained = f"untrained-{new_id()[:6]}"
+    with_registry(redis_url_module, lambda r: r.register_job(spec(untrained), status="running"))
+    assert "has no trained adapter yet (running)" in export(untrained, tmp_path / "b")
+    assert "versions 1..2, not 3" in export(published, tmp_path / "c", version=3)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    assert "exists and is not an empty directory" in export(published, occupied)
+    assert (occupied / "notes.txt").read_text() == "mine"
+    elsewhere = f"elsewhere-{new_id()[:6]}"
+
+    async def publish_missing(registry: Registry) -> None:
+        await registry.register_job(spec(elsewhere), status="running")
+        await registry.publish_adapter(elsewhere, 1, "file:///nonexistent/adapters/x/v1", 1)
+
+    with_registry(redis_url_module, publish_missing)
+    assert "run export where the artifact store" in export(elsewhere, tmp_path / "d")
+    assert not list(tmp_path.glob(".*export-*"))  # no staging dir left behind
