@@ -12,7 +12,15 @@ import typer
 from rich.console import Console
 
 from common.adapters import ExportedAdapter
-from common.cli_support import console, fail, one_line_errors, options, quiet_logging, run
+from common.cli_support import (
+    console,
+    fail,
+    one_line_errors,
+    options,
+    quiet_logging,
+    run,
+    say,
+)
 from common.client import MarlaasClient
 from common.config import SharedSettings, load
 from common.jobfile import load_job_file
@@ -52,7 +60,7 @@ async def _submit(specs: list[JobSpec], wait: bool) -> None:
     async with _client() as client:
         await client.submit(specs)
         for spec in specs:
-            console.print(spec.job_id, highlight=False)
+            say(spec.job_id)
         if not wait:
             return
         snapshot = await _follow(client, specs, until_done=True)
@@ -126,7 +134,7 @@ def _control(action: JobAction, help_text: str) -> Callable[..., None]:
         ] = 30.0,
     ) -> None:
         state = run(_command(job, action, wait_s))
-        console.print(f"job {job}: {state}", highlight=False)
+        say(f"job {job}: {state}")
 
     command.__doc__ = help_text
     return command
@@ -155,10 +163,10 @@ async def _logs(job: str, follow: bool) -> None:
     async with _client() as client:
         if follow:
             async for event in client.follow(job):
-                console.print("  ".join(event_cells(event)), highlight=False, soft_wrap=True)
+                say("  ".join(event_cells(event)))
         else:
             for event in await client.events(job):
-                console.print("  ".join(event_cells(event)), highlight=False, soft_wrap=True)
+                say("  ".join(event_cells(event)))
 
 
 # --- export / report ------------------------------------------------------------------
@@ -174,9 +182,7 @@ def export(
 ) -> None:
     """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM)."""
     exported = run(_export(job, out, version))
-    console.print(
-        f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}", highlight=False
-    )
+    say(f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}")
 
 
 async def _export(job: str, out: Path, version: int | None) -> ExportedAdapter:
@@ -194,7 +200,7 @@ def report(
     """A self-contained HTML report: reward, staleness, throughput and utilisation over time."""
     started = time.monotonic()
     index = run(_report(jobs or [], out))
-    console.print(f"report: {index} ({time.monotonic() - started:.1f}s)", highlight=False)
+    say(f"report: {index} ({time.monotonic() - started:.1f}s)")
 
 
 async def _report(jobs: list[str], out: Path) -> Path:

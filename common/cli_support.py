@@ -54,6 +54,11 @@ def one_line_errors(command: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+def say(line: str) -> None:
+    """One line of output, never wrapped (scripts split it) nor colour-highlighted."""
+    console.print(line, highlight=False, soft_wrap=True)
+
+
 def fail(message: str) -> NoReturn:
     err_console.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)

@@ -33,13 +33,20 @@ from common.messages import (
     new_id,
 )
 from common.registry import DROPPED_GROUPS, ISSUED_GROUPS, Registry
-from common.stack import free_port
+from common.stack import LocalStack, free_port
 
 pytestmark = pytest.mark.kafka
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "jobs"
 G, B = 4, 2
 REWARDS = [0.25, 0.5, 0.375]
+
+
+@pytest.fixture
+def redis_url(local_stack: LocalStack) -> str:
+    """Redis database 1: jobs written here are invisible to services another test may run
+    (they use database 0), so nothing but this test changes their counters or states."""
+    return local_stack.redis_url.rsplit("/", 1)[0] + "/1"
 
 
 @pytest.fixture
