@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from common.config import SharedSettings
+from common.registry import Registry
 from common.stack import ChildServer, LocalStack
 
 
@@ -49,6 +51,22 @@ def kafka_bootstrap(local_stack: LocalStack) -> str:
 @pytest.fixture
 def redis_url(local_stack: LocalStack) -> str:
     return local_stack.redis_url
+
+
+T = TypeVar("T")
+
+
+def with_registry(redis_url: str, work: Callable[[Registry], Awaitable[T]]) -> T:
+    """Run `work` against a fresh registry connection, from a synchronous test."""
+
+    async def run() -> T:
+        registry = await Registry.connect(redis_url, timeout_s=10)
+        try:
+            return await work(registry)
+        finally:
+            await registry.close()
+
+    return asyncio.run(run())
 
 
 @dataclass

@@ -34,6 +34,7 @@ from common.messages import (
 )
 from common.registry import DROPPED_GROUPS, ISSUED_GROUPS, Registry
 from common.stack import LocalStack, free_port
+from tests.conftest import with_registry
 
 pytestmark = pytest.mark.kafka
 
@@ -75,14 +76,6 @@ def spec(job_id: str, tenant: str = "acme", max_steps: int = 5) -> JobSpec:
     )  # fmt: skip
 
 
-async def _with_registry(redis_url: str, work):  # type: ignore[no-untyped-def]
-    registry = await Registry.connect(redis_url, timeout_s=10)
-    try:
-        return await work(registry)
-    finally:
-        await registry.close()
-
-
 def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") -> JobSpec:
     """A job 3 steps into 5, as env_svc and trainer_svc would have recorded it."""
     job = spec(f"cli-{new_id()[:8]}")
@@ -117,7 +110,7 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
         await producer.send(events[1])  # a redelivered step event is counted once
         await producer.stop()
 
-    asyncio.run(_with_registry(redis_url, write))
+    with_registry(redis_url, write)
     return job
 
 
@@ -343,7 +336,7 @@ def test_report_plots_the_rewards_of_the_events(
                      "generated_tokens": 100 * second, "in_flight": 3.0}  # fmt: skip
             await registry.put_stats(f"rollout:cli-test-{job.job_id}", stats, ttl_s=60)
 
-    asyncio.run(_with_registry(redis_url, rollout_stats))
+    with_registry(redis_url, rollout_stats)
     code, out, _ = invoke(cli, "report", job.job_id, "--out", str(tmp_path / "report"))
     assert code == 0 and "index.html" in out
     html = (tmp_path / "report" / "index.html").read_text()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -11,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from common.cli import app
-from common.registry import ISSUED_GROUPS, Registry
+from common.registry import ISSUED_GROUPS
 from common.stack import LocalStack
-from tests.conftest import RunningServices
+from tests.conftest import RunningServices, with_registry
 
 pytestmark = pytest.mark.kafka
 
@@ -68,17 +67,6 @@ def job_file(tmp_path: Path, base_model: str, *, max_steps: int, job_id: str = "
     return path
 
 
-def registry_value(redis_url: str, read):  # type: ignore[no-untyped-def]
-    async def run():  # type: ignore[no-untyped-def]
-        registry = await Registry.connect(redis_url, timeout_s=10)
-        try:
-            return await read(registry)
-        finally:
-            await registry.close()
-
-    return asyncio.run(run())
-
-
 def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     cli: CliRunner, pipeline_services: RunningServices, tmp_path: Path
 ) -> None:
@@ -118,16 +106,16 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
     code, out, _ = invoke(cli, "submit", str(path))
     job_id = out.split()[0]
     deadline = time.monotonic() + 120
-    while registry_value(local_stack.redis_url, lambda r: r.job(job_id)) is None:
+    while with_registry(local_stack.redis_url, lambda r: r.job(job_id)) is None:
         assert time.monotonic() < deadline, "env_svc never registered the job"
         time.sleep(0.5)
 
     code, out, err = invoke(cli, "pause", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: paused"), err
-    issued = registry_value(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
+    issued = with_registry(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
     time.sleep(4)  # training goes on with what is in flight; no new group is issued
     assert (
-        registry_value(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
+        with_registry(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
     )
 
     code, out, _ = invoke(cli, "resume", job_id)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,6 +13,7 @@ from common.adapters import ExportError, export_adapter
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from common.models import tiny_model
 from common.registry import Registry
+from tests.conftest import with_registry
 from trainer_svc.policy import MultiAdapterPolicy
 
 pytestmark = pytest.mark.kafka
@@ -22,17 +21,6 @@ pytestmark = pytest.mark.kafka
 T = TypeVar("T")
 LORA = LoraSettings(rank=4, alpha=8)
 TOKENS = [1, 420, 1337, 99, 2024, 7, 300, 451, 12, 880]
-
-
-def with_registry(redis_url: str, work: Callable[[Registry], Awaitable[T]]) -> T:
-    async def run() -> T:
-        registry = await Registry.connect(redis_url, timeout_s=10)
-        try:
-            return await work(registry)
-        finally:
-            await registry.close()
-
-    return asyncio.run(run())
 
 
 def spec(job_id: str) -> JobSpec:
