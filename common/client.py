@@ -112,14 +112,15 @@ class MarlaasClient:
         return events
 
     async def follow(self, job_id: str) -> AsyncIterator[Event]:
-        """The job's events so far, then each new one until the job ends."""
-        if await self.registry.job(job_id) is None and not await self.events(job_id):
-            raise UnknownJobError(job_id)
+        """The job's events so far, then each new one until the job has ended."""
+        if await self.registry.job(job_id) is None:
+            await self.events(job_id)  # raises UnknownJobError unless it has events
         async with self._feed({job_id}) as feed:
-            async for event in feed.follow():
-                yield event
-                if event.event in TERMINAL_STATUSES and feed.caught_up:
-                    return
+            ended = False
+            while not (ended and feed.caught_up):
+                for event in await feed.poll(0.5):
+                    yield event
+                    ended = ended or event.event in TERMINAL_STATUSES
 
     def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
         return StatusBoard(
@@ -146,10 +147,10 @@ class MarlaasClient:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
         from common.report import build_report, write_report
 
-        for job_id in job_ids:
-            await self.job(job_id)
         async with self._feed(set(job_ids) or None) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
+        for job_id in set(job_ids) - {e.job_id for e in events}:
+            await self.job(job_id)  # no events yet: it must at least be registered
         specs = {}
         for job_id in set(job_ids) or {e.job_id for e in events} | set(
             await self.registry.job_ids()

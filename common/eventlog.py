@@ -6,9 +6,8 @@ No consumer group and no commits: every reader sees the whole topic from its sta
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import Collection
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
@@ -108,13 +107,6 @@ class EventFeed:
             events += await self.poll(0.2)
         events.sort(key=lambda e: e.at)
         return events
-
-    async def follow(self, poll_s: float = 0.5) -> AsyncIterator[Event]:
-        """Every event, then each new one as it arrives, until the caller stops iterating."""
-        while True:
-            for event in await self.poll(poll_s):
-                yield event
-            await asyncio.sleep(0)
 
     def _require(self) -> AIOKafkaConsumer:
         if self._consumer is None:

@@ -105,6 +105,8 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
                 reason="group g7: 3 versions behind",
             )
         )
+        if status in ("completed", "cancelled", "failed"):
+            events.append(job_event(job.job_id, status, "trainer_svc", tenant=job.tenant))  # type: ignore[arg-type]
         for event in events:
             await producer.send(event)
         await producer.send(events[1])  # a redelivered step event is counted once
@@ -247,6 +249,15 @@ def test_logs_prints_each_event_once_with_its_metrics(
     steps = [ln for ln in lines if " step " in ln]
     assert [float(re.search(r"mean_reward=(\S+)", ln).group(1)) for ln in steps] == REWARDS  # type: ignore[union-attr]
     assert "group g7: 3 versions behind" in lines[-1]
+
+
+def test_logs_follow_returns_once_the_job_has_ended(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    job = history(kafka_bootstrap, redis_url, status="completed")
+    code, out, _ = invoke(cli, "logs", job.job_id, "--follow")
+    assert code == 0
+    assert [ln.split()[3] for ln in out.strip().splitlines()][-2:] == ["dropped_stale", "completed"]
 
 
 @pytest.mark.parametrize("command", ["status", "logs", "pause", "resume", "cancel", "export"])
