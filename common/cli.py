@@ -75,6 +75,11 @@ async def _serve_until_signalled(stack: LocalStack) -> None:
     async with stack:
         console.print(_stack_table(stack))
         console.print("Ready. Ctrl-C stops everything.")
+        if stack.services:
+            console.print(
+                "In another terminal: marlaas submit examples/jobs/arithmetic.toml, "
+                "then marlaas status (README: Using it)."
+            )
         stopped = asyncio.create_task(stop.wait(), name="wait-for-signal")
         watch = asyncio.create_task(_watch_children(stack), name="watch-children")
         done, pending = await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
