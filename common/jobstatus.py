@@ -70,7 +70,10 @@ class ReplicaStats:
     name: str
     utilisation: float
     """Share of its uptime the engine had at least one request running."""
+    recent_utilisation: float
+    """The same over the replica's last report interval (5 s)."""
     tokens_per_s: float
+    """Generated tokens per second over the last report interval."""
     in_flight: int
 
 
@@ -111,7 +114,6 @@ class StatusBoard:
         self._feed = EventFeed(bootstrap, self.job_ids, connect_timeout_s=timeout_s)
         self._progress: dict[str, JobProgress] = {}
         self._events: dict[str, deque[Event]] = {}
-        self._last_tokens: dict[str, tuple[float, float]] = {}
 
     async def start(self) -> None:
         await self._feed.start()
@@ -192,22 +194,16 @@ class StatusBoard:
         return list(await asyncio.gather(*(one(s, g) for s, g in self.consumer_groups.items())))
 
     async def _replicas(self) -> list[ReplicaStats]:
-        replicas = []
-        for name, stats in sorted((await self.registry.stats("rollout:")).items()):
-            tokens, uptime = stats.get("generated_tokens", 0.0), stats.get("uptime_s", 0.0)
-            previous = self._last_tokens.get(name)
-            if previous is not None and uptime > previous[1]:
-                rate = (tokens - previous[0]) / (uptime - previous[1])  # since the last refresh
-            else:
-                rate = tokens / uptime if uptime > 0 else 0.0  # average since the replica began
-            self._last_tokens[name] = (tokens, uptime)
-            replicas.append(
-                ReplicaStats(
-                    name.removeprefix("rollout:"), stats.get("utilisation", 0.0), max(rate, 0.0),
-                    int(stats.get("in_flight", 0)),
-                )
-            )  # fmt: skip
-        return replicas
+        return [
+            ReplicaStats(
+                name.removeprefix("rollout:"),
+                utilisation=stats.get("utilisation", 0.0),
+                recent_utilisation=stats.get("recent_utilisation", 0.0),
+                tokens_per_s=stats.get("tokens_per_s", 0.0),
+                in_flight=int(stats.get("in_flight", 0)),
+            )
+            for name, stats in sorted((await self.registry.stats("rollout:")).items())
+        ]
 
 
 async def live_view(
@@ -289,14 +285,16 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
     for column in ("service", "consumer group", "lag", "engine busy", "tokens/s", "in engine"):
         table.add_column(column)
     for lag in snapshot.lags:
-        replicas = [r for r in snapshot.replicas] if lag.service == "rollout_svc" else []
+        replicas = list(snapshot.replicas) if lag.service == "rollout_svc" else []
         if not replicas:
             table.add_row(lag.service, lag.group, str(lag.lag), "", "", "")
         for index, replica in enumerate(replicas):
             table.add_row(
                 lag.service if index == 0 else "", lag.group if index == 0 else "",
                 str(lag.lag) if index == 0 else "",
-                f"{replica.utilisation:.0%} ({replica.name})", f"{replica.tokens_per_s:.1f}",
+                f"{replica.recent_utilisation:.0%} now, {replica.utilisation:.0%} since start "
+                f"({replica.name})",
+                f"{replica.tokens_per_s:.1f}",
                 str(replica.in_flight),
             )  # fmt: skip
     return table

@@ -225,22 +225,26 @@ class RolloutService(Service):
             time.monotonic(), engine.busy_seconds, engine.generated_tokens
         )  # fmt: skip
         while not self._stopping.is_set():
-            uptime = time.monotonic() - self._started_at
+            # Over the last interval, not since start: the dashboards' "now".
+            now, busy_s, tokens = time.monotonic(), engine.busy_seconds, engine.generated_tokens
+            interval = now - last_at
+            recent_busy = (busy_s - last_busy_s) / interval if interval > 0 else 0.0
+            recent_tokens_per_s = (tokens - last_tokens) / interval if interval > 0 else 0.0
+            ROLLOUT_BUSY_FRACTION.set(recent_busy)
+            ROLLOUT_TOKENS_PER_SECOND.set(recent_tokens_per_s)
+            last_at, last_busy_s, last_tokens = now, busy_s, tokens
+            uptime = now - self._started_at
             stats = {
-                "busy_s": self.engine.busy_seconds,
+                "busy_s": busy_s,
                 "uptime_s": uptime,
-                "utilisation": self.engine.busy_seconds / uptime if uptime > 0 else 0.0,
-                "generated_tokens": float(self.engine.generated_tokens),
-                "in_flight": float(self.engine.in_flight),
+                "utilisation": busy_s / uptime if uptime > 0 else 0.0,
+                "recent_utilisation": recent_busy,
+                "generated_tokens": float(tokens),
+                "tokens_per_s": recent_tokens_per_s,
+                "in_flight": float(engine.in_flight),
             }
             await registry.put_stats(f"rollout:{self.replica}", stats, ttl_s=60)
             try:
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:
                 pass
-            # Over the last interval, not since start: the dashboards' "now".
-            now, busy_s, tokens = time.monotonic(), engine.busy_seconds, engine.generated_tokens
-            if now > last_at:
-                ROLLOUT_BUSY_FRACTION.set((busy_s - last_busy_s) / (now - last_at))
-                ROLLOUT_TOKENS_PER_SECOND.set((tokens - last_tokens) / (now - last_at))
-            last_at, last_busy_s, last_tokens = now, busy_s, tokens

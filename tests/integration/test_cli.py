@@ -217,6 +217,23 @@ def test_status_json_has_the_numbers_of_the_events_and_redis(
     assert set(services) == {"env_svc", "rollout_svc", "trainer_svc"}
 
 
+def test_status_shows_each_rollout_replica_as_it_reported(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
+    replica = f"status-{new_id()[:8]}"
+    stats = {"busy_s": 40.0, "uptime_s": 50.0, "utilisation": 0.8, "recent_utilisation": 0.5,
+             "generated_tokens": 3000.0, "tokens_per_s": 72.5, "in_flight": 12.0}  # fmt: skip
+    with_registry(redis_url, lambda r: r.put_stats(f"rollout:{replica}", stats, ttl_s=60))
+    code, out, _ = invoke(cli, "status", "--json")
+    assert code == 0
+    (seen,) = [r for r in json.loads(out)["rollout_replicas"] if r["name"] == replica]
+    assert seen == {"name": replica, "utilisation": 0.8, "recent_utilisation": 0.5,
+                    "tokens_per_s": 72.5, "in_flight": 12}  # fmt: skip
+    code, out, _ = invoke(cli, "status", "--once")
+    line = next(ln for ln in out.splitlines() if replica in ln)
+    assert "50% now, 80% since start" in line and "72.5" in line
+
+
 def test_status_table_shows_every_job_including_rejected_ones(
     cli: CliRunner, kafka_bootstrap: str, redis_url: str
 ) -> None:
