@@ -70,9 +70,9 @@ class ReplicaStats:
     name: str
     utilisation: float
     """Share of its uptime the engine had at least one request running."""
-    recent_utilisation: float
-    """The same over the replica's last report interval (5 s)."""
-    tokens_per_s: float
+    recent_utilisation: float | None
+    """The same over the replica's last report interval (5 s); None from older replicas."""
+    tokens_per_s: float | None
     """Generated tokens per second over the last report interval."""
     in_flight: int
 
@@ -198,8 +198,8 @@ class StatusBoard:
             ReplicaStats(
                 name.removeprefix("rollout:"),
                 utilisation=stats.get("utilisation", 0.0),
-                recent_utilisation=stats.get("recent_utilisation", 0.0),
-                tokens_per_s=stats.get("tokens_per_s", 0.0),
+                recent_utilisation=stats.get("recent_utilisation"),
+                tokens_per_s=stats.get("tokens_per_s"),
                 in_flight=int(stats.get("in_flight", 0)),
             )
             for name, stats in sorted((await self.registry.stats("rollout:")).items())
@@ -292,9 +292,8 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
             table.add_row(
                 lag.service if index == 0 else "", lag.group if index == 0 else "",
                 str(lag.lag) if index == 0 else "",
-                f"{replica.recent_utilisation:.0%} now, {replica.utilisation:.0%} since start "
-                f"({replica.name})",
-                f"{replica.tokens_per_s:.1f}",
+                _busy(replica),
+                "-" if replica.tokens_per_s is None else f"{replica.tokens_per_s:.1f}",
                 str(replica.in_flight),
             )  # fmt: skip
     return table
@@ -321,6 +320,11 @@ def event_cells(event: Event, *, brief: bool = False) -> tuple[str, str, str, st
     details = event.reason or " ".join(f"{k}={v:.4g}" for k, v in metrics)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
     return stamp, event.service, event.event, str(event.step) if event.step else "", details
+
+
+def _busy(replica: ReplicaStats) -> str:
+    now = "" if replica.recent_utilisation is None else f"{replica.recent_utilisation:.0%} now, "
+    return f"{now}{replica.utilisation:.0%} since start ({replica.name})"
 
 
 def _reward(value: float | None) -> str:
