@@ -331,16 +331,19 @@ def line_chart(
     def sy(y: float) -> float:
         return top + plot_h - (y - y_lo) / (y_hi - y_lo) * plot_h
 
-    parts.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>')
-    for i in range(5):
-        xv, yv = x_lo + (x_hi - x_lo) * i / 4, y_lo + (y_hi - y_lo) * i / 4
+    # Styles inline, not only in the page's CSS: the SVG stays right when copied out alone.
+    parts.append(
+        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#bbb"/>'
+    )
+    for yv, label in _ticks(y_lo, y_hi):
         parts.append(
-            f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(yv):.1f}" '
-            f'y2="{sy(yv):.1f}" class="grid"/>'
-            f'<text x="{left - 6}" y="{sy(yv) + 4:.1f}" text-anchor="end">'
-            f"{_tick(yv)}</text>"
-            f'<text x="{sx(xv):.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
-            f"{_tick(xv)}</text>"
+            f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(yv):.1f}" y2="{sy(yv):.1f}" '
+            f'stroke="#eee"/><text x="{left - 6}" y="{sy(yv) + 4:.1f}" text-anchor="end">'
+            f"{label}</text>"
+        )
+    for xv, label in _ticks(x_lo, x_hi):
+        parts.append(
+            f'<text x="{sx(xv):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>'
         )
     parts.append(
         f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle" '
@@ -380,8 +383,15 @@ def _span(values: list[float], *, floor_zero: bool = False) -> tuple[float, floa
     return lo, hi
 
 
-def _tick(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:.2f}"
+def _ticks(lo: float, hi: float, count: int = 6) -> list[tuple[float, str]]:
+    """Round tick values (1, 2 or 5 times a power of ten apart) within [lo, hi], labelled."""
+    raw = (hi - lo) / max(count - 1, 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    decimals = max(0, -math.floor(math.log10(step)))
+    first = math.ceil(lo / step - 1e-9) * step
+    values = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    return [(v, f"{v:.{decimals}f}") for v in values]
 
 
 def _short(name: str, limit: int = 26) -> str:
@@ -396,6 +406,5 @@ table.jobs th, table.jobs td { border: 1px solid #ddd; padding: 4px 8px; text-al
 table.jobs th { background: #f5f5f5; }
 svg.chart { display: block; margin: 0 0 18px; background: #fff; }
 svg.chart text { font-size: 11px; fill: #444; } svg.chart .title { font-size: 14px; fill: #222; }
-svg.chart .frame { fill: none; stroke: #bbb; } svg.chart .grid { stroke: #eee; }
 svg.chart .nodata { font-size: 14px; fill: #999; }
 """
