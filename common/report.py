@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from common.jobwatch import JobProgress
@@ -195,7 +195,7 @@ def write_report(report: Report, out_dir: Path) -> Path:
 
 def _write_csv(path: Path, rows: list[dict[str, object]], kind: type) -> None:
     with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(kind.__dataclass_fields__))
+        writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(kind)])
         writer.writeheader()
         writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
 
