@@ -94,3 +94,6 @@ def setup_logging(level: str = "INFO", log_format: LogFormat = "text") -> None:
     # aiokafka.client logs each failed connection attempt at ERROR with the same text the
     # back-off in common.backoff already reports once per retry, with the address.
     logging.getLogger("aiokafka.client").setLevel(logging.CRITICAL)
+    # aiokafka's INFO lines (coordinator discovery, subscriptions) come with every consumer a
+    # status view or lag probe opens; the bus logs the assignments that matter itself.
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
