@@ -13,22 +13,48 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from common.jobwatch import JobProgress
 from common.messages import Event, JobSpec
+from common.registry import TERMINAL_STATUSES
 
-STEP_FIELDS = (
+STEP_METRICS = (
     "mean_reward",
     "staleness_max",
     "staleness_mean",
     "loss",
+    "grad_norm",
     "tokens",
     "samples",
     "step_s",
+    "wall_step_s",
 )
+"""Metrics of a trainer `step` event copied into each step row (absent ones stay None)."""
+
+STATE_AFTER: dict[str, str] = {
+    "accepted": "running",
+    "resumed": "running",
+    "paused": "paused",
+    "rejected": "rejected",
+    "cancelled": "cancelled",
+    "completed": "completed",
+    "failed": "failed",
+}
+"""A job's state after each lifecycle event."""
+
+DROPPED_EVENTS = frozenset({"dropped_stale", "dropped_invalid"})
+REASON_STATES = frozenset({"rejected", "failed"})
+"""States whose event reason is shown: why the job did not run, or why it stopped."""
+
+REPLICA_COUNTERS = ("busy_s", "uptime_s", "generated_tokens")
+"""Cumulative since the replica process started: one going down means it restarted."""
+
+RESTART_SLACK_S = 1.0
+"""How much shorter than the gap between two samples the uptime may be (sampling jitter)
+before the process is taken to have started in between."""
+
 PALETTE = (
     "#1f77b4",
     "#d62728",
@@ -46,39 +72,74 @@ Point = tuple[float, float]
 
 
 @dataclass
+class JobSummary:
+    job_id: str
+    tenant: str
+    env: str
+    """From the job's spec; "-" when the report was given none."""
+    state: str
+    """After the job's last lifecycle event; "pending" when it has none yet."""
+    steps: int
+    """Highest step number trained."""
+    max_steps: int | None
+    first_reward: float | None
+    last_reward: float | None
+    best_reward: float | None
+    max_staleness: float | None
+    dropped_groups: int
+    reason: str
+    """Why it was rejected or failed; empty in any other state."""
+    first_at: float | None
+    last_at: float | None
+    wall_s: float | None
+    """From the job's first event to its last."""
+
+
+@dataclass
 class StepRow:
     job_id: str
     tenant: str
     step: int
     at: float
     elapsed_s: float
-    """Since the report's first event."""
+    """Since the job's first event."""
     mean_reward: float | None = None
     staleness_max: float | None = None
     staleness_mean: float | None = None
     loss: float | None = None
+    grad_norm: float | None = None
     tokens: float | None = None
     samples: float | None = None
     step_s: float | None = None
+    wall_step_s: float | None = None
     trainer_tokens_per_s: float | None = None
+    """tokens / step_s, when the step reported both."""
 
 
 @dataclass
 class UtilisationRow:
     replica: str
+    segment: int
+    """Which run of the replica process: 0, then one more after each restart."""
     at: float
+    """End of the interval (the later of its two samples)."""
     elapsed_s: float
-    utilisation: float
-    """Busy share of the interval ending at `at`."""
-    tokens_per_s: float
-    in_flight: float
+    """Since the report's start (its earliest event or sample)."""
+    utilisation: float | None
+    """Busy share of the interval: Δbusy_s / Δuptime_s, within [0, 1]."""
+    tokens_per_s: float | None
+    """Δgenerated_tokens / Δat over the interval."""
+    in_flight: float | None
+    """Requests in the engine at the interval's end."""
 
 
 @dataclass
 class Report:
     title: str
     generated_at: float
-    jobs: list[dict[str, object]] = field(default_factory=list)
+    started_at: float | None
+    """Earliest event or replica sample: time zero of the charts over time."""
+    jobs: list[JobSummary] = field(default_factory=list)
     steps: list[StepRow] = field(default_factory=list)
     utilisation: list[UtilisationRow] = field(default_factory=list)
 
@@ -91,211 +152,363 @@ def build_report(
     title: str = "MARLaaS report",
     generated_at: float | None = None,
 ) -> Report:
-    unique = sorted({e.event_id: e for e in events}.values(), key=lambda e: e.at)
-    samples = {name: list(s) for name, s in (replica_history or {}).items()}
-    starts = [e.at for e in unique] + [s["at"] for ss in samples.values() for s in ss[:1]]
-    origin = min(starts, default=0.0)
-    report = Report(title, time.time() if generated_at is None else generated_at)
-    progress = _progress(unique, specs or {})
-    for job in progress.values():
-        report.jobs.append(_summary(job, unique))
-    report.steps = _step_rows(unique, progress, origin)
-    for replica, history in sorted(samples.items()):
-        report.utilisation += _utilisation_rows(replica, history, origin)
+    """The report of the jobs in `events` (and `specs`), with the replicas' utilisation.
+
+    Events may come in any order and more than once (a redelivery keeps its `event_id`).
+    """
+    specs = specs or {}
+    by_job = _events_by_job(events, specs)
+    histories = {name: _timed_samples(samples) for name, samples in (replica_history or {}).items()}
+    report = Report(
+        title,
+        time.time() if generated_at is None else generated_at,
+        _started_at(by_job, histories),
+    )
+    for job_id, job_events in by_job.items():
+        spec = specs.get(job_id)
+        tenant = spec.tenant if spec else next((e.tenant for e in job_events if e.tenant), "-")
+        rows = _step_rows(tenant, job_events)
+        report.jobs.append(_job_summary(job_id, tenant, spec, job_events, rows))
+        report.steps += rows
+    for replica, samples in sorted(histories.items()):
+        report.utilisation += _utilisation_rows(replica, samples, report.started_at or 0.0)
     return report
 
 
-def _progress(events: Sequence[Event], specs: Mapping[str, JobSpec]) -> dict[str, JobProgress]:
-    jobs = {job_id: JobProgress.of(spec) for job_id, spec in specs.items()}
-    for event in events:
-        if event.job_id not in jobs:
-            jobs[event.job_id] = JobProgress(event.job_id, event.tenant or "-", "-", 0)
-            jobs[event.job_id].submitted_at = event.at
-        jobs[event.job_id].apply(event)
-    return jobs
+# --- jobs -------------------------------------------------------------------------------
 
 
-def _summary(job: JobProgress, events: Sequence[Event]) -> dict[str, object]:
-    times = [e.at for e in events if e.job_id == job.job_id]
-    return {
-        "job_id": job.job_id,
-        "tenant": job.tenant,
-        "env": job.env,
-        "state": job.status,
-        "steps": job.steps,
-        "max_steps": job.max_steps,
-        "first_reward": job.rewards[0] if job.rewards else None,
-        "last_reward": job.latest_reward,
-        "best_reward": job.best_reward,
-        "max_staleness_seen": job.max_staleness_seen,
-        "dropped_groups": job.dropped_groups,
-        "reason": job.reason,
-        "wall_s": (max(times) - min(times)) if times else None,
-    }
+def _events_by_job(events: Sequence[Event], specs: Mapping[str, JobSpec]) -> dict[str, list[Event]]:
+    """Each job's events, de-duplicated on `event_id`, in time order; spec'd jobs first."""
+    unique = sorted({e.event_id: e for e in events}.values(), key=lambda e: e.at)
+    by_job: dict[str, list[Event]] = {job_id: [] for job_id in specs}
+    for event in unique:
+        by_job.setdefault(event.job_id, []).append(event)
+    return by_job
 
 
-def _step_rows(
-    events: Sequence[Event], jobs: Mapping[str, JobProgress], origin: float
-) -> list[StepRow]:
-    rows: dict[tuple[str, int], StepRow] = {}
-    for event in events:
-        if event.event != "step" or (event.job_id, event.step) in rows:
-            continue  # a step trains once; a second event for it is a redelivery
-        metrics = event.metrics
-        row = StepRow(
-            event.job_id,
-            jobs[event.job_id].tenant,
-            event.step,
-            event.at,
-            event.at - origin,
-            **{k: metrics.get(k) for k in STEP_FIELDS},
-        )
-        if row.tokens is not None and row.step_s:
-            row.trainer_tokens_per_s = row.tokens / row.step_s
-        rows[(event.job_id, event.step)] = row
-    return sorted(rows.values(), key=lambda r: (r.job_id, r.step))
+def _started_at(
+    by_job: Mapping[str, Sequence[Event]], histories: Mapping[str, Sequence[Mapping[str, float]]]
+) -> float | None:
+    firsts = [job_events[0].at for job_events in by_job.values() if job_events]
+    firsts += [samples[0]["at"] for samples in histories.values() if samples]
+    return min(firsts, default=None)
+
+
+def _step_rows(tenant: str, job_events: Sequence[Event]) -> list[StepRow]:
+    latest: dict[int, Event] = {}
+    for event in job_events:
+        if event.event == "step":
+            # A step sent again under a new id was trained again (the trainer resumed from a
+            # checkpoint): the later one is the adapter the following steps built on.
+            latest[event.step] = event
+    first_at = job_events[0].at if job_events else 0.0
+    return [_step_row(event, tenant, first_at) for _, event in sorted(latest.items())]
+
+
+def _step_row(event: Event, tenant: str, first_at: float) -> StepRow:
+    metrics = event.metrics
+    row = StepRow(
+        event.job_id,
+        tenant,
+        event.step,
+        event.at,
+        event.at - first_at,
+        **{name: metrics.get(name) for name in STEP_METRICS},
+    )
+    if row.tokens is not None and row.step_s is not None and row.step_s > 0:
+        row.trainer_tokens_per_s = row.tokens / row.step_s
+    return row
+
+
+def _job_summary(
+    job_id: str,
+    tenant: str,
+    spec: JobSpec | None,
+    job_events: Sequence[Event],
+    rows: Sequence[StepRow],
+) -> JobSummary:
+    rewards = [r.mean_reward for r in rows if r.mean_reward is not None]
+    finite_rewards = [r for r in rewards if math.isfinite(r)]
+    staleness = [r.staleness_max for r in rows if r.staleness_max is not None]
+    state, reason = _final_state(job_events)
+    first_at = job_events[0].at if job_events else None
+    last_at = job_events[-1].at if job_events else None
+    return JobSummary(
+        job_id=job_id,
+        tenant=tenant,
+        env=spec.env.name if spec else "-",
+        state=state,
+        steps=max((r.step for r in rows), default=0),
+        max_steps=spec.rl.max_steps if spec else None,
+        first_reward=rewards[0] if rewards else None,
+        last_reward=rewards[-1] if rewards else None,
+        best_reward=max(finite_rewards, default=None),
+        max_staleness=max(staleness, default=None),
+        dropped_groups=sum(e.event in DROPPED_EVENTS for e in job_events),
+        reason=reason,
+        first_at=first_at,
+        last_at=last_at,
+        wall_s=None if first_at is None or last_at is None else last_at - first_at,
+    )
+
+
+def _final_state(job_events: Sequence[Event]) -> tuple[str, str]:
+    """The job's state after its last lifecycle event, and the reason when it matters."""
+    state, reason = "pending", ""
+    for event in job_events:
+        if state in TERMINAL_STATUSES:
+            # An ended job never runs again; an event sorted after its end is another
+            # service's clock running a little ahead (e.g. a pause sent as it completed).
+            break
+        if event.event in STATE_AFTER:
+            state, reason = STATE_AFTER[event.event], event.reason
+        elif event.event == "step" and state == "pending":
+            state = "running"  # its `accepted` is missing from the events read
+    return state, reason if state in REASON_STATES else ""
+
+
+# --- replicas ---------------------------------------------------------------------------
+
+
+def _timed_samples(samples: Sequence[Mapping[str, float]]) -> list[Mapping[str, float]]:
+    return sorted((s for s in samples if _is_number(s.get("at"))), key=lambda s: s["at"])
 
 
 def _utilisation_rows(
-    replica: str, history: Sequence[Mapping[str, float]], origin: float
+    replica: str, samples: Sequence[Mapping[str, float]], origin: float
 ) -> list[UtilisationRow]:
-    rows = []
-    for before, after in itertools.pairwise(history):
-        d_uptime = after.get("uptime_s", 0.0) - before.get("uptime_s", 0.0)
-        d_tokens = after.get("generated_tokens", 0.0) - before.get("generated_tokens", 0.0)
-        d_at = after["at"] - before["at"]
-        if d_uptime <= 0 or d_tokens < 0 or d_at <= 0:
-            continue  # the replica restarted: its counters began again
-        busy = (after.get("busy_s", 0.0) - before.get("busy_s", 0.0)) / d_uptime
-        rows.append(
-            UtilisationRow(
-                replica,
-                after["at"],
-                after["at"] - origin,
-                min(max(busy, 0.0), 1.0),
-                d_tokens / d_at,
-                after.get("in_flight", 0.0),
-            )
-        )
+    """One row per interval between consecutive samples of the same replica process."""
+    rows: list[UtilisationRow] = []
+    segment = 0
+    for before, after in itertools.pairwise(samples):
+        if after["at"] <= before["at"]:
+            continue  # two samples at one instant: no interval to divide by
+        if _restarted(before, after):
+            segment += 1  # counters began again: an interval across the restart means nothing
+            continue
+        rows.append(_interval_row(replica, segment, before, after, origin))
     return rows
+
+
+def _restarted(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
+    went_down = any(
+        (change := _change(before, after, name)) is not None and change < 0
+        for name in REPLICA_COUNTERS
+    )
+    # Counters can climb past their old values when a restart falls in a long gap between
+    # samples; an uptime shorter than that gap still shows the process is new.
+    uptime = after.get("uptime_s")
+    started_in_gap = uptime is not None and uptime + RESTART_SLACK_S < after["at"] - before["at"]
+    return went_down or started_in_gap
+
+
+def _interval_row(
+    replica: str,
+    segment: int,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    origin: float,
+) -> UtilisationRow:
+    busy_share = _ratio(_change(before, after, "busy_s"), _change(before, after, "uptime_s"))
+    return UtilisationRow(
+        replica=replica,
+        segment=segment,
+        at=after["at"],
+        elapsed_s=after["at"] - origin,
+        utilisation=None if busy_share is None else min(max(busy_share, 0.0), 1.0),
+        tokens_per_s=_ratio(_change(before, after, "generated_tokens"), after["at"] - before["at"]),
+        in_flight=after.get("in_flight"),
+    )
+
+
+def _change(before: Mapping[str, float], after: Mapping[str, float], name: str) -> float | None:
+    old, new = before.get(name), after.get(name)
+    return None if old is None or new is None else new - old
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 # --- files ------------------------------------------------------------------------------
 
 
 def write_report(report: Report, out_dir: Path) -> Path:
+    """Write index.html, steps.csv, utilisation.csv and report.json; returns index.html."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(out_dir / "steps.csv", [asdict(r) for r in report.steps], StepRow)
-    _write_csv(out_dir / "utilisation.csv", [asdict(r) for r in report.utilisation], UtilisationRow)
-    (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=2))
+    _write_csv(out_dir / "steps.csv", report.steps, StepRow)
+    _write_csv(out_dir / "utilisation.csv", report.utilisation, UtilisationRow)
+    # Strict JSON: a NaN or infinite metric (a diverged loss) becomes null.
+    report_json = json.dumps(_finite_or_none(asdict(report)), indent=2, allow_nan=False)
+    (out_dir / "report.json").write_text(report_json + "\n", encoding="utf-8")
     index = out_dir / "index.html"
-    index.write_text(render_html(report))
+    index.write_text(render_html(report), encoding="utf-8")
     return index
 
 
-def _write_csv(path: Path, rows: list[dict[str, object]], kind: type) -> None:
-    with path.open("w", newline="") as out:
+def _write_csv(path: Path, rows: Sequence[StepRow | UtilisationRow], kind: type) -> None:
+    with path.open("w", newline="", encoding="utf-8") as out:
         writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(kind)])
         writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in asdict(row).items()})
+
+
+def _finite_or_none(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 # --- HTML -------------------------------------------------------------------------------
 
 
+@dataclass
+class Series:
+    """One line of a chart; gaps between its segments are not drawn (a replica restart)."""
+
+    name: str
+    """Job id or replica name: the `data-series` attribute."""
+    label: str
+    """Legend text."""
+    segments: list[list[Point]]
+    source: str = ""
+    """`trainer` or `rollout` where one chart mixes both (`data-source`)."""
+
+    @property
+    def points(self) -> list[Point]:
+        return [point for segment in self.segments for point in segment]
+
+
 def render_html(report: Report) -> str:
-    by_job: dict[str, list[StepRow]] = {}
+    generated = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.generated_at))
+    title = html.escape(report.title)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>{_CSS}</style></head><body>
+<h1>{title}</h1>
+<p class="meta">Generated {html.escape(generated)} · {len(report.jobs)} jobs ·
+{len(report.steps)} steps · numbers: <a href="steps.csv">steps.csv</a>,
+<a href="utilisation.csv">utilisation.csv</a>, <a href="report.json">report.json</a></p>
+{_jobs_table(report.jobs)}
+{"".join(_charts(report))}
+</body></html>
+"""
+
+
+def _charts(report: Report) -> list[str]:
+    steps_by_job: dict[str, list[StepRow]] = {}
     for row in report.steps:
-        by_job.setdefault(row.job_id, []).append(row)
-    by_replica: dict[str, list[UtilisationRow]] = {}
+        steps_by_job.setdefault(row.job_id, []).append(row)
+    util_by_replica: dict[str, list[UtilisationRow]] = {}
     for util in report.utilisation:
-        by_replica.setdefault(util.replica, []).append(util)
+        util_by_replica.setdefault(util.replica, []).append(util)
+    origin = report.started_at or 0.0
 
-    def series(rows: dict[str, list[StepRow]], x: str, y: str) -> dict[str, list[Point]]:
-        return {
-            name: [(getattr(r, x), getattr(r, y)) for r in rs if getattr(r, y) is not None]
-            for name, rs in rows.items()
-        }
+    def per_step(metric: str) -> list[Series]:
+        return [
+            Series(job_id, job_id, [_plottable((r.step, getattr(r, metric)) for r in rows)])
+            for job_id, rows in steps_by_job.items()
+        ]
 
-    throughput = {
-        f"trainer {k}": v for k, v in series(by_job, "elapsed_s", "trainer_tokens_per_s").items()
-    }
-    throughput |= {
-        f"rollout {name}": [(r.elapsed_s, r.tokens_per_s) for r in rows]
-        for name, rows in by_replica.items()
-    }
-    charts = [
+    trainer_throughput = [
+        Series(
+            job_id,
+            f"trainer: {job_id}",
+            [_plottable((r.at - origin, r.trainer_tokens_per_s) for r in rows)],
+            "trainer",
+        )
+        for job_id, rows in steps_by_job.items()
+    ]
+    rollout_throughput = [
+        Series(name, f"rollout: {name}", _segments(rows, "tokens_per_s"), "rollout")
+        for name, rows in util_by_replica.items()
+    ]
+    utilisation = [
+        Series(name, name, _segments(rows, "utilisation")) for name, rows in util_by_replica.items()
+    ]
+    return [
         line_chart(
             "reward",
             "Mean reward per step",
             "step",
             "mean reward",
-            series(by_job, "step", "mean_reward"),
+            per_step("mean_reward"),
+            whole_x=True,
         ),
         line_chart(
             "staleness",
             "Staleness (max adapter versions behind) per step",
             "step",
-            "versions",
-            series(by_job, "step", "staleness_max"),
+            "versions behind",
+            per_step("staleness_max"),
+            whole_x=True,
+            whole_y=True,
         ),
         line_chart(
             "throughput",
-            "Throughput: trainer and rollout tokens/s",
-            "seconds",
+            "Throughput: trainer tokens/s per step, rollout tokens/s",
+            "seconds since report start",
             "tokens/s",
-            throughput,
+            trainer_throughput + rollout_throughput,
         ),
         line_chart(
             "utilisation",
             "Rollout engine busy share over time",
-            "seconds",
+            "seconds since report start",
             "busy share",
-            {
-                name: [(r.elapsed_s, r.utilisation) for r in rows]
-                for name, rows in by_replica.items()
-            },
+            utilisation,
         ),
     ]
-    generated = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.generated_at))
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(report.title)}</title>
-<style>{_CSS}</style></head><body>
-<h1>{html.escape(report.title)}</h1>
-<p class="meta">Generated {html.escape(generated)} · {len(report.jobs)} jobs ·
-{len(report.steps)} steps · numbers: <a href="steps.csv">steps.csv</a>,
-<a href="utilisation.csv">utilisation.csv</a>, <a href="report.json">report.json</a></p>
-{_jobs_table(report.jobs)}
-{"".join(charts)}
-</body></html>
-"""
 
 
-def _jobs_table(jobs: list[dict[str, object]]) -> str:
+def _segments(rows: Sequence[UtilisationRow], metric: str) -> list[list[Point]]:
+    """A replica's points, split where it restarted."""
+    return [
+        _plottable((r.elapsed_s, getattr(r, metric)) for r in segment_rows)
+        for _, segment_rows in itertools.groupby(rows, key=lambda r: r.segment)
+    ]
+
+
+def _jobs_table(jobs: Sequence[JobSummary]) -> str:
     columns = (
         "job_id",
         "tenant",
         "env",
         "state",
         "steps",
+        "max_steps",
         "first_reward",
         "last_reward",
         "best_reward",
-        "max_staleness_seen",
+        "max_staleness",
         "dropped_groups",
         "wall_s",
         "reason",
     )
     head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)
     rows = "".join(
-        "<tr>" + "".join(f'<td data-field="{c}">{_cell(c, job[c])}</td>' for c in columns) + "</tr>"
+        f'<tr data-job="{html.escape(job.job_id)}">'
+        + "".join(f'<td data-field="{c}">{_cell(c, getattr(job, c))}</td>' for c in columns)
+        + "</tr>"
         for job in jobs
     )
     return f'<table class="jobs"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
 
 
 def _cell(column: str, value: object) -> str:
-    if value is None:
+    if value is None or value == "":
         return "-"
     if column.endswith("reward") and isinstance(value, float):
         return f"{value:.3f}"
@@ -305,76 +518,128 @@ def _cell(column: str, value: object) -> str:
 
 
 def line_chart(
-    chart: str, title: str, x_label: str, y_label: str, series: Mapping[str, list[Point]]
+    chart: str,
+    title: str,
+    x_label: str,
+    y_label: str,
+    series: Sequence[Series],
+    *,
+    whole_x: bool = False,
+    whole_y: bool = False,
 ) -> str:
     """An inline SVG line chart; each series' exact numbers ride along in `data-values`."""
-    width, height, left, right, top, bottom = 760, 320, 64, 200, 34, 44
-    plot_w, plot_h = width - left - right, height - top - bottom
-    points = [p for values in series.values() for p in values]
+    drawn = [s for s in series if s.points]
+    legend_h = 18 * len(drawn) + 20
+    width, height = 760, max(320, legend_h + 78)
+    box = _Box(left=64, top=34, width=width - 64 - 200, height=height - 34 - 44)
     parts = [
-        f'<svg class="chart" data-chart="{chart}" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
-        f'<text x="{left}" y="20" class="title">{html.escape(title)}</text>',
+        f'<svg class="chart" data-chart="{chart}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img">',
+        f'<text x="{box.left}" y="20" class="title" font-size="14">{html.escape(title)}</text>',
     ]
-    if not points:
+    if not drawn:
         parts.append(
-            f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" class="nodata" '
-            'text-anchor="middle">no data</text></svg>'
+            f'<text x="{box.left + box.width / 2}" y="{box.top + box.height / 2}" '
+            'class="nodata" text-anchor="middle" fill="#999">no data</text></svg>'
         )
         return "".join(parts)
-    x_lo, x_hi = _span([p[0] for p in points])
-    y_lo, y_hi = _span([p[1] for p in points], floor_zero=True)
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
-
-    def sy(y: float) -> float:
-        return top + plot_h - (y - y_lo) / (y_hi - y_lo) * plot_h
-
-    # Styles inline, not only in the page's CSS: the SVG stays right when copied out alone.
-    parts.append(
-        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#bbb"/>'
-    )
-    for yv, label in _ticks(y_lo, y_hi):
-        parts.append(
-            f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(yv):.1f}" y2="{sy(yv):.1f}" '
-            f'stroke="#eee"/><text x="{left - 6}" y="{sy(yv) + 4:.1f}" text-anchor="end">'
-            f"{label}</text>"
-        )
-    for xv, label in _ticks(x_lo, x_hi):
-        parts.append(
-            f'<text x="{sx(xv):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{label}</text>'
-        )
-    parts.append(
-        f'<text x="{left + plot_w / 2}" y="{height - 6}" text-anchor="middle" '
-        f'class="axis">{html.escape(x_label)}</text>'
-        f'<text x="14" y="{top + plot_h / 2}" text-anchor="middle" class="axis" '
-        f'transform="rotate(-90 14 {top + plot_h / 2})">{html.escape(y_label)}</text>'
-    )
-    for index, (name, values) in enumerate(sorted(series.items())):
+    points = [p for s in drawn for p in s.points]
+    box.x_lo, box.x_hi = _span([x for x, _ in points])
+    box.y_lo, box.y_hi = _span([y for _, y in points], floor_zero=True)
+    parts += _axes(box, x_label, y_label, whole_x=whole_x, whole_y=whole_y)
+    for index, one in enumerate(drawn):
         colour = PALETTE[index % len(PALETTE)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
-        data = html.escape(json.dumps([[x, y] for x, y in values]), quote=True)
+        parts += _series_marks(box, one, colour)
         parts.append(
-            f'<polyline data-series="{html.escape(name, quote=True)}" '
-            f'data-values="{data}" points="{path}" fill="none" stroke="{colour}" '
-            'stroke-width="2"/>'
-        )
-        parts += [
-            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>'
-            for x, y in values
-        ]
-        legend_y = top + 14 + 18 * index
-        parts.append(
-            f'<rect x="{width - right + 12}" y="{legend_y - 9}" width="10" '
-            f'height="10" fill="{colour}"/><text x="{width - right + 28}" '
-            f'y="{legend_y}" class="legend">{html.escape(_short(name))}</text>'
+            _legend_entry(box.left + box.width + 12, box.top + 14 + 18 * index, one, colour)
         )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _span(values: list[float], *, floor_zero: bool = False) -> tuple[float, float]:
+@dataclass
+class _Box:
+    """The plot area in pixels, and the data range it shows."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+    x_lo: float = 0.0
+    x_hi: float = 1.0
+    y_lo: float = 0.0
+    y_hi: float = 1.0
+
+    def x(self, value: float) -> float:
+        return self.left + (value - self.x_lo) / (self.x_hi - self.x_lo) * self.width
+
+    def y(self, value: float) -> float:
+        return self.top + self.height - (value - self.y_lo) / (self.y_hi - self.y_lo) * self.height
+
+
+def _plottable(pairs: Iterable[tuple[float, float | None]]) -> list[Point]:
+    """Only points that can be drawn: a missing metric is left out, never drawn as 0."""
+    return [(x, y) for x, y in pairs if y is not None and _is_number(x) and _is_number(y)]
+
+
+def _axes(box: _Box, x_label: str, y_label: str, *, whole_x: bool, whole_y: bool) -> list[str]:
+    # Styles inline, not only in the page's CSS: the SVG stays right when copied out alone.
+    parts = [
+        f'<rect x="{box.left}" y="{box.top}" width="{box.width}" height="{box.height}" '
+        'fill="none" stroke="#bbb"/>'
+    ]
+    for value, label in _ticks(box.y_lo, box.y_hi, whole=whole_y):
+        y = box.y(value)
+        parts.append(
+            f'<line x1="{box.left}" x2="{box.left + box.width}" y1="{y:.1f}" y2="{y:.1f}" '
+            f'stroke="#eee"/><text x="{box.left - 6}" y="{y + 4:.1f}" text-anchor="end" '
+            f'font-size="11">{label}</text>'
+        )
+    for value, label in _ticks(box.x_lo, box.x_hi, whole=whole_x):
+        parts.append(
+            f'<text x="{box.x(value):.1f}" y="{box.top + box.height + 16}" '
+            f'text-anchor="middle" font-size="11">{label}</text>'
+        )
+    middle_y = box.top + box.height / 2
+    parts.append(
+        f'<text x="{box.left + box.width / 2}" y="{box.top + box.height + 36}" '
+        f'text-anchor="middle" class="axis" font-size="12">{html.escape(x_label)}</text>'
+        f'<text x="14" y="{middle_y}" text-anchor="middle" class="axis" font-size="12" '
+        f'transform="rotate(-90 14 {middle_y})">{html.escape(y_label)}</text>'
+    )
+    return parts
+
+
+def _series_marks(box: _Box, series: Series, colour: str) -> list[str]:
+    path = " ".join(
+        "M " + " L ".join(f"{box.x(x):.1f},{box.y(y):.1f}" for x, y in segment)
+        for segment in series.segments
+        if segment
+    )
+    values = json.dumps([[x, y] for x, y in series.points], allow_nan=False)
+    source = f' data-source="{series.source}"' if series.source else ""
+    parts = [
+        f'<path data-series="{html.escape(series.name)}"{source} '
+        f'data-values="{html.escape(values)}" d="{path}" fill="none" stroke="{colour}" '
+        'stroke-width="2"/>'
+    ]
+    # Dots too: a series of one point has no line to show.
+    parts += [
+        f'<circle cx="{box.x(x):.1f}" cy="{box.y(y):.1f}" r="2.5" fill="{colour}"/>'
+        for x, y in series.points
+    ]
+    return parts
+
+
+def _legend_entry(x: float, y: float, series: Series, colour: str) -> str:
+    return (
+        f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{colour}"/>'
+        f'<text x="{x + 16}" y="{y}" class="legend" font-size="11">'
+        f"{html.escape(_short(series.label))}</text>"
+    )
+
+
+def _span(values: Sequence[float], *, floor_zero: bool = False) -> tuple[float, float]:
     lo, hi = min(values), max(values)
     if floor_zero and lo > 0:
         lo = 0.0
@@ -383,11 +648,16 @@ def _span(values: list[float], *, floor_zero: bool = False) -> tuple[float, floa
     return lo, hi
 
 
-def _ticks(lo: float, hi: float, count: int = 6) -> list[tuple[float, str]]:
-    """Round tick values (1, 2 or 5 times a power of ten apart) within [lo, hi], labelled."""
+def _ticks(lo: float, hi: float, count: int = 6, *, whole: bool = False) -> list[tuple[float, str]]:
+    """Round tick values (1, 2 or 5 times a power of ten apart) within [lo, hi], labelled.
+
+    `whole`: at least 1 apart, for axes of counts such as step numbers (no step 1.5).
+    """
     raw = (hi - lo) / max(count - 1, 1)
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    if whole:
+        step = max(step, 1)
     decimals = max(0, -math.floor(math.log10(step)))
     first = math.ceil(lo / step - 1e-9) * step
     values = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
@@ -405,6 +675,5 @@ table.jobs { border-collapse: collapse; margin-bottom: 20px; }
 table.jobs th, table.jobs td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; }
 table.jobs th { background: #f5f5f5; }
 svg.chart { display: block; margin: 0 0 18px; background: #fff; }
-svg.chart text { font-size: 11px; fill: #444; } svg.chart .title { font-size: 14px; fill: #222; }
-svg.chart .nodata { font-size: 14px; fill: #999; }
+svg.chart text { fill: #444; } svg.chart .title { fill: #222; } svg.chart .nodata { fill: #999; }
 """

@@ -1,4 +1,4 @@
-"""The HTML report, parsed: charts carry the events' exact numbers; CSV and JSON agree."""
+"""The report, parsed back: charts carry the events' exact numbers; table, CSV and JSON agree."""
 
 from __future__ import annotations
 
@@ -8,15 +8,22 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import msgspec
+import pytest
 
-from common.messages import EnvSettings, Event, JobSpec, RLSettings, job_event
-from common.report import build_report, write_report
+from common.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
+from common.report import Report, build_report, write_report
 
 T0 = 1_800_000_000.0
+CHARTS = {"reward", "staleness", "throughput", "utilisation"}
+EVIL_JOB = 'evil"<job>&'
 
 
-def at(event: Event, seconds: float) -> Event:
-    return msgspec.structs.replace(event, at=T0 + seconds)
+def event(
+    job_id: str, kind: EventKind, seconds: float, *, reason: str = "", tenant: str = "acme"
+) -> Event:
+    return msgspec.structs.replace(
+        job_event(job_id, kind, "env_svc", tenant=tenant, reason=reason), at=T0 + seconds
+    )
 
 
 def step(job_id: str, n: int, reward: float, seconds: float, staleness: int = 0) -> Event:
@@ -27,9 +34,8 @@ def step(job_id: str, n: int, reward: float, seconds: float, staleness: int = 0)
         "step_s": 4.0,
         "loss": 0.5 - n / 10,
     }
-    return at(
-        job_event(job_id, "step", "trainer_svc", tenant="acme", step=n, metrics=metrics), seconds
-    )
+    sent = job_event(job_id, "step", "trainer_svc", tenant="acme", step=n, metrics=metrics)
+    return msgspec.structs.replace(sent, at=T0 + seconds)
 
 
 def spec(job_id: str, env: str) -> JobSpec:
@@ -42,143 +48,304 @@ def spec(job_id: str, env: str) -> JobSpec:
     )
 
 
+SPECS = {"job-a": spec("job-a", "arithmetic"), "job-b": spec("job-b", "calculator")}
 REWARDS = {"job-a": [0.125, 0.5, 0.75], "job-b": [0.25, 0.0]}
 EVENTS = [
-    at(job_event("job-a", "accepted", "env_svc", tenant="acme"), 0),
+    event("job-a", "accepted", 0),
     *[
         step("job-a", i + 1, r, 10 * (i + 1), staleness=i % 2)
         for i, r in enumerate(REWARDS["job-a"])
     ],
-    at(job_event("job-a", "dropped_stale", "trainer_svc", tenant="acme", reason="g3"), 25),
-    at(job_event("job-a", "completed", "trainer_svc", tenant="acme", step=3), 31),
-    at(job_event("job-b", "accepted", "env_svc", tenant="acme"), 2),
+    event("job-a", "dropped_stale", 25, reason="group g3: 2 versions behind"),
+    event("job-a", "completed", 31),
+    event("job-b", "accepted", 2),
     *[step("job-b", i + 1, r, 12 * (i + 1)) for i, r in enumerate(REWARDS["job-b"])],
-    at(
-        job_event(
-            "job-evil", "rejected", "env_svc", tenant="<b>x</b>", reason="<script>alert(1)</script>"
-        ),
-        3,
-    ),
+    event(EVIL_JOB, "rejected", 3, reason="<script>alert(1)</script>", tenant="<b>x</b>"),
 ]
 HISTORY = {
     "replica-1": [
         {"at": T0 + 5, "busy_s": 1.0, "uptime_s": 5.0, "generated_tokens": 100.0, "in_flight": 4},
         {"at": T0 + 10, "busy_s": 5.0, "uptime_s": 10.0, "generated_tokens": 600.0, "in_flight": 8},
-        # restarted: counters begin again; no interval across the restart
+        # restarted: its counters began again
         {"at": T0 + 15, "busy_s": 0.5, "uptime_s": 2.0, "generated_tokens": 10.0, "in_flight": 1},
         {"at": T0 + 20, "busy_s": 3.0, "uptime_s": 7.0, "generated_tokens": 210.0, "in_flight": 2},
-    ]
+    ],
+    "replica-2": [
+        {"at": T0 + 0, "busy_s": 0.5, "uptime_s": 1.0, "generated_tokens": 10.0},
+        {"at": T0 + 2, "busy_s": 1.5, "uptime_s": 3.0, "generated_tokens": 110.0},
+        # restarted within a long gap: counters grew past the old ones, but 40 s of uptime
+        # is less than the 60 s since the last sample
+        {"at": T0 + 62, "busy_s": 15.0, "uptime_s": 40.0, "generated_tokens": 3000.0},
+        {"at": T0 + 72, "busy_s": 20.0, "uptime_s": 50.0, "generated_tokens": 3500.0},
+        # busier than the interval (12 s in 10 s) is shown as 1; no token count: no rate
+        {"at": T0 + 82, "busy_s": 32.0, "uptime_s": 60.0},
+    ],
 }
 
 
 class Page(HTMLParser):
+    """What a reader of index.html can check: charts' series, table cells, texts, links."""
+
     def __init__(self) -> None:
         super().__init__()
         self.charts: dict[str, dict[str, list[list[float]]]] = {}
-        self.texts: dict[str, list[str]] = {}
-        self.cells: list[tuple[str, str]] = []
+        self.chart_texts: dict[str, list[str]] = {}
+        self.jobs: dict[str, dict[str, str]] = {}
         self.tags: set[str] = set()
+        self.attribute_values: list[str] = []
         self._chart = ""
-        self._field: str | None = None
+        self._job = ""
+        self._field = ""
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        found = dict(attrs)
+        found = {name: value or "" for name, value in attrs}
         self.tags.add(tag)
+        self.attribute_values += found.values()
         if tag == "svg":
-            self._chart = found.get("data-chart") or ""
+            self._chart = found["data-chart"]
             self.charts[self._chart] = {}
         if "data-series" in found:
-            self.charts[self._chart][found["data-series"] or ""] = json.loads(
-                found["data-values"] or ""
-            )
-        self._field = found.get("data-field")
+            # series of one chart are told apart by source where it mixes trainer and rollout
+            name = ":".join(filter(None, (found.get("data-source"), found["data-series"])))
+            self.charts[self._chart][name] = json.loads(found["data-values"])
+        if tag == "tr" and "data-job" in found:
+            self._job = found["data-job"]
+            self.jobs[self._job] = {}
+        self._field = found.get("data-field", "")
 
     def handle_data(self, data: str) -> None:
         if self._chart:
-            self.texts.setdefault(self._chart, []).append(data)
-        if self._field is not None:
-            self.cells.append((self._field, data))
+            self.chart_texts.setdefault(self._chart, []).append(data)
+        if self._field:
+            self.jobs[self._job][self._field] = data
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "svg":
             self._chart = ""
-        self._field = None
+        self._field = ""
 
 
-def written(tmp_path: Path, events: list[Event], history: dict | None = None) -> Page:  # type: ignore[type-arg]
-    specs = {"job-a": spec("job-a", "arithmetic"), "job-b": spec("job-b", "calculator")}
-    report = build_report(events, history, specs=specs, generated_at=T0 + 60)
-    index = write_report(report, tmp_path)
-    assert index == tmp_path / "index.html"
+def parsed(index: Path) -> Page:
     page = Page()
-    page.feed(index.read_text())
+    page.feed(index.read_text(encoding="utf-8"))
     return page
 
 
+def written(tmp_path: Path, events: list[Event], history: dict | None = HISTORY) -> Page:  # type: ignore[type-arg]
+    report = build_report(events, history, specs=SPECS, generated_at=T0 + 100)
+    index = write_report(report, tmp_path)
+    assert index == tmp_path / "index.html"
+    return parsed(index)
+
+
+def steps_of(job_id: str, metric: str, events: list[Event] = EVENTS) -> list[list[float]]:
+    return [[e.step, e.metrics[metric]] for e in events if e.job_id == job_id and e.event == "step"]
+
+
 def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
-    events = [*EVENTS, EVENTS[1], EVENTS[2]]  # redelivered step events count once
-    page = written(tmp_path, events, HISTORY)
-    assert set(page.charts) == {"reward", "staleness", "throughput", "utilisation"}
-    for job_id, rewards in REWARDS.items():
-        assert page.charts["reward"][job_id] == [[i + 1, r] for i, r in enumerate(rewards)]
-    assert page.charts["staleness"]["job-a"] == [[1, 0.0], [2, 1.0], [3, 0.0]]
-    assert page.charts["throughput"]["trainer job-a"] == [
-        [10.0, 200.0],
-        [20.0, 200.0],
-        [30.0, 200.0],
-    ]
-    # utilisation over intervals: (5-1)/(10-5) = 0.8, then after the restart (3-0.5)/(7-2) = 0.5
-    assert page.charts["utilisation"]["replica-1"] == [[10.0, 0.8], [20.0, 0.5]]
-    assert page.charts["throughput"]["rollout replica-1"] == [[10.0, 100.0], [20.0, 40.0]]
+    page = written(tmp_path, EVENTS)
+    assert set(page.charts) == CHARTS
+    assert page.charts["reward"] == {job: steps_of(job, "mean_reward") for job in REWARDS}
+    assert page.charts["staleness"] == {job: steps_of(job, "staleness_max") for job in REWARDS}
+    # x: seconds since the report's first event or sample; 800 tokens in 4 s per step
+    assert page.charts["throughput"] == {
+        "trainer:job-a": [[10.0, 200.0], [20.0, 200.0], [30.0, 200.0]],
+        "trainer:job-b": [[12.0, 200.0], [24.0, 200.0]],
+        "rollout:replica-1": [[10.0, 100.0], [20.0, 40.0]],
+        "rollout:replica-2": [[2.0, 50.0], [72.0, 50.0]],
+    }
+    assert page.charts["utilisation"] == {
+        "replica-1": [[10.0, 0.8], [20.0, 0.5]],
+        "replica-2": [[2.0, 0.5], [72.0, 0.5], [82.0, 1.0]],
+    }
+    # axis labels, whole-number step ticks and a legend entry per series, all as SVG text
+    assert {"step", "mean reward", "1", "2", "3", "job-a", "job-b"} <= set(
+        page.chart_texts["reward"]
+    )
+    assert "1.5" not in page.chart_texts["reward"]
+    legend = page.chart_texts["throughput"]
+    assert {"trainer: job-a", "trainer: job-b", "rollout: replica-1", "rollout: replica-2"} <= set(
+        legend
+    )
+
+
+def test_utilisation_rows_start_a_new_segment_at_each_restart() -> None:
+    rows = build_report([], HISTORY).utilisation
+    by_replica: dict[str, list[tuple[object, ...]]] = {}
+    for r in rows:
+        by_replica.setdefault(r.replica, []).append(
+            (r.segment, r.at - T0, r.utilisation, r.tokens_per_s, r.in_flight)
+        )
+    assert by_replica == {
+        "replica-1": [(0, 10.0, 0.8, 100.0, 8), (1, 20.0, 0.5, 40.0, 2)],
+        "replica-2": [
+            (0, 2.0, 0.5, 50.0, None),
+            (1, 72.0, 0.5, 50.0, None),
+            (1, 82.0, 1.0, None, None),
+        ],
+    }
+    assert all(r.elapsed_s == r.at - T0 for r in rows)
 
 
 def test_the_summary_table_matches_the_events(tmp_path: Path) -> None:
-    page = written(tmp_path, EVENTS, HISTORY)
-    rows: list[dict[str, str]] = []
-    for name, value in page.cells:
-        if name == "job_id":
-            rows.append({})
-        rows[-1][name] = value
-    by_job = {row["job_id"]: row for row in rows}
-    assert by_job["job-a"]["state"] == "completed" and by_job["job-a"]["env"] == "arithmetic"
-    assert (by_job["job-a"]["steps"], by_job["job-a"]["best_reward"]) == ("3", "0.750")
-    assert (by_job["job-a"]["first_reward"], by_job["job-a"]["dropped_groups"]) == ("0.125", "1")
-    assert by_job["job-b"]["state"] == "running" and by_job["job-b"]["last_reward"] == "0.000"
-    assert by_job["job-evil"]["state"] == "rejected"
-    assert by_job["job-evil"]["reason"] == "<script>alert(1)</script>"  # shown as text
+    jobs = written(tmp_path, EVENTS).jobs
+    assert list(jobs) == ["job-a", "job-b", EVIL_JOB]  # spec'd jobs first
+    assert jobs["job-a"] | {"wall_s": "31"} == {
+        "job_id": "job-a",
+        "tenant": "acme",
+        "env": "arithmetic",
+        "state": "completed",
+        "steps": "3",
+        "max_steps": "3",
+        "first_reward": "0.125",
+        "last_reward": "0.750",
+        "best_reward": "0.750",
+        "max_staleness": "1.0",
+        "dropped_groups": "1",
+        "wall_s": "31",
+        "reason": "-",
+    }
+    assert (jobs["job-b"]["state"], jobs["job-b"]["steps"]) == ("running", "2")
+    assert (jobs["job-b"]["best_reward"], jobs["job-b"]["last_reward"]) == ("0.250", "0.000")
+    evil = jobs[EVIL_JOB]
+    assert (evil["state"], evil["env"], evil["steps"], evil["best_reward"]) == (
+        "rejected",
+        "-",
+        "0",
+        "-",
+    )
+    assert (evil["tenant"], evil["reason"]) == ("<b>x</b>", "<script>alert(1)</script>")
 
 
 def test_user_text_is_escaped_and_nothing_is_fetched(tmp_path: Path) -> None:
-    page = written(tmp_path, EVENTS, HISTORY)
-    text = (tmp_path / "index.html").read_text()
-    assert "script" not in page.tags and "<script>" not in text and "<b>x</b>" not in text
-    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    assert "https://" not in text and "<link" not in text and "src=" not in text
+    page = written(tmp_path, EVENTS)
+    text = (tmp_path / "index.html").read_text(encoding="utf-8")
+    assert "<script" not in text and "<b>" not in text and "<job>" not in text
+    assert page.tags <= {
+        "html", "head", "meta", "title", "style", "body", "h1", "p", "a", "table", "thead",
+        "tbody", "tr", "th", "td", "svg", "text", "rect", "line", "path", "circle",
+    }  # fmt: skip
+    assert "http" not in text and "url(" not in text and "@import" not in text
+    assert not [v for v in page.attribute_values if "//" in v]
+    assert {"steps.csv", "utilisation.csv", "report.json"} <= set(page.attribute_values)
+
+
+def test_redelivered_events_count_once(tmp_path: Path) -> None:
+    redelivered = [*EVENTS, *EVENTS[1:5]]  # three steps and the dropped group, same event ids
+    page = written(tmp_path, redelivered)
+    assert page.charts["reward"]["job-a"] == steps_of("job-a", "mean_reward")
+    assert (page.jobs["job-a"]["steps"], page.jobs["job-a"]["dropped_groups"]) == ("3", "1")
+    with (tmp_path / "steps.csv").open(encoding="utf-8") as steps_file:
+        assert len(list(csv.DictReader(steps_file))) == 5
+
+
+def test_a_step_trained_again_keeps_its_later_numbers() -> None:
+    retrained = step("job-b", 2, 0.375, 26)  # a new event id for a step number already seen
+    report = build_report([*EVENTS, retrained], specs=SPECS)
+    assert [(r.step, r.mean_reward) for r in report.steps if r.job_id == "job-b"] == [
+        (1, 0.25),
+        (2, 0.375),
+    ]
+    job_b = next(j for j in report.jobs if j.job_id == "job-b")
+    assert (job_b.steps, job_b.last_reward, job_b.best_reward) == (2, 0.375, 0.375)
 
 
 def test_csv_and_json_hold_the_same_numbers(tmp_path: Path) -> None:
-    written(tmp_path, [*EVENTS, EVENTS[1]], HISTORY)
-    with (tmp_path / "steps.csv").open() as steps_file:
+    written(tmp_path, EVENTS)
+    with (tmp_path / "steps.csv").open(encoding="utf-8") as steps_file:
         steps = list(csv.DictReader(steps_file))
-    assert [(r["job_id"], int(r["step"]), float(r["mean_reward"])) for r in steps] == [
-        (job_id, i + 1, reward)
-        for job_id, rewards in sorted(REWARDS.items())
-        for i, reward in enumerate(rewards)
+    sent = sorted((e for e in EVENTS if e.event == "step"), key=lambda e: (e.job_id, e.step))
+    assert [(r["job_id"], r["tenant"], int(r["step"]), float(r["at"])) for r in steps] == [
+        (e.job_id, e.tenant, e.step, e.at) for e in sent
     ]
-    assert float(steps[0]["trainer_tokens_per_s"]) == 200.0 and steps[0]["samples"] == ""
-    with (tmp_path / "utilisation.csv").open() as util_file:
-        assert [float(r["utilisation"]) for r in csv.DictReader(util_file)] == [0.8, 0.5]
-    data = json.loads((tmp_path / "report.json").read_text())
-    assert data["generated_at"] == T0 + 60
-    assert [s["mean_reward"] for s in data["steps"] if s["job_id"] == "job-a"] == REWARDS["job-a"]
-    assert {j["job_id"]: j["dropped_groups"] for j in data["jobs"]}["job-a"] == 1
+    for row, e in zip(steps, sent, strict=True):
+        assert {k: float(row[k]) for k in e.metrics} == e.metrics
+    # elapsed since the job's own first event (job-b was accepted at +2)
+    assert [float(r["elapsed_s"]) for r in steps] == [10.0, 20.0, 30.0, 10.0, 22.0]
+    assert {r["trainer_tokens_per_s"] for r in steps} == {"200.0"}
+    assert {r["samples"] for r in steps} == {""}  # not in the events: left empty, not 0
+
+    with (tmp_path / "utilisation.csv").open(encoding="utf-8") as util_file:
+        util = list(csv.DictReader(util_file))
+    assert [(r["replica"], r["segment"], r["utilisation"]) for r in util] == [
+        ("replica-1", "0", "0.8"),
+        ("replica-1", "1", "0.5"),
+        ("replica-2", "0", "0.5"),
+        ("replica-2", "1", "0.5"),
+        ("replica-2", "1", "1.0"),
+    ]
+    assert all(float(r["tokens_per_s"]) >= 0 for r in util if r["tokens_per_s"])
+
+    data = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert (data["title"], data["generated_at"], data["started_at"]) == (
+        "MARLaaS report",
+        T0 + 100,
+        T0,
+    )
+    assert [[s["step"], s["mean_reward"]] for s in data["steps"] if s["job_id"] == "job-a"] == (
+        steps_of("job-a", "mean_reward")
+    )
+    assert data["steps"][0]["samples"] is None
+    assert {
+        j["job_id"]: (j["steps"], j["best_reward"], j["dropped_groups"]) for j in data["jobs"]
+    } == {
+        "job-a": (3, 0.75, 1),
+        "job-b": (2, 0.25, 0),
+        EVIL_JOB: (0, None, 0),
+    }
+    assert len(data["utilisation"]) == 5
+
+
+def test_a_diverged_step_is_null_in_json_and_left_off_the_charts(tmp_path: Path) -> None:
+    nan = float("nan")
+    diverged = job_event(
+        "job-c", "step", "trainer_svc", step=1, metrics={"loss": nan, "mean_reward": nan}
+    )
+    page = written(tmp_path, [diverged], history=None)
+    data = json.loads(
+        (tmp_path / "report.json").read_text(encoding="utf-8"),
+        parse_constant=lambda name: pytest.fail(f"{name} is not JSON"),
+    )
+    assert (data["steps"][0]["loss"], data["steps"][0]["mean_reward"]) == (None, None)
+    job_c = next(job for job in data["jobs"] if job["job_id"] == "job-c")
+    assert (job_c["state"], job_c["steps"], job_c["best_reward"]) == ("running", 1, None)
+    assert page.charts["reward"] == {} and "no data" in page.chart_texts["reward"]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "state", "reason"),
+    [
+        ([], "pending", ""),
+        (["accepted"], "running", ""),
+        (["accepted", "paused"], "paused", ""),
+        (["accepted", "paused", "resumed"], "running", ""),
+        (["accepted", "cancelled"], "cancelled", ""),
+        (["accepted", "failed"], "failed", "why-failed"),
+        # a pause stamped just after the trainer's completion does not reopen the job
+        (["accepted", "completed", "paused"], "completed", ""),
+    ],
+)
+def test_final_state_is_that_of_the_last_lifecycle_event(
+    kinds: list[EventKind], state: str, reason: str
+) -> None:
+    events = [event("job-a", k, i, reason=f"why-{k}") for i, k in enumerate(kinds)]
+    report = build_report(events, specs={"job-a": SPECS["job-a"]})
+    assert (report.jobs[0].state, report.jobs[0].reason) == (state, reason)
 
 
 def test_no_events_still_make_a_report_with_empty_charts(tmp_path: Path) -> None:
-    report = build_report([], None)
-    page = Page()
-    page.feed(write_report(report, tmp_path).read_text())
-    assert set(page.charts) == {"reward", "staleness", "throughput", "utilisation"}
+    report = build_report([], None, generated_at=T0)
+    assert report == Report("MARLaaS report", T0, None)
+    page = parsed(write_report(report, tmp_path / "new" / "dir"))
+    assert set(page.charts) == CHARTS
     assert all(series == {} for series in page.charts.values())
-    assert all("no data" in page.texts[chart] for chart in page.charts)
-    assert (tmp_path / "steps.csv").read_text().startswith("job_id,tenant,step,")
+    assert all("no data" in page.chart_texts[chart] for chart in CHARTS)
+    assert page.jobs == {}
+    out = tmp_path / "new" / "dir"
+    assert (
+        (out / "steps.csv")
+        .read_text(encoding="utf-8")
+        .startswith("job_id,tenant,step,at,elapsed_s,")
+    )
+    assert (out / "utilisation.csv").read_text(encoding="utf-8").startswith("replica,segment,at,")
+    assert json.loads((out / "report.json").read_text(encoding="utf-8"))["jobs"] == []
