@@ -16,6 +16,8 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import msgspec
 
@@ -43,8 +45,14 @@ class ExportedAdapter:
 
 
 def adapter_path(uri: str) -> Path:
-    """Local path of an artifact URI (`file:///...` or a plain path)."""
-    return Path(uri.removeprefix("file://"))
+    """Local path of an artifact URI (`file:///...`, percent-encoded as `Path.as_uri` writes
+    it, or a plain path)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        return Path(uri)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"artifact URI {uri!r} names host {parsed.netloc!r}; only local files")
+    return Path(url2pathname(parsed.path))
 
 
 def lora_tensor_names(adapter_dir: Path) -> list[str]:

@@ -15,6 +15,7 @@ the environment's own for its params when the environment is installed here.
 
 from __future__ import annotations
 
+import re
 import time
 import tomllib
 from pathlib import Path
@@ -35,6 +36,7 @@ _TABLES: dict[str, type[msgspec.Struct]] = {
     "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings,
 }  # fmt: skip
 _REQUIRED = ("tenant", "env")
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def load_job_file(path: Path, *, base_model: str, max_lora_rank: int | None = None) -> JobSpec:
@@ -60,6 +62,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise JobFileError(f"invalid TOML: {exc}") from None
 
 
+def _fresh_job_id(tenant: str, stem: str) -> str:
+    """`<tenant>-<file stem>-<hex>`, the stem cut to the characters a job id may hold."""
+    return f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')[:80]}-{new_id()[:6]}"
+
+
 def _spec_of(
     data: dict[str, Any], stem: str, base_model: str, max_lora_rank: int | None
 ) -> JobSpec:
@@ -77,7 +84,7 @@ def _spec_of(
     tenant = data["tenant"]
     spec = msgspec.structs.replace(
         JobSpec(
-            job_id=data.get("job_id") or f"{tenant}-{stem}-{new_id()[:6]}",
+            job_id=data.get("job_id") or _fresh_job_id(tenant, stem),
             tenant=tenant,
             base_model=data.get("base_model", base_model),
             env=parts.pop("env"),  # type: ignore[arg-type]

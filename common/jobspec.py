@@ -5,7 +5,20 @@ Used by the CLI before anything is sent and by env_svc before a job is accepted.
 
 from __future__ import annotations
 
+import re
+
 from common.messages import JobSpec
+
+# Job ids name directories, Redis keys, metric labels and vLLM adapters (`<job>@v<n>`):
+# keep them to characters that are safe in all of those. Starting with a letter or digit
+# also rules out `.`, `..` and hidden directories.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def is_name(text: str) -> bool:
+    """True for a usable job id or tenant name."""
+    return _NAME.fullmatch(text) is not None
 
 
 class JobSpecError(ValueError):
@@ -24,12 +37,8 @@ def validate_job(
 def _problems(spec: JobSpec, base_model: str | None, max_lora_rank: int | None) -> list[str]:
     rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
     checks: list[tuple[str, bool, str]] = [
-        (
-            "job_id",
-            bool(spec.job_id.strip()) and "/" not in spec.job_id,
-            "must be non-empty, no '/'",
-        ),
-        ("tenant", bool(spec.tenant.strip()), "must be non-empty"),
+        ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
+        ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
         ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
         ("rl.group_size", rl.group_size >= 2, f"must be >= 2, got {rl.group_size}"),
         ("rl.groups_per_step", rl.groups_per_step >= 1, f"must be >= 1, got {rl.groups_per_step}"),

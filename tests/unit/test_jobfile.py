@@ -62,6 +62,12 @@ def test_without_job_id_each_load_gets_a_fresh_id_and_with_one_it_is_kept(tmp_pa
     assert load_job_file(fixed, base_model=BASE).job_id == "my-run"
 
 
+def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD, "my first (try).toml")
+    job_id = load_job_file(path, base_model=BASE).job_id
+    assert job_id.startswith("acme-my-first-try-") and job_id.count("--") == 0
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

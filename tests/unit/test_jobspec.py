@@ -31,8 +31,16 @@ def test_a_good_spec_passes() -> None:
             "lora.rank: 64 exceeds the rollout engine's max_lora_rank 16",
         ),
         ({"base_model": "llama-70b"}, "base_model: this deployment serves 'smollm2-135m-instruct'"),
-        ({"job_id": "a/b"}, "job_id: must be non-empty, no '/'"),
-        ({"tenant": " "}, "tenant: must be non-empty"),
+        (
+            {"job_id": "a/b"},
+            "job_id: must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, got 'a/b'",
+        ),
+        ({"job_id": ".."}, "job_id: must be 1-128 letters"),
+        ({"job_id": "a b"}, "job_id: must be 1-128 letters"),
+        ({"job_id": "x@v1"}, "job_id: must be 1-128 letters"),
+        ({"job_id": "j" * 129}, "job_id: must be 1-128 letters"),
+        ({"tenant": " "}, "tenant: must be 1-128 letters"),
         (
             {"rl": RLSettings(sampling=SamplingSettings(temperature=0.0))},
             "rl.sampling.temperature: must be > 0",
