@@ -1,0 +1,210 @@
+"""Multi-task speed-up: N jobs one after another vs the same N jobs at once, on one stack.
+
+    .venv/bin/python bench/multitask.py --jobs 4 --steps 6 --out bench/results/multitask.json
+
+Both phases run on the same embedded stack and services (one rollout engine, one trainer),
+after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
+jobs, cycled, seeds differ per job); only the job ids differ between phases. Reported per
+phase: wall time from the first submission to the last job's end, the rollout engine's busy
+share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
+trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
+over its first and last steps. Then the ratios: speed-up, time saved, utilisation gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+
+from common.client import MarlaasClient
+from common.config import SharedSettings, load
+from common.demo import REWARD_WINDOW, demo_jobs
+from common.jobwatch import JobProgress, watch_jobs
+from common.messages import Event, JobSpec
+from common.stack import SERVICES, LocalStack
+
+console = Console()
+
+
+@dataclass
+class Phase:
+    name: str
+    wall_s: float = 0.0
+    rollout: dict[str, float] = field(default_factory=dict)
+    trainer_busy_s: float = 0.0
+    trainer_tokens: float = 0.0
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        rollout_busy = self.rollout.get("busy_s", 0.0)
+        rollout_up = self.rollout.get("uptime_s", 0.0)
+        tokens = self.rollout.get("generated_tokens", 0.0)
+        return {
+            "wall_s": round(self.wall_s, 1),
+            "rollout_busy_share": _share(rollout_busy, rollout_up),
+            "rollout_tokens_per_s": _share(tokens, self.wall_s),
+            "rollout_delta": {k: round(v, 3) for k, v in self.rollout.items()},
+            "trainer_busy_share": _share(self.trainer_busy_s, self.wall_s),
+            "trainer_busy_s": round(self.trainer_busy_s, 1),
+            "trainer_tokens_per_wall_s": _share(self.trainer_tokens, self.wall_s),
+            "jobs": self.jobs,
+        }
+
+
+def _share(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole > 0 else None
+
+
+def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[JobSpec]:
+    """`count` jobs cycling through `base`, `steps` steps each, seed i, ids tagged."""
+    specs = []
+    for index in range(count):
+        template = base[index % len(base)]
+        specs.append(
+            msgspec.structs.replace(
+                template,
+                job_id=f"{tag}-{index}-{template.env.name}",
+                env=msgspec.structs.replace(template.env, seed=100 + index),
+                rl=msgspec.structs.replace(template.rl, max_steps=steps),
+                submitted_at=time.time(),
+            )
+        )
+    return specs
+
+
+async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
+    """Cumulative counters summed over rollout replicas."""
+    totals: dict[str, float] = {}
+    for stats in (await client.registry.stats("rollout:")).values():
+        for name in ("busy_s", "uptime_s", "generated_tokens"):
+            totals[name] = totals.get(name, 0.0) + float(stats.get(name, 0.0))
+    return totals
+
+
+async def run_jobs(
+    client: MarlaasClient, bootstrap: str, specs: list[JobSpec], timeout_s: float
+) -> tuple[dict[str, JobProgress], list[Event]]:
+    """Submit `specs` at once and wait for all of them; their progress and step events."""
+    jobs = {spec.job_id: JobProgress.of(spec) for spec in specs}
+    steps: list[Event] = []
+
+    def keep(event: Event) -> None:
+        if event.event == "step":
+            steps.append(event)
+        if event.event in ("completed", "failed", "rejected", "cancelled"):
+            console.print(f"  {event.job_id}: {event.event} {event.reason}")
+
+    await client.submit(specs)
+    await watch_jobs(bootstrap, jobs, timeout_s=timeout_s, on_event=keep)
+    bad = [j for j, p in jobs.items() if p.status != "completed"]
+    if bad:
+        raise RuntimeError(f"jobs did not complete: {bad}")
+    return jobs, steps
+
+
+async def measure(
+    client: MarlaasClient, bootstrap: str, name: str, batches: list[list[JobSpec]], timeout_s: float
+) -> Phase:
+    """Run the batches one after another (each batch's jobs at once) and measure the whole."""
+    phase = Phase(name)
+    before = await rollout_totals(client)
+    started = time.time()
+    for batch in batches:
+        console.print(f"[bold]{name}[/]: {', '.join(spec.job_id for spec in batch)}")
+        jobs, steps = await run_jobs(client, bootstrap, batch, timeout_s)
+        for event in {e.event_id: e for e in steps}.values():
+            metrics = event.metrics
+            phase.trainer_busy_s += float(metrics.get("wall_step_s", metrics.get("step_s", 0.0)))
+            phase.trainer_tokens += float(metrics.get("tokens", 0.0))
+        phase.jobs += [job.summary(REWARD_WINDOW) for job in jobs.values()]
+    phase.wall_s = time.time() - started
+    after = await rollout_totals(client)
+    phase.rollout = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    console.print(f"{name}: {phase.wall_s:.0f} s")
+    return phase
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    settings = load(SharedSettings)
+    run_id = args.run_id
+    settings = settings.model_copy(update={"state_dir": args.run_dir / "state"})
+    base = demo_jobs(settings.base_model, run_id)
+    if args.envs:
+        base = [spec for spec in base if spec.env.name in args.envs.split(",")]
+    warmup = bench_jobs(base, 1, 1, f"warm-{run_id}")
+    sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}")
+    concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}")
+    async with LocalStack(settings, services=SERVICES) as stack:
+        stack_settings = settings.model_copy(
+            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
+        )
+        async with MarlaasClient(stack_settings) as client:
+            await measure(client, stack.kafka_bootstrap, "warm-up", [warmup], args.timeout_s)
+            phases = [
+                await measure(
+                    client,
+                    stack.kafka_bootstrap,
+                    "sequential",
+                    [[spec] for spec in sequential],
+                    args.timeout_s,
+                ),
+                await measure(
+                    client, stack.kafka_bootstrap, "concurrent", [concurrent], args.timeout_s
+                ),
+            ]
+    seq, conc = (phase.to_json() for phase in phases)
+    return {
+        "run_id": run_id,
+        "machine": f"{platform.machine()} {_cpus()} CPUs, no GPU",
+        "base_model": settings.base_model,
+        "jobs": args.jobs,
+        "steps_per_job": args.steps,
+        "specs": [msgspec.to_builtins(spec) for spec in concurrent],
+        "sequential": seq,
+        "concurrent": conc,
+        "speedup": _share(seq["wall_s"], conc["wall_s"]),
+        "time_saved": _share(seq["wall_s"] - conc["wall_s"], seq["wall_s"]),
+        "rollout_busy_gain": _ratio(conc["rollout_busy_share"], seq["rollout_busy_share"]),
+        "trainer_busy_gain": _ratio(conc["trainer_busy_share"], seq["trainer_busy_share"]),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=4, help="N jobs in each phase")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per job")
+    parser.add_argument("--envs", default="", help="only these demo environments, e.g. arithmetic")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON goes")
+    args = parser.parse_args()
+    args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    args.run_dir = Path("runs").resolve() / f"multitask-{args.run_id}"
+    result = asyncio.run(bench(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print_json(
+        json.dumps({k: result[k] for k in ("speedup", "time_saved", "rollout_busy_gain")})
+    )
+
+
+if __name__ == "__main__":
+    main()
