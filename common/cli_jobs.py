@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from common.adapters import ExportedAdapter
 from common.cli_support import (
@@ -26,9 +25,6 @@ from common.config import SharedSettings, load
 from common.jobfile import load_job_file
 from common.jobstatus import StatusSnapshot, event_cells, live_view, render
 from common.messages import JobAction, JobSpec
-
-PIPED_WIDTH = 200
-"""Columns of `status` output that does not go to a terminal."""
 
 
 def _client() -> MarlaasClient:
@@ -102,9 +98,7 @@ async def _status(job: str | None, once: bool, as_json: bool, interval_s: float)
             if as_json:
                 console.print_json(json.dumps(snapshot.to_json()))
             else:
-                # Piped output is read by people and scripts: never crop it to 80 columns.
-                out = console if console.is_terminal else Console(width=PIPED_WIDTH)
-                out.print(render(snapshot, detail=job is not None))
+                console.print(render(snapshot, detail=job is not None))
             return
         await _follow(client, job_ids, until_done=False, interval_s=interval_s)
 

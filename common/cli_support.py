@@ -18,7 +18,13 @@ from common.backoff import ServerUnreachable
 from common.registry import UnknownJobError
 from common.stack import StackError
 
+PIPED_WIDTH = 200
+"""Columns of output that does not go to a terminal (a pipe, a log file): read by people
+and scripts alike, so tables are not cropped to rich's default of 80."""
+
 console = Console()
+if not console.is_terminal:
+    console = Console(width=PIPED_WIDTH)
 err_console = Console(stderr=True)
 
 USER_ERRORS: tuple[type[Exception], ...] = (
