@@ -57,6 +57,8 @@ class Phase:
             "rollout_delta": {k: round(v, 3) for k, v in self.rollout.items()},
             "trainer_busy_share": _share(self.trainer_busy_s, self.wall_s),
             "trainer_busy_s": round(self.trainer_busy_s, 1),
+            # Trained completion tokens; equal to the generated ones when nothing was dropped.
+            "trainer_tokens": self.trainer_tokens,
             "trainer_tokens_per_wall_s": _share(self.trainer_tokens, self.wall_s),
             "jobs": self.jobs,
         }
@@ -77,7 +79,6 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
                 job_id=f"{tag}-{index}-{template.env.name}",
                 env=msgspec.structs.replace(template.env, seed=100 + index),
                 rl=msgspec.structs.replace(template.rl, max_steps=steps),
-                submitted_at=time.time(),
             )
         )
     return specs
@@ -96,6 +97,8 @@ async def run_jobs(
     client: MarlaasClient, bootstrap: str, specs: list[JobSpec], timeout_s: float
 ) -> tuple[dict[str, JobProgress], list[Event]]:
     """Submit `specs` at once and wait for all of them; their progress and step events."""
+    now = time.time()  # a job's wall time counts from its submission, not from the script's start
+    specs = [msgspec.structs.replace(spec, submitted_at=now) for spec in specs]
     jobs = {spec.job_id: JobProgress.of(spec) for spec in specs}
     steps: list[Event] = []
 

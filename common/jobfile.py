@@ -63,8 +63,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _fresh_job_id(tenant: str, stem: str) -> str:
-    """`<tenant>-<file stem>-<hex>`, the stem cut to the characters a job id may hold."""
-    return f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')[:80]}-{new_id()[:6]}"
+    """`<tenant>-<file stem>-<hex>`, the stem cut to the characters a job id may hold and the
+    whole to the 128 allowed."""
+    prefix = f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')}"[:121]
+    return f"{prefix}-{new_id()[:6]}"
 
 
 def _spec_of(

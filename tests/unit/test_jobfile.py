@@ -66,6 +66,8 @@ def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> 
     path = write(tmp_path, GOOD, "my first (try).toml")
     job_id = load_job_file(path, base_model=BASE).job_id
     assert job_id.startswith("acme-my-first-try-") and job_id.count("--") == 0
+    long_name = write(tmp_path, GOOD, f"{'x' * 200}.toml")
+    assert len(load_job_file(long_name, base_model=BASE).job_id) == 128
 
 
 @pytest.mark.parametrize(
