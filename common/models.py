@@ -205,7 +205,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, tokenizer_source: Path | N
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    # transformers' decorator on `to` annotates it as taking the model itself.
+    model.to(torch.bfloat16).save_pretrained(out_dir)  # type: ignore[arg-type]
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

@@ -276,8 +276,10 @@ class MultiAdapterPolicy:
         result = set_peft_model_state_dict(
             self._peft_model(), weights, adapter_name=job.adapter_name
         )
-        if result.unexpected_keys:
-            raise ValueError(f"unexpected adapter tensors: {result.unexpected_keys[:5]}")
+        # torch's load_state_dict result (missing_keys, unexpected_keys); peft's stubs lose it.
+        unexpected: list[str] = result.unexpected_keys  # type: ignore[attr-defined]
+        if unexpected:
+            raise ValueError(f"unexpected adapter tensors: {unexpected[:5]}")
         job.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_STATE, weights_only=True))
         state = json.loads((ckpt_dir / TRAINER_STATE).read_text())
         return int(state["step"]), int(state["version"])

@@ -266,7 +266,7 @@ def test_turn_limit_ends_the_episode(
     job = make_job("calculator", {"max_turns": env_turns}, max_turns=job_turns)
     env = environment_for(job.env)
     request: GenerationRequest | Trajectory = start(env, tokenizer, job)
-    results = []
+    results: list[GenerationResult] = []
     for _ in range(2):
         assert isinstance(request, GenerationRequest)
         results.append(sample(tokenizer, request, TOOL_CALL % "1 + 1", version=len(results)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from trainer_svc import grpo
 from trainer_svc.grpo import group_advantages, policy_loss, token_logprobs
 
-CLIP = {"clip_low": 0.2, "clip_high": 0.28, "is_cap": 2.0}
+CLIP: dict[str, Any] = {"clip_low": 0.2, "clip_high": 0.28, "is_cap": 2.0}
 LN = math.log
 
 

@@ -50,7 +50,8 @@ def test_converted_smollm2_loads_plainly_and_matches_the_gguf(smollm2_dir: Path)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True
     )
-    input_ids_1T = torch.tensor([prompt["input_ids"]])
+    # transformers 5 returns a BatchEncoding here; its annotations still say str or list.
+    input_ids_1T = torch.tensor([prompt["input_ids"]])  # type: ignore[call-overload,index]
     with torch.no_grad():
         logits_TV = model(input_ids_1T).logits[0]
         gguf_logits_TV = gguf_model(input_ids_1T).logits[0]

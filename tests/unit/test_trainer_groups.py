@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from common.messages import Trajectory
 from trainer_svc.groups import Group, verdict
 
@@ -20,7 +22,7 @@ def group(*trajectories: Trajectory) -> tuple[Group, list[str]]:
     released: list[str] = []
     built = Group("g")
     for t in trajectories:
-        built.add(t, lambda episode=t.episode_id: released.append(episode))
+        built.add(t, functools.partial(released.append, t.episode_id))
     return built, released
 
 
