@@ -11,6 +11,9 @@ from common.eventlog import EventFeed
 from common.messages import Event, JobSpec, Message
 from common.registry import TERMINAL_STATUSES
 
+ETA_WINDOW = 5
+"""Steps whose pace predicts the rest, once a job has trained more than that many."""
+
 
 @dataclass
 class JobProgress:
@@ -59,18 +62,24 @@ class JobProgress:
         return max(self.rewards) if self.rewards else None
 
     def eta_s(self, now: float) -> float | None:
-        """Seconds to max_steps at the pace of the last few steps; None before a pace is known."""
+        """Seconds to max_steps at the job's pace; None before a pace is known.
+
+        The pace is that of the last `ETA_WINDOW` steps once there are that many; before,
+        the average since the job was accepted. The first steps come in a burst (step 2's
+        rollouts were generated while step 1 trained), so their own gaps would promise far
+        too early an end.
+        """
         if self.done or self.status == "paused" or not self.step_at or self.max_steps <= 0:
             return None
-        recent = self.step_at[-6:]
-        if len(recent) >= 2:
-            per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
+        if len(self.step_at) > ETA_WINDOW:
+            recent = self.step_at[-ETA_WINDOW - 1 :]
+            per_step = (recent[-1] - recent[0]) / ETA_WINDOW
         elif self.started_at is not None:
-            per_step = recent[0] - self.started_at
+            per_step = (self.step_at[-1] - self.started_at) / len(self.step_at)
         else:
             return None
         remaining = max(self.max_steps - self.steps, 0)
-        return max(per_step * remaining - (now - recent[-1]), 0.0)
+        return max(per_step * remaining - (now - self.step_at[-1]), 0.0)
 
     def apply(self, event: Event) -> None:
         if self.tenant in ("", "-") and event.tenant:
