@@ -32,6 +32,8 @@ from common.config import SharedSettings, load
 from common.demo import REWARD_WINDOW, demo_jobs
 from common.jobwatch import JobProgress, watch_jobs
 from common.messages import Event, JobSpec
+from common.registry import TERMINAL_STATUSES
+from common.report import REPLICA_COUNTERS
 from common.stack import SERVICES, LocalStack
 
 console = Console()
@@ -64,8 +66,11 @@ class Phase:
         }
 
 
-def _share(part: float, whole: float) -> float | None:
-    return round(part / whole, 4) if whole > 0 else None
+def _share(part: float | None, whole: float | None, digits: int = 4) -> float | None:
+    """part / whole rounded; None when either is unknown or whole is not positive."""
+    if part is None or whole is None or whole <= 0:
+        return None
+    return round(part / whole, digits)
 
 
 def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[JobSpec]:
@@ -88,7 +93,7 @@ async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
     """Cumulative counters summed over rollout replicas."""
     totals: dict[str, float] = {}
     for stats in (await client.registry.stats("rollout:")).values():
-        for name in ("busy_s", "uptime_s", "generated_tokens"):
+        for name in REPLICA_COUNTERS:
             totals[name] = totals.get(name, 0.0) + float(stats.get(name, 0.0))
     return totals
 
@@ -105,7 +110,7 @@ async def run_jobs(
     def keep(event: Event) -> None:
         if event.event == "step":
             steps.append(event)
-        if event.event in ("completed", "failed", "rejected", "cancelled"):
+        if event.event in TERMINAL_STATUSES:
             console.print(f"  {event.job_id}: {event.event} {event.reason}")
 
     await client.submit(specs)
@@ -178,13 +183,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "concurrent": conc,
         "speedup": _share(seq["wall_s"], conc["wall_s"]),
         "time_saved": _share(seq["wall_s"] - conc["wall_s"], seq["wall_s"]),
-        "rollout_busy_gain": _ratio(conc["rollout_busy_share"], seq["rollout_busy_share"]),
-        "trainer_busy_gain": _ratio(conc["trainer_busy_share"], seq["trainer_busy_share"]),
+        "rollout_busy_gain": _share(conc["rollout_busy_share"], seq["rollout_busy_share"], 3),
+        "trainer_busy_gain": _share(conc["trainer_busy_share"], seq["trainer_busy_share"], 3),
     }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
 
 
 def _cpus() -> int:
