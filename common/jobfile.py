@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from common.jobspec import JobSpecError, validate_job
+from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, validate_job
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, new_id
 
 
@@ -36,7 +36,7 @@ _TABLES: dict[str, type[msgspec.Struct]] = {
     "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings,
 }  # fmt: skip
 _REQUIRED = ("tenant", "env")
-_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+_NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")
 
 
 def load_job_file(path: Path, *, base_model: str, max_lora_rank: int | None = None) -> JobSpec:
@@ -65,8 +65,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _fresh_job_id(tenant: str, stem: str) -> str:
     """`<tenant>-<file stem>-<hex>`, the stem cut to the characters a job id may hold and the
     whole to the 128 allowed."""
-    prefix = f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')}"[:121]
-    return f"{prefix}-{new_id()[:6]}"
+    suffix = f"-{new_id()[:6]}"
+    prefix = f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')}"
+    return prefix[: NAME_MAX_LEN - len(suffix)] + suffix
 
 
 def _spec_of(

@@ -12,8 +12,13 @@ from common.messages import JobSpec
 # Job ids name directories, Redis keys, metric labels and vLLM adapters (`<job>@v<n>`):
 # keep them to characters that are safe in all of those. Starting with a letter or digit
 # also rules out `.`, `..` and hidden directories.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-NAME_RULE = "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+NAME_CHARS = "A-Za-z0-9._-"
+"""The characters of a job id or tenant (a regex character class body)."""
+NAME_MAX_LEN = 128
+_NAME = re.compile(f"[A-Za-z0-9][{NAME_CHARS}]{{0,{NAME_MAX_LEN - 1}}}")
+NAME_RULE = (
+    f"must be 1-{NAME_MAX_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
 
 
 def is_name(text: str) -> bool:
