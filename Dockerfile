@@ -10,6 +10,7 @@
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
 COPY common/ /src/common/
+COPY console/ /src/console/
 COPY env_svc/ /src/env_svc/
 COPY rollout_svc/ /src/rollout_svc/
 COPY trainer_svc/ /src/trainer_svc/

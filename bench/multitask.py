@@ -27,14 +27,14 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from common.client import MarlaasClient
 from common.config import SharedSettings, load
-from common.demo import REWARD_WINDOW, demo_jobs
-from common.jobwatch import JobProgress, watch_jobs
 from common.messages import Event, JobSpec
 from common.registry import TERMINAL_STATUSES
-from common.report import REPLICA_COUNTERS
-from common.stack import SERVICES, LocalStack
+from console.client import MarlaasClient
+from console.demo import REWARD_WINDOW, demo_jobs
+from console.jobwatch import JobProgress, watch_jobs
+from console.report import REPLICA_COUNTERS
+from console.stack import SERVICES, LocalStack
 
 console = Console()
 

@@ -19,12 +19,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from common.artifacts import atomic_dir, staging_leftovers
 from common.config import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,11 @@ class ModelNotFoundError(ValueError):
 
 
 def build_once(target: Path, marker: dict[str, object], build: Callable[[Path], object]) -> Path:
-    """Return `target`, first running `build(tmp_dir)` unless `target` already matches `marker`.
+    """Return `target`, first running `build(staging_dir)` unless `target` already matches `marker`.
 
-    `build` writes into a fresh temporary directory next to `target`, which is renamed into
-    place only when complete: a crash never leaves a half-written model where readers look.
+    `build` writes into a staging directory next to `target` (common.artifacts.atomic_dir),
+    renamed into place only when complete: a crash never leaves a half-written model where
+    readers look. Services running as other users may share this cache: modes are 0755/0644.
     An fcntl lock beside `target` makes concurrent processes wait for one build instead of
     repeating it. `marker` must be JSON-native; a mismatch (e.g. a new source file) rebuilds.
     """
@@ -69,25 +70,12 @@ def build_once(target: Path, marker: dict[str, object], build: Callable[[Path], 
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if _marker_matches(target, marker):  # another process built it while we waited
             return target
-        # Only the lock holder creates temporary dirs, so any left now are from a crash.
-        for orphan in target.parent.glob(f".{target.name}.tmp-*"):
+        # Only the lock holder stages builds, so any staging dir left now is from a crash.
+        for orphan in staging_leftovers(target):
             shutil.rmtree(orphan, ignore_errors=True)
-        tmp_dir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-        try:
-            build(tmp_dir)
-            (tmp_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True))
-            # mkdtemp (and safetensors) create owner-only modes; services running as other
-            # users may share this cache, and nothing in it is secret.
-            tmp_dir.chmod(0o755)
-            for path in tmp_dir.rglob("*"):
-                path.chmod(0o755 if path.is_dir() else 0o644)
-            if target.exists():
-                # rename() cannot replace a non-empty directory: move the stale one aside.
-                os.replace(target, tmp_dir.with_name(tmp_dir.name + "-stale"))
-            os.replace(tmp_dir, target)
-        finally:
-            for leftover in (tmp_dir, tmp_dir.with_name(tmp_dir.name + "-stale")):
-                shutil.rmtree(leftover, ignore_errors=True)
+        with atomic_dir(target) as staging:
+            build(staging)
+            (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True))
     return target
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from common.adapters import adapter_path
+from common.artifacts import adapter_path
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
 from common.health import redis_ready

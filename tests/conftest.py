@@ -13,7 +13,7 @@ import pytest
 
 from common.config import SharedSettings
 from common.registry import Registry
-from common.stack import ChildServer, LocalStack
+from console.stack import ChildServer, LocalStack
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +85,7 @@ def pipeline_services(
     independent (unique job ids), as tenants' jobs are in production.
     """
     from common.models import tiny_model
-    from common.stack import SERVICES, start_services, stop_services
+    from console.stack import SERVICES, start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
     settings = SharedSettings(

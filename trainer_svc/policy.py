@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import policy_loss, token_logprobs
 
@@ -64,28 +60,6 @@ def _adapter_name(job_id: str) -> str:
     # inside parameter names; peft even warns when a name is a substring of "lora_". A hash
     # is always a safe, distinct name.
     return "job_" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
-
-
-@contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory that replaces `out_dir` only once complete.
-
-    Readers (rollout_svc hot-loading an adapter, a replica resuming a job) never see a
-    half-written directory, and a crash leaves the previous contents in place.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    stale_dir = tmp_dir.with_name(tmp_dir.name + "-stale")
-    try:
-        yield tmp_dir
-        tmp_dir.chmod(0o755)  # mkdtemp is owner-only; other services read the artifacts
-        if out_dir.exists():
-            # rename() cannot replace a non-empty directory: move the old one aside first.
-            os.replace(out_dir, stale_dir)
-        os.replace(tmp_dir, out_dir)
-    finally:
-        for leftover in (tmp_dir, stale_dir):
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 class MultiAdapterPolicy:
@@ -235,8 +209,8 @@ class MultiAdapterPolicy:
         "default" into a subdirectory named after it.
         """
         out_dir = Path(out_dir)
-        with _atomic_dir(out_dir) as tmp_dir:
-            self._write_adapter(job_id, tmp_dir)
+        with atomic_dir(out_dir) as staging:
+            self._write_adapter(job_id, staging)
         return out_dir
 
     def save_checkpoint(self, job_id: str, out_dir: Path, *, step: int, version: int) -> Path:
@@ -245,11 +219,11 @@ class MultiAdapterPolicy:
 
         job = self._job(job_id)
         out_dir = Path(out_dir)
-        with _atomic_dir(out_dir) as tmp_dir:
-            self._write_adapter(job_id, tmp_dir)
-            torch.save(job.optimizer.state_dict(), tmp_dir / OPTIMIZER_STATE)
+        with atomic_dir(out_dir) as staging:
+            self._write_adapter(job_id, staging)
+            torch.save(job.optimizer.state_dict(), staging / OPTIMIZER_STATE)
             state = {"job_id": job_id, "step": step, "version": version}
-            (tmp_dir / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2))
         return out_dir
 
     def load_checkpoint(self, job_id: str, ckpt_dir: Path) -> tuple[int, int]:

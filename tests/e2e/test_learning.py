@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from common.config import SharedSettings
-from common.demo import demo_jobs
-from common.jobwatch import JobProgress, submit_jobs, watch_jobs
-from common.stack import SERVICES, LocalStack, start_services, stop_services
+from console.demo import demo_jobs
+from console.jobwatch import JobProgress, submit_jobs, watch_jobs
+from console.stack import SERVICES, LocalStack, start_services, stop_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

@@ -26,7 +26,7 @@ from common.bus import (
     group_lag,
 )
 from common.messages import DeadLetter, Event, Topic, decode, new_id
-from common.stack import free_port
+from console.stack import free_port
 
 pytestmark = pytest.mark.kafka
 

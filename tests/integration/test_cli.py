@@ -20,7 +20,6 @@ from aiokafka import AIOKafkaConsumer
 from typer.testing import CliRunner
 
 from common.bus import Producer
-from common.cli import app
 from common.messages import (
     EnvSettings,
     JobCommand,
@@ -33,7 +32,8 @@ from common.messages import (
     new_id,
 )
 from common.registry import DROPPED_GROUPS, ISSUED_GROUPS, Registry
-from common.stack import LocalStack, free_port
+from console.cli import app
+from console.stack import LocalStack, free_port
 from tests.conftest import with_registry
 
 pytestmark = pytest.mark.kafka

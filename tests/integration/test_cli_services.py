@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.cli import app
 from common.registry import ISSUED_GROUPS
-from common.stack import LocalStack
+from console.cli import app
+from console.stack import LocalStack
 from tests.conftest import RunningServices, with_registry
 
 pytestmark = pytest.mark.kafka

@@ -9,10 +9,10 @@ from typing import TypeVar
 import pytest
 import torch
 
-from common.adapters import ExportError, export_adapter
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from common.models import tiny_model
 from common.registry import Registry
+from console.export import ExportError, export_adapter
 from tests.conftest import with_registry
 from trainer_svc.policy import MultiAdapterPolicy
 

@@ -17,7 +17,6 @@ from aiokafka import AIOKafkaConsumer
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.bus import Producer
-from common.jobwatch import JobProgress, submit_jobs, watch_jobs
 from common.messages import (
     EnvSettings,
     Event,
@@ -30,7 +29,8 @@ from common.messages import (
     new_id,
 )
 from common.registry import Registry
-from common.stack import LocalStack
+from console.jobwatch import JobProgress, submit_jobs, watch_jobs
+from console.stack import LocalStack
 from tests.conftest import RunningServices
 
 pytestmark = pytest.mark.kafka

@@ -11,7 +11,7 @@ import pytest
 from common.backoff import ServerUnreachable
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.registry import DROPPED_GROUPS, Registry, UnknownJobError, issue_limit
-from common.stack import free_port
+from console.stack import free_port
 
 pytestmark = pytest.mark.kafka
 

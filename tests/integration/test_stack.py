@@ -17,7 +17,7 @@ from common.bus import ensure_topics
 from common.messages import Topic
 from common.models import tiny_model
 from common.registry import Registry
-from common.stack import LocalStack, free_port
+from console.stack import LocalStack, free_port
 
 pytestmark = pytest.mark.kafka
 

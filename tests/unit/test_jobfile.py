@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.jobfile import JobFileError, load_job_file
+from console.jobfile import JobFileError, load_job_file
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "jobs"
 BASE = "smollm2-135m-instruct"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.jobwatch import ETA_WINDOW, JobProgress
 from common.messages import Event, job_event
+from console.jobwatch import ETA_WINDOW, JobProgress
 
 
 def at(event: Event, when: float) -> Event:

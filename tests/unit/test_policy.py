@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import tiny_model
 from trainer_svc.grpo import token_logprobs

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from common.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
-from common.report import Report, build_report, write_report
+from console.report import Report, build_report, write_report
 
 T0 = 1_800_000_000.0
 CHARTS = {"reward", "staleness", "throughput", "utilisation"}

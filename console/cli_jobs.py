@@ -10,8 +10,9 @@ from typing import Annotated
 
 import typer
 
-from common.adapters import ExportedAdapter
-from common.cli_support import (
+from common.config import SharedSettings, load
+from common.messages import JobAction, JobSpec
+from console.cli_support import (
     console,
     fail,
     one_line_errors,
@@ -20,11 +21,10 @@ from common.cli_support import (
     run,
     say,
 )
-from common.client import MarlaasClient
-from common.config import SharedSettings, load
-from common.jobfile import load_job_file
-from common.jobstatus import StatusSnapshot, event_cells, live_view, render
-from common.messages import JobAction, JobSpec
+from console.client import MarlaasClient
+from console.export import ExportedAdapter
+from console.jobfile import load_job_file
+from console.status import StatusSnapshot, event_cells, live_view, render
 
 
 def _client() -> MarlaasClient:

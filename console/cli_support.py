@@ -16,7 +16,7 @@ from rich.console import Console
 
 from common.backoff import ServerUnreachable
 from common.registry import UnknownJobError
-from common.stack import StackError
+from console.stack import StackError
 
 PIPED_WIDTH = 200
 """Columns of output that does not go to a terminal (a pipe, a log file): read by people

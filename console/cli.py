@@ -9,8 +9,10 @@ import sys
 import typer
 from rich.table import Table
 
-from common import cli_jobs
-from common.cli_support import (
+from common.config import SharedSettings, load
+from common.logs import setup_logging
+from console import cli_jobs
+from console.cli_support import (
     USER_ERRORS,
     console,
     err_console,
@@ -18,9 +20,7 @@ from common.cli_support import (
     options,
     quiet_logging,
 )
-from common.config import SharedSettings, load
-from common.logs import setup_logging
-from common.stack import SERVICES, LocalStack
+from console.stack import SERVICES, LocalStack
 
 app = typer.Typer(
     help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",
@@ -147,8 +147,8 @@ def demo() -> None:
 
     Writes runs/<run-id>/demo-summary.json with each job's reward at start and end.
     """
-    from common.demo import run
     from common.models import resolve_base_model
+    from console.demo import run
 
     settings = load(SharedSettings)
     setup_logging(settings.log_level)

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 
-from common.adapters import ExportedAdapter, export_adapter
 from common.config import (
     EnvServiceSettings,
     RolloutSettings,
@@ -21,11 +20,12 @@ from common.config import (
     TrainerSettings,
     load,
 )
-from common.eventlog import EventFeed
-from common.jobstatus import StatusBoard
-from common.jobwatch import submit_jobs
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import TERMINAL_STATUSES, JobRecord, Registry, UnknownJobError
+from console.eventfeed import EventFeed
+from console.export import ExportedAdapter, export_adapter
+from console.jobwatch import submit_jobs
+from console.status import StatusBoard
 
 ACTION_STATES: dict[JobAction, str] = {
     "pause": "paused", "resume": "running", "cancel": "cancelled",
@@ -145,7 +145,7 @@ class MarlaasClient:
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
-        from common.report import build_report, write_report
+        from console.report import build_report, write_report
 
         async with self._feed(set(job_ids) or None) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)

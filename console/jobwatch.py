@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.bus import Producer
-from common.eventlog import EventFeed
 from common.messages import Event, JobSpec, Message
 from common.registry import TERMINAL_STATUSES
+from console.eventfeed import EventFeed
 
 ETA_WINDOW = 5
 """Steps whose pace predicts the rest, once a job has trained more than that many."""

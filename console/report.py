@@ -1,7 +1,7 @@
 """`marlaas report`: one self-contained HTML page (inline SVG charts) + the numbers as CSV/JSON.
 
 Pure: it turns events (`marlaas.events`) and rollout replica stats history (Redis) into a
-report; reading them is `common.client`'s job. Every chart carries its exact numbers
+report; reading them is `console.client`'s job. Every chart carries its exact numbers
 (`data-values` on each series), so the page can be checked by parsing it.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common.messages import Event, JobSpec
 from common.registry import TERMINAL_STATUSES
-from common.svgchart import Point, Series, is_number, line_chart, plottable
+from console.svgchart import Point, Series, is_number, line_chart, plottable
 
 STEP_METRICS = (
     "mean_reward",

@@ -15,12 +15,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from common.client import MarlaasClient
 from common.config import SharedSettings
-from common.jobstatus import live_view
-from common.jobwatch import JobProgress
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
-from common.stack import SERVICES, LocalStack
+from console.client import MarlaasClient
+from console.jobwatch import JobProgress
+from console.stack import SERVICES, LocalStack
+from console.status import live_view
 
 REWARD_WINDOW = 3
 """Steps averaged for reward_start / reward_end."""

@@ -1,9 +1,8 @@
-"""The adapter artifact: a standard PEFT LoRA directory, and exporting it for users.
+"""`marlaas export`: a job's adapter version copied out as a standalone PEFT directory.
 
-trainer_svc writes one directory per version (`<artifacts>/adapters/<job>/v<n>/`), rollout_svc
-loads it into vLLM by URI, and `marlaas export` copies it out. The format is PEFT's own:
-`adapter_config.json` + `adapter_model.safetensors` with `base_model.model.…lora_A.weight`
-keys, so `PeftModel.from_pretrained` and vLLM's `LoRARequest` load it unchanged.
+The format is the artifact store's own (common/artifacts.py), PEFT's standard LoRA layout, so
+`PeftModel.from_pretrained` and vLLM's `LoRARequest` load the export unchanged; it gains a
+model card and `marlaas_export.json` (the job's settings).
 
 Nothing here imports torch or peft: exporting works on a machine with the core package only.
 """
@@ -16,16 +15,12 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import msgspec
 
-from common.messages import new_id
+from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
 from common.registry import Registry
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 EXPORT_INFO = "marlaas_export.json"
 _LORA_KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _REQUIRED_CONFIG = ("peft_type", "r", "lora_alpha", "target_modules")
@@ -42,17 +37,6 @@ class ExportedAdapter:
     version: int
     out_dir: Path
     base_model_name_or_path: str
-
-
-def adapter_path(uri: str) -> Path:
-    """Local path of an artifact URI (`file:///...`, percent-encoded as `Path.as_uri` writes
-    it, or a plain path)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        return Path(uri)
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"artifact URI {uri!r} names host {parsed.netloc!r}; only local files")
-    return Path(url2pathname(parsed.path))
 
 
 def lora_tensor_names(adapter_dir: Path) -> list[str]:
@@ -143,21 +127,12 @@ async def export_adapter(
 def _write_atomically(
     out_dir: Path, source: Path, config: dict[str, object], info: dict[str, object]
 ) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.export-{new_id()[:8]}"
-    staging.mkdir()
-    try:
+    with atomic_dir(out_dir) as staging:
         shutil.copyfile(source / ADAPTER_WEIGHTS, staging / ADAPTER_WEIGHTS)
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2))
         (staging / "README.md").write_text(_model_card(info, config))
         check_adapter_dir(staging)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _model_card(info: dict[str, object], config: dict[str, object]) -> str:

@@ -21,8 +21,6 @@ from rich.table import Table
 from rich.text import Text
 
 from common.bus import group_lag
-from common.eventlog import EventFeed
-from common.jobwatch import JobProgress
 from common.messages import CONSUMED_TOPICS, Event, JobSpec
 from common.registry import (
     DROPPED_GROUPS,
@@ -31,6 +29,8 @@ from common.registry import (
     Registry,
     UnknownJobError,
 )
+from console.eventfeed import EventFeed
+from console.jobwatch import JobProgress
 
 RECENT_EVENTS = 200
 """Events kept per job for `marlaas status JOB` and `--json`."""

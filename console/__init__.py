@@ -1,0 +1,1 @@
+"""The operator side of MARLaaS: CLI, client SDK, job files, status, report, embedded stack."""

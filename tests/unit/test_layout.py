@@ -1,0 +1,64 @@
+"""The package layout is a contract (docs/architecture.md, "Code layout"): checked on the source.
+
+`common/` is what the services share: every module in it is imported (directly or through
+another common module) by at least one service, and it imports neither the operator console
+nor a service. Services never import each other or the console.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
+PACKAGES = ("common", "console", *SERVICES)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Top-level-package-qualified modules a file imports (`common.bus`, `env_svc`...)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def modules(package: str) -> dict[str, Path]:
+    return {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+
+
+def test_common_imports_neither_the_console_nor_a_service() -> None:
+    offenders = {
+        module: sorted(name for name in imports_of(path) if not name.startswith("common"))
+        for module, path in modules("common").items()
+    }
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+def test_services_import_neither_each_other_nor_the_console() -> None:
+    for service in SERVICES:
+        allowed = ("common", service)
+        for module, path in modules(service).items():
+            foreign = [n for n in imports_of(path) if not n.startswith(allowed)]
+            assert foreign == [], f"{module} imports {foreign}"
+
+
+def test_every_common_module_is_used_by_a_service() -> None:
+    common = modules("common")
+    reached: set[str] = set()
+    frontier = [name for s in SERVICES for path in modules(s).values() for name in imports_of(path)]
+    while frontier:
+        name = frontier.pop()
+        module = name if name in common else name.rsplit(".", 1)[0]
+        if module in common and module not in reached:
+            reached.add(module)
+            frontier += imports_of(common[module])
+    assert sorted(set(common) - reached) == []
