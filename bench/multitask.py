@@ -29,7 +29,7 @@ from rich.console import Console
 
 from common.config import SharedSettings, load
 from common.messages import Event, JobSpec
-from common.registry import TERMINAL_STATUSES
+from common.store import TERMINAL_STATUSES
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.jobwatch import JobProgress, watch_jobs

@@ -54,6 +54,12 @@ class MessageDecodeError(ValueError):
         self.reason = reason
 
 
+class ContextTooLongError(ValueError):
+    """A generation context that leaves no room to sample within a length limit: the job's
+    `max_context_tokens` (env_svc, at submission) or the engine's `max_model_len` (rollout_svc).
+    """
+
+
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, tag_field="kind"):
     """Base of every message; `kind` (the tag) tells apart messages sharing a topic."""
 

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 
 from common.backoff import ServerUnreachable
-from common.registry import UnknownJobError
+from common.store import UnknownJobError
 from console.stack import StackError
 
 PIPED_WIDTH = 200

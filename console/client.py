@@ -21,7 +21,7 @@ from common.config import (
     load,
 )
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from common.registry import TERMINAL_STATUSES, JobRecord, Registry, UnknownJobError
+from common.store import TERMINAL_STATUSES, JobRecord, RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
@@ -41,10 +41,10 @@ class MarlaasClient:
     def __init__(self, settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> None:
         self.settings = settings
         self.connect_timeout_s = connect_timeout_s
-        self._registry: Registry | None = None
+        self._registry: RedisStore | None = None
 
     async def __aenter__(self) -> MarlaasClient:
-        self._registry = await Registry.connect(
+        self._registry = await RedisStore.connect(
             self.settings.redis_url, timeout_s=self.connect_timeout_s
         )
         return self
@@ -55,7 +55,7 @@ class MarlaasClient:
             self._registry = None
 
     @property
-    def registry(self) -> Registry:
+    def registry(self) -> RedisStore:
         if self._registry is None:
             raise RuntimeError("use `async with MarlaasClient(...)`")
         return self._registry

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
-from common.registry import Registry
+from common.store import RedisStore
 
 EXPORT_INFO = "marlaas_export.json"
 _LORA_KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -73,7 +73,7 @@ def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
 
 
 async def export_adapter(
-    registry: Registry,
+    registry: RedisStore,
     job_id: str,
     out_dir: Path,
     *,

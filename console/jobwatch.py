@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from common.bus import Producer
 from common.messages import Event, JobSpec, Message
-from common.registry import TERMINAL_STATUSES
+from common.store import TERMINAL_STATUSES
 from console.eventfeed import EventFeed
 
 ETA_WINDOW = 5

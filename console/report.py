@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from common.messages import Event, JobSpec
-from common.registry import TERMINAL_STATUSES
+from common.store import TERMINAL_STATUSES
 from console.svgchart import Point, Series, is_number, line_chart, plottable
 
 STEP_METRICS = (

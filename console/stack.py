@@ -27,6 +27,7 @@ from typing import IO
 
 from pydantic_settings import BaseSettings
 
+from common.artifacts import atomic_write_text
 from common.bus import ensure_topics
 from common.config import (
     EnvServiceSettings,
@@ -35,7 +36,7 @@ from common.config import (
     TrainerSettings,
     stack_env_file,
 )
-from common.registry import Registry
+from common.store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ async def wait_ready(
             await asyncio.sleep(0.2)
 
     async def probe() -> dict[str, int]:
-        registry = await Registry.connect(redis_url, timeout_s=timeout_s)
+        registry = await RedisStore.connect(redis_url, timeout_s=timeout_s)
         await registry.close()
         return await ensure_topics(kafka_bootstrap, partitions, timeout_s=timeout_s)
 
@@ -357,6 +358,4 @@ class LocalStack:
             f"MARLAAS_REDIS_URL={self.redis_url}",
             f"MARLAAS_STACK_PID={os.getpid()}",
         ]
-        tmp = self.env_file.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(self.env_file)
+        atomic_write_text(self.env_file, "\n".join(lines) + "\n")

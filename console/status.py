@@ -22,11 +22,11 @@ from rich.text import Text
 
 from common.bus import group_lag
 from common.messages import CONSUMED_TOPICS, Event, JobSpec
-from common.registry import (
+from common.store import (
     DROPPED_GROUPS,
     ISSUED_GROUPS,
     TRAINED_VERSION,
-    Registry,
+    RedisStore,
     UnknownJobError,
 )
 from console.eventfeed import EventFeed
@@ -99,7 +99,7 @@ class StatusBoard:
     def __init__(
         self,
         bootstrap: str,
-        registry: Registry,
+        registry: RedisStore,
         consumer_groups: dict[str, str],
         *,
         job_ids: Collection[str] | None = None,

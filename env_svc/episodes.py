@@ -28,7 +28,13 @@ from typing import Any
 import msgspec
 from transformers import PreTrainedTokenizerFast
 
-from common.messages import GenerationRequest, GenerationResult, JobSpec, Trajectory
+from common.messages import (
+    ContextTooLongError,
+    GenerationRequest,
+    GenerationResult,
+    JobSpec,
+    Trajectory,
+)
 from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state
 
 _SENTINEL = "\x00marlaas-assistant-content\x00"
@@ -41,10 +47,6 @@ class EpisodeError(ValueError):
 
 class EpisodeCarryError(EpisodeError):
     """`env_state` bytes that are not a valid, consistent episode carry."""
-
-
-class ContextTooLongError(EpisodeError):
-    """The prompt alone leaves no room for `max_new_tokens` within `max_context_tokens`."""
 
 
 # --- tokenizer ------------------------------------------------------------------------

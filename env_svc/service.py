@@ -20,6 +20,7 @@ from common.logs import job_logger
 from common.messages import (
     CONSUMED_TOPICS,
     AdapterUpdate,
+    ContextTooLongError,
     Event,
     GenerationRequest,
     GenerationResult,
@@ -29,8 +30,8 @@ from common.messages import (
     Trajectory,
     job_event,
 )
-from common.registry import TRAINED_VERSION, JobRecord, Registry
 from common.service import Service
+from common.store import TRAINED_VERSION, JobRecord, RedisStore
 from env_svc.episodes import (
     ChatTokenizer,
     EpisodeError,
@@ -55,13 +56,13 @@ class EnvService(Service):
         self.settings = settings
         self.tokenizer = tokenizer
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.registry: Registry | None = None
+        self.store: RedisStore | None = None
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
 
     async def start(self) -> None:
-        self.registry = await Registry.connect(
+        self.store = await RedisStore.connect(
             self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
         )
         await self.producer.start(timeout_s=self.shared.connect_timeout_s)
@@ -87,13 +88,13 @@ class EnvService(Service):
         if self.consumer is not None:
             await self.consumer.close()
         await self.producer.stop()
-        if self.registry is not None:
-            await self.registry.close()
+        if self.store is not None:
+            await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.registry),
+            "redis": await redis_ready(self.store),
         }
 
     # --- dispatch -------------------------------------------------------------------
@@ -116,7 +117,7 @@ class EnvService(Service):
     # --- jobs -----------------------------------------------------------------------
 
     async def on_job(self, spec: JobSpec) -> None:
-        registry = self._registry()
+        store = self._store()
         job_log = job_logger(log, spec.job_id, spec.tenant)
         try:
             validate_job(
@@ -127,13 +128,13 @@ class EnvService(Service):
                 environment_for(spec.env), self.tokenizer, spec, group_id="probe",
                 group_index=0, sample_index=0,
             )  # fmt: skip
-        except (JobSpecError, EnvSpecError, EpisodeError) as exc:
+        except (JobSpecError, EnvSpecError, EpisodeError, ContextTooLongError) as exc:
             job_log.warning("job rejected: %s", exc)
             await self.producer.send(
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
             )
             return
-        if await registry.register_job(spec, status="running"):
+        if await store.register_job(spec, status="running"):
             job_log.info("job accepted: env %s", spec.env.name)
             await self.producer.send(
                 job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant)
@@ -141,15 +142,15 @@ class EnvService(Service):
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
 
     async def on_command(self, command: JobCommand) -> None:
-        registry = self._registry()
-        record = await registry.job(command.job_id)
+        store = self._store()
+        record = await store.job(command.job_id)
         if record is None:
             job_logger(log, command.job_id).warning(
                 "command %s for an unknown job ignored", command.action
             )
             return
         status = {"pause": "paused", "resume": "running", "cancel": "cancelled"}[command.action]
-        if not await registry.set_job_status(command.job_id, status):  # type: ignore[arg-type]
+        if not await store.set_job_status(command.job_id, status):  # type: ignore[arg-type]
             return  # already finished: a late command changes nothing
         kind = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[command.action]
         await self.producer.send(
@@ -160,19 +161,19 @@ class EnvService(Service):
             await self.issue_groups(command.job_id)
 
     async def on_adapter(self, update: AdapterUpdate) -> None:
-        await self._registry().advance_trained_version(update.job_id, update.version)
+        await self._store().advance_trained_version(update.job_id, update.version)
         await self.issue_groups(update.job_id)
 
     async def issue_groups(self, job_id: str) -> None:
         """Issue every group the staleness bound allows now: G requests each."""
-        registry = self._registry()
-        record = await registry.job(job_id)
+        store = self._store()
+        record = await store.job(job_id)
         if record is None or record.status != "running":
             return
         spec, env = self._job(record)
         rl = spec.rl
         while (
-            group_index := await registry.try_issue_group(
+            group_index := await store.try_issue_group(
                 job_id,
                 max_staleness=rl.max_staleness,
                 groups_per_step=rl.groups_per_step,
@@ -181,7 +182,7 @@ class EnvService(Service):
         ) is not None:
             group_id = f"{job_id}/g{group_index}"
             # Sample with at least the version training had reached when the group was issued.
-            trained_version = (await registry.counters(job_id)).get(TRAINED_VERSION, 0)
+            trained_version = (await store.counters(job_id)).get(TRAINED_VERSION, 0)
             for sample_index in range(rl.group_size):
                 request = start_episode(
                     env, self.tokenizer, spec, group_id=group_id, group_index=group_index,
@@ -195,10 +196,10 @@ class EnvService(Service):
     # --- episodes -------------------------------------------------------------------
 
     async def on_result(self, result: GenerationResult) -> None:
-        registry = self._registry()
-        if await registry.seen("results", result.job_id, result.request_id):
+        store = self._store()
+        if await store.seen("results", result.job_id, result.request_id):
             return  # redelivered: its successor was already sent
-        record = await registry.job(result.job_id)
+        record = await store.job(result.job_id)
         if record is None or record.status in ("cancelled", "completed", "failed"):
             return
         spec, env = self._job(record)
@@ -211,14 +212,14 @@ class EnvService(Service):
             )
             follow_up = failed_trajectory(spec, result, str(exc))
         await self.producer.send(follow_up)
-        await registry.mark_seen("results", result.job_id, result.request_id)
+        await store.mark_seen("results", result.job_id, result.request_id)
 
     # --- helpers --------------------------------------------------------------------
 
-    def _registry(self) -> Registry:
-        if self.registry is None:
+    def _store(self) -> RedisStore:
+        if self.store is None:
             raise RuntimeError("env_svc not started")
-        return self.registry
+        return self.store
 
     def _job(self, record: JobRecord) -> tuple[JobSpec, Environment[Any]]:
         job_id = record.spec.job_id

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.messages import (
+    ContextTooLongError,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -119,10 +120,6 @@ def write_null_adapter(model_dir: Path, out_dir: Path) -> Path:
     }
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     return out_dir
-
-
-class ContextTooLongError(ValueError):
-    """The context leaves no room for a single new token within `max_model_len`."""
 
 
 @dataclass

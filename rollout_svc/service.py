@@ -39,8 +39,8 @@ from common.metrics import (
     ROLLOUT_TOKENS_PER_SECOND,
     export_service_metrics,
 )
-from common.registry import Registry
 from common.service import Service
+from common.store import RedisStore
 from rollout_svc.engine import AdapterRef, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RolloutService(Service):
         self.engine = engine
         self.replica = f"{socket.gethostname()}-{os.getpid()}"
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.registry: Registry | None = None
+        self.store: RedisStore | None = None
         self.consumer: ConsumerLoop[GenerationRequest] | None = None
         self.adapters = BroadcastReader[AdapterUpdate](
             bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
@@ -88,12 +88,12 @@ class RolloutService(Service):
         ROLLOUT_ADAPTERS_LOADED.set_function(lambda: engine.loaded_adapters)
 
     async def start(self) -> None:
-        self.registry = await Registry.connect(
+        self.store = await RedisStore.connect(
             self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
         )
         await self.producer.start(timeout_s=self.shared.connect_timeout_s)
         await self.adapters.start(timeout_s=self.shared.connect_timeout_s)
-        for job_id, pointer in (await self.registry.adapters()).items():
+        for job_id, pointer in (await self.store.adapters()).items():
             self.latest[job_id] = AdapterRef(
                 job_id, pointer.version, str(adapter_path(pointer.uri))
             )
@@ -132,14 +132,14 @@ class RolloutService(Service):
         await self.adapters.close()
         await self.engine.stop()
         await self.producer.stop()
-        if self.registry is not None:
-            await self.registry.close()
+        if self.store is not None:
+            await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "engine": self.engine.ready,
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.registry),
+            "redis": await redis_ready(self.store),
         }
 
     async def on_request(self, request: GenerationRequest, delivery: Delivery) -> None:
@@ -183,8 +183,8 @@ class RolloutService(Service):
         current = self.latest.get(request.job_id)
         if (current.version if current else 0) < request.min_adapter_version:
             # The broadcast has not reached this replica yet; Redis already has the pointer.
-            assert self.registry is not None
-            pointer = await self.registry.adapter(request.job_id)
+            assert self.store is not None
+            pointer = await self.store.adapter(request.job_id)
             if pointer is not None:
                 await self.on_adapter(
                     AdapterUpdate(
@@ -207,9 +207,9 @@ class RolloutService(Service):
 
     async def _job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
         """A logger tagged with the job and its tenant (one registry read per job, ever)."""
-        if job_id not in self._tenants and self.registry is not None:
+        if job_id not in self._tenants and self.store is not None:
             try:
-                record = await self.registry.job(job_id)
+                record = await self.store.job(job_id)
             except Exception as exc:  # logging must not fail the path that logs (tried again)
                 log.debug("no tenant for job %s: %r", job_id, exc)
                 record = None
@@ -218,8 +218,8 @@ class RolloutService(Service):
         return job_logger(log, job_id, self._tenants.get(job_id))
 
     async def _report_stats(self) -> None:
-        registry = self.registry
-        assert registry is not None
+        store = self.store
+        assert store is not None
         engine = self.engine
         last_at, last_busy_s, last_tokens = (
             time.monotonic(), engine.busy_seconds, engine.generated_tokens
@@ -243,7 +243,7 @@ class RolloutService(Service):
                 "tokens_per_s": recent_tokens_per_s,
                 "in_flight": float(engine.in_flight),
             }
-            await registry.put_stats(f"rollout:{self.replica}", stats, ttl_s=60)
+            await store.put_stats(f"rollout:{self.replica}", stats, ttl_s=60)
             try:
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:

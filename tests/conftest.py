@@ -12,7 +12,7 @@ from typing import TypeVar
 import pytest
 
 from common.config import SharedSettings
-from common.registry import Registry
+from common.store import RedisStore
 from console.stack import ChildServer, LocalStack
 
 
@@ -56,11 +56,11 @@ def redis_url(local_stack: LocalStack) -> str:
 T = TypeVar("T")
 
 
-def with_registry(redis_url: str, work: Callable[[Registry], Awaitable[T]]) -> T:
+def with_store(redis_url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
     """Run `work` against a fresh registry connection, from a synchronous test."""
 
     async def run() -> T:
-        registry = await Registry.connect(redis_url, timeout_s=10)
+        registry = await RedisStore.connect(redis_url, timeout_s=10)
         try:
             return await work(registry)
         finally:

@@ -34,8 +34,8 @@ from common.metrics import (
     TRAINER_TOKENS_PER_SECOND,
     export_service_metrics,
 )
-from common.registry import DROPPED_GROUPS, TERMINAL_STATUSES, Registry
 from common.service import Service
+from common.store import DROPPED_GROUPS, TERMINAL_STATUSES, RedisStore
 from trainer_svc.groups import Group, Verdict, verdict
 from trainer_svc.grpo import group_advantages
 from trainer_svc.policy import MultiAdapterPolicy
@@ -74,7 +74,7 @@ class TrainerService(Service):
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.registry: Registry | None = None
+        self.store: RedisStore | None = None
         self.consumer: ConsumerLoop[Trajectory] | None = None
         self.jobs: dict[str, OwnedJob] = {}
         self._wake = asyncio.Event()
@@ -89,7 +89,7 @@ class TrainerService(Service):
 
     async def start(self) -> None:
         self._policy = await asyncio.to_thread(self._load_policy)
-        self.registry = await Registry.connect(
+        self.store = await RedisStore.connect(
             self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
         )
         await self.producer.start(timeout_s=self.shared.connect_timeout_s)
@@ -118,24 +118,24 @@ class TrainerService(Service):
         if self.consumer is not None:
             await self.consumer.close()
         await self.producer.stop()
-        if self.registry is not None:
-            await self.registry.close()
+        if self.store is not None:
+            await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "model": self._policy is not None,
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.registry),
+            "redis": await redis_ready(self.store),
         }
 
     # --- intake ---------------------------------------------------------------------
 
     async def on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
-        registry = self._registry()
+        store = self._store()
         job = self.jobs.get(trajectory.job_id) or await self._own(trajectory.job_id, delivery)
         if job is None:
             return
-        if await registry.seen("trained", job.spec.job_id, trajectory.group_id):
+        if await store.seen("trained", job.spec.job_id, trajectory.group_id):
             return  # redelivered after its group was trained: never train it twice
         group = job.filling.setdefault(trajectory.group_id, Group(trajectory.group_id))
         if trajectory.episode_id in group.trajectories:
@@ -147,7 +147,7 @@ class TrainerService(Service):
 
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
         """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""
-        record = await self._registry().job(job_id)
+        record = await self._store().job(job_id)
         if record is None:
             raise ValueError(f"trajectory for unknown job {job_id!r}")
         if record.status in TERMINAL_STATUSES:
@@ -161,7 +161,7 @@ class TrainerService(Service):
             _, version = await asyncio.to_thread(self.policy.load_checkpoint, job_id, checkpoint)
             # A crash may have come between the checkpoint and marking its groups trained.
             for group_id in json.loads((checkpoint / "groups.json").read_text()):
-                await self._registry().mark_seen("trained", job_id, group_id)
+                await self._store().mark_seen("trained", job_id, group_id)
             job_logger(log, job_id, spec.tenant).info("resumed from %s at v%d", checkpoint, version)
         job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
         self.jobs[job_id] = job
@@ -222,9 +222,9 @@ class TrainerService(Service):
         job.ready = keep
 
     async def _drop(self, job: OwnedJob, group: Group, kind: Verdict, reason: str) -> None:
-        registry = self._registry()
+        store = self._store()
         job_id = job.spec.job_id
-        await registry.incr_counter(job_id, DROPPED_GROUPS)
+        await store.incr_counter(job_id, DROPPED_GROUPS)
         await self.producer.send(
             job_event(
                 job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,  # type: ignore[arg-type]
@@ -238,9 +238,9 @@ class TrainerService(Service):
         group.release()
 
     async def _step(self, job: OwnedJob) -> None:
-        registry = self._registry()
+        store = self._store()
         spec, rl = job.spec, job.spec.rl
-        record = await registry.job(spec.job_id)
+        record = await store.job(spec.job_id)
         if record is None or record.status in TERMINAL_STATUSES:
             self._release_all(job)
             self._disown(spec.job_id)
@@ -263,9 +263,9 @@ class TrainerService(Service):
         train_s = time.monotonic() - started
         version = job.version + 1
         uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
-        await registry.publish_adapter(spec.job_id, version, uri, version)
+        await store.publish_adapter(spec.job_id, version, uri, version)
         for group in groups:
-            await registry.mark_seen("trained", spec.job_id, group.group_id)
+            await store.mark_seen("trained", spec.job_id, group.group_id)
         job.version = version
         metrics.update(
             mean_reward=sum(rewards) / len(rewards),
@@ -299,7 +299,7 @@ class TrainerService(Service):
             metrics["wall_step_s"],
         )  # fmt: skip
         if version >= rl.max_steps:
-            await registry.set_job_status(spec.job_id, "completed")
+            await store.set_job_status(spec.job_id, "completed")
             await self.producer.send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
             )
@@ -332,10 +332,10 @@ class TrainerService(Service):
         job.ready.clear()
         job.filling.clear()
 
-    def _registry(self) -> Registry:
-        if self.registry is None:
+    def _store(self) -> RedisStore:
+        if self.store is None:
             raise RuntimeError("trainer_svc not started")
-        return self.registry
+        return self.store
 
 
 def group_advantages_list(rewards_G: list[float], *, std_normalize: bool) -> list[float]:

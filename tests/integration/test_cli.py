@@ -31,10 +31,10 @@ from common.messages import (
     job_event,
     new_id,
 )
-from common.registry import DROPPED_GROUPS, ISSUED_GROUPS, Registry
+from common.store import DROPPED_GROUPS, ISSUED_GROUPS, RedisStore
 from console.cli import app
 from console.stack import LocalStack, free_port
-from tests.conftest import with_registry
+from tests.conftest import with_store
 
 pytestmark = pytest.mark.kafka
 
@@ -80,7 +80,7 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
     """A job 3 steps into 5, as env_svc and trainer_svc would have recorded it."""
     job = spec(f"cli-{new_id()[:8]}")
 
-    async def write(registry: Registry) -> None:
+    async def write(registry: RedisStore) -> None:
         await registry.register_job(job, status=status)  # type: ignore[arg-type]
         await registry.incr_counter(job.job_id, ISSUED_GROUPS, 9)
         await registry.incr_counter(job.job_id, DROPPED_GROUPS, 1)
@@ -112,7 +112,7 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
         await producer.send(events[1])  # a redelivered step event is counted once
         await producer.stop()
 
-    with_registry(redis_url, write)
+    with_store(redis_url, write)
     return job
 
 
@@ -223,7 +223,7 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     replica = f"status-{new_id()[:8]}"
     stats = {"busy_s": 40.0, "uptime_s": 50.0, "utilisation": 0.8, "recent_utilisation": 0.5,
              "generated_tokens": 3000.0, "tokens_per_s": 72.5, "in_flight": 12.0}  # fmt: skip
-    with_registry(redis_url, lambda r: r.put_stats(f"rollout:{replica}", stats, ttl_s=60))
+    with_store(redis_url, lambda r: r.put_stats(f"rollout:{replica}", stats, ttl_s=60))
     code, out, _ = invoke(cli, "status", "--json")
     assert code == 0
     (seen,) = [r for r in json.loads(out)["rollout_replicas"] if r["name"] == replica]
@@ -358,13 +358,13 @@ def test_report_plots_the_rewards_of_the_events(
 ) -> None:
     job = history(kafka_bootstrap, redis_url)
 
-    async def rollout_stats(registry: Registry) -> None:
+    async def rollout_stats(registry: RedisStore) -> None:
         for second in (5.0, 10.0):
             stats = {"busy_s": second / 2, "uptime_s": second, "utilisation": 0.5,
                      "generated_tokens": 100 * second, "in_flight": 3.0}  # fmt: skip
             await registry.put_stats(f"rollout:cli-test-{job.job_id}", stats, ttl_s=60)
 
-    with_registry(redis_url, rollout_stats)
+    with_store(redis_url, rollout_stats)
     code, out, _ = invoke(cli, "report", job.job_id, "--out", str(tmp_path / "report"))
     assert code == 0 and "index.html" in out
     html = (tmp_path / "report" / "index.html").read_text()

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.registry import ISSUED_GROUPS
+from common.store import ISSUED_GROUPS
 from console.cli import app
 from console.stack import LocalStack
-from tests.conftest import RunningServices, with_registry
+from tests.conftest import RunningServices, with_store
 
 pytestmark = pytest.mark.kafka
 
@@ -106,17 +106,15 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
     code, out, _ = invoke(cli, "submit", str(path))
     job_id = out.split()[0]
     deadline = time.monotonic() + 120
-    while with_registry(local_stack.redis_url, lambda r: r.job(job_id)) is None:
+    while with_store(local_stack.redis_url, lambda r: r.job(job_id)) is None:
         assert time.monotonic() < deadline, "env_svc never registered the job"
         time.sleep(0.5)
 
     code, out, err = invoke(cli, "pause", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: paused"), err
-    issued = with_registry(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
+    issued = with_store(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
     time.sleep(4)  # training goes on with what is in flight; no new group is issued
-    assert (
-        with_registry(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
-    )
+    assert with_store(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
 
     code, out, _ = invoke(cli, "resume", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: running")

@@ -11,9 +11,9 @@ import torch
 
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from common.models import tiny_model
-from common.registry import Registry
+from common.store import RedisStore
 from console.export import ExportError, export_adapter
-from tests.conftest import with_registry
+from tests.conftest import with_store
 from trainer_svc.policy import MultiAdapterPolicy
 
 pytestmark = pytest.mark.kafka
@@ -52,12 +52,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[MultiAdapterPolic
 def published(trained: tuple[MultiAdapterPolicy, str, Path], redis_url_module: str) -> str:
     _, job_id, artifacts = trained
 
-    async def publish(registry: Registry) -> None:
+    async def publish(registry: RedisStore) -> None:
         await registry.register_job(spec(job_id), status="completed")
         uri = (artifacts / "adapters" / job_id / "v2").resolve().as_uri()
         await registry.publish_adapter(job_id, 2, uri, 2)
 
-    with_registry(redis_url_module, publish)
+    with_store(redis_url_module, publish)
     return job_id
 
 
@@ -81,7 +81,7 @@ def test_the_export_loads_with_peft_and_changes_the_output_as_trained(
     policy, job_id, _ = trained
     out = tmp_path / "adapter"
     base_path = str(tiny_model())
-    exported = with_registry(
+    exported = with_store(
         redis_url_module,
         lambda r: export_adapter(r, job_id, out, base_model_path=base_path),
     )
@@ -112,7 +112,7 @@ def test_vllm_accepts_the_exported_config(
     from vllm.lora.peft_helper import PEFTHelper
 
     out = tmp_path / "adapter"
-    with_registry(redis_url_module, lambda r: export_adapter(r, published, out))
+    with_store(redis_url_module, lambda r: export_adapter(r, published, out))
     helper = PEFTHelper.from_local_dir(str(out), max_position_embeddings=None)
     helper.validate_legal(LoRAConfig(max_lora_rank=16))
     assert (helper.r, helper.lora_alpha) == (LORA.rank, LORA.alpha)
@@ -124,7 +124,7 @@ def test_an_earlier_version_can_be_exported(
 ) -> None:  # fmt: skip
     _, job_id, artifacts = trained
     out = tmp_path / "v1"
-    exported = with_registry(redis_url_module, lambda r: export_adapter(r, job_id, out, version=1))
+    exported = with_store(redis_url_module, lambda r: export_adapter(r, job_id, out, version=1))
     assert exported.version == 1
     source = artifacts / "adapters" / job_id / "v1" / "adapter_model.safetensors"
     assert (out / "adapter_model.safetensors").read_bytes() == source.read_bytes()
@@ -135,12 +135,12 @@ def test_export_errors_say_what_is_wrong(
 ) -> None:
     def export(job_id: str, out: Path, **kwargs: object) -> str:
         with pytest.raises(ExportError) as caught:
-            with_registry(redis_url_module, lambda r: export_adapter(r, job_id, out, **kwargs))  # type: ignore[arg-type]
+            with_store(redis_url_module, lambda r: export_adapter(r, job_id, out, **kwargs))  # type: ignore[arg-type]
         return str(caught.value)
 
     assert export("no-such-job", tmp_path / "a") == "unknown job 'no-such-job'"
     untrained = f"untrained-{new_id()[:6]}"
-    with_registry(redis_url_module, lambda r: r.register_job(spec(untrained), status="running"))
+    with_store(redis_url_module, lambda r: r.register_job(spec(untrained), status="running"))
     assert "has no trained adapter yet (running)" in export(untrained, tmp_path / "b")
     assert "versions 1..2, not 3" in export(published, tmp_path / "c", version=3)
     occupied = tmp_path / "occupied"
@@ -150,10 +150,10 @@ def test_export_errors_say_what_is_wrong(
     assert (occupied / "notes.txt").read_text() == "mine"
     elsewhere = f"elsewhere-{new_id()[:6]}"
 
-    async def publish_missing(registry: Registry) -> None:
+    async def publish_missing(registry: RedisStore) -> None:
         await registry.register_job(spec(elsewhere), status="running")
         await registry.publish_adapter(elsewhere, 1, "file:///nonexistent/adapters/x/v1", 1)
 
-    with_registry(redis_url_module, publish_missing)
+    with_store(redis_url_module, publish_missing)
     assert "run export where the artifact store" in export(elsewhere, tmp_path / "d")
     assert not list(tmp_path.glob(".*export-*"))  # no staging dir left behind

@@ -28,7 +28,7 @@ from common.messages import (
     decode,
     new_id,
 )
-from common.registry import Registry
+from common.store import RedisStore
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack import LocalStack
 from tests.conftest import RunningServices
@@ -132,7 +132,7 @@ async def test_concurrent_jobs_run_to_max_steps(
     assert progress[too_long.job_id].status == "rejected"
     assert "max_context_tokens" in progress[too_long.job_id].reason
 
-    registry = await Registry.connect(local_stack.redis_url)
+    registry = await RedisStore.connect(local_stack.redis_url)
     try:
         for spec in (lagging, on_policy, duplicated):
             job_events = [e for e in events if e.job_id == spec.job_id]

@@ -14,9 +14,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from common.messages import GenerationRequest, GenerationResult, SamplingSettings, new_id
+from common.messages import (
+    ContextTooLongError,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    new_id,
+)
 from common.models import tiny_model
-from rollout_svc.engine import AdapterRef, ContextTooLongError, RolloutEngine
+from rollout_svc.engine import AdapterRef, RolloutEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

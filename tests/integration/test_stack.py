@@ -16,7 +16,7 @@ import pytest
 from common.bus import ensure_topics
 from common.messages import Topic
 from common.models import tiny_model
-from common.registry import Registry
+from common.store import RedisStore
 from console.stack import LocalStack, free_port
 
 pytestmark = pytest.mark.kafka
@@ -96,7 +96,7 @@ def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
     assert len(children) == 2  # tansu + valkey
 
     async def check() -> dict[str, int]:
-        registry = await Registry.connect(settings["MARLAAS_REDIS_URL"], timeout_s=10)
+        registry = await RedisStore.connect(settings["MARLAAS_REDIS_URL"], timeout_s=10)
         await registry.publish_adapter("probe", 1, "file:///probe", 1)
         await registry.close()
         return await ensure_topics(settings["MARLAAS_KAFKA_BOOTSTRAP"], 12)

@@ -13,6 +13,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from common.messages import (
+    ContextTooLongError,
     EnvSettings,
     GenerationRequest,
     GenerationResult,
@@ -24,7 +25,6 @@ from common.messages import (
 )
 from env_svc.episodes import (
     ChatTokenizer,
-    ContextTooLongError,
     EpisodeCarry,
     EpisodeCarryError,
     EpisodeError,

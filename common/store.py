@@ -1,4 +1,4 @@
-"""Small shared state in Redis: adapter pointers, jobs, flow-control counters, de-dup sets.
+"""The Redis store: adapter pointers, the job registry, flow-control counters, de-dup sets.
 
 Keys (DESIGN.md, "Where state lives"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS)
@@ -137,8 +137,8 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class Registry:
-    """Async access to MARLaaS' Redis state. Create with `await Registry.connect(url)`."""
+class RedisStore:
+    """Async access to MARLaaS' Redis state. Create with `await RedisStore.connect(url)`."""
 
     def __init__(self, client: aioredis.Redis, url: str) -> None:
         self.url = url
@@ -150,7 +150,7 @@ class Registry:
         self._max_field = client.register_script(_MAX_FIELD)
 
     @classmethod
-    async def connect(cls, url: str, *, timeout_s: float = 60.0) -> Registry:
+    async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
         """Connect, retrying with back-off while Redis does not answer."""
 
         async def attempt() -> aioredis.Redis:

@@ -1,4 +1,4 @@
-"""common.registry against a real Valkey: forward-only pointers, jobs, flow control, de-dup."""
+"""common.store against a real Valkey: forward-only pointers, jobs, flow control, de-dup."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 
 from common.backoff import ServerUnreachable
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.registry import DROPPED_GROUPS, Registry, UnknownJobError, issue_limit
+from common.store import DROPPED_GROUPS, RedisStore, UnknownJobError, issue_limit
 from console.stack import free_port
 
 pytestmark = pytest.mark.kafka
 
 
 @pytest.fixture
-async def registry(redis_url: str) -> AsyncIterator[Registry]:
-    reg = await Registry.connect(redis_url, timeout_s=10)
+async def registry(redis_url: str) -> AsyncIterator[RedisStore]:
+    reg = await RedisStore.connect(redis_url, timeout_s=10)
     yield reg
     await reg.close()
 
@@ -33,17 +33,17 @@ def spec(job_id: str, tenant: str = "acme") -> JobSpec:
 
 async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_url: str) -> None:
     job_id = f"cas-{new_id()}"
-    writers = [await Registry.connect(redis_url) for _ in range(8)]
+    writers = [await RedisStore.connect(redis_url) for _ in range(8)]
     observed: list[int] = []
     done = asyncio.Event()
 
-    async def watch(reader: Registry) -> None:
+    async def watch(reader: RedisStore) -> None:
         while not done.is_set():
             if pointer := await reader.adapter(job_id):
                 observed.append(pointer.version)
             await asyncio.sleep(0)
 
-    async def write(writer: Registry, versions: list[int]) -> list[tuple[int, bool]]:
+    async def write(writer: RedisStore, versions: list[int]) -> list[tuple[int, bool]]:
         results = []
         for version in versions:
             moved = await writer.publish_adapter(job_id, version, f"file:///a/v{version}", version)
@@ -61,7 +61,7 @@ async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_u
         for writer in writers:
             await writer.close()
 
-    pointer = await Registry.connect(redis_url)
+    pointer = await RedisStore.connect(redis_url)
     final = await pointer.adapter(job_id)
     await pointer.close()
     assert final is not None and final.version == 200 and final.uri == "file:///a/v200"
@@ -71,7 +71,7 @@ async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_u
     assert len(moves) == len(set(moves)) and max(moves) == 200
 
 
-async def test_an_older_writer_cannot_overwrite_a_newer_version(registry: Registry) -> None:
+async def test_an_older_writer_cannot_overwrite_a_newer_version(registry: RedisStore) -> None:
     job_id = f"older-{new_id()}"
     assert await registry.publish_adapter(job_id, 5, "file:///v5", 5)
     assert not await registry.publish_adapter(job_id, 4, "file:///v4", 4)
@@ -86,7 +86,7 @@ async def test_an_older_writer_cannot_overwrite_a_newer_version(registry: Regist
     assert await registry.adapter(f"none-{new_id()}") is None
 
 
-async def test_job_registry_registers_once_and_terminal_status_sticks(registry: Registry) -> None:
+async def test_job_registry_registers_once_and_terminal_status_sticks(registry: RedisStore) -> None:
     job_id = f"job-{new_id()}"
     assert await registry.register_job(spec(job_id))
     assert not await registry.register_job(spec(job_id, tenant="someone-else"))  # redelivery
@@ -110,10 +110,10 @@ async def test_job_registry_registers_once_and_terminal_status_sticks(registry: 
 
 async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url: str) -> None:
     job_id = f"flow-{new_id()}"
-    replicas = [await Registry.connect(redis_url) for _ in range(4)]
+    replicas = [await RedisStore.connect(redis_url) for _ in range(4)]
     try:
 
-        async def claim(replica: Registry) -> int | None:
+        async def claim(replica: RedisStore) -> int | None:
             return await replica.try_issue_group(
                 job_id, max_staleness=1, groups_per_step=4, max_groups=100
             )
@@ -133,7 +133,7 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
             await replica.close()
 
 
-async def test_on_policy_bound_waits_for_every_step(registry: Registry) -> None:
+async def test_on_policy_bound_waits_for_every_step(registry: RedisStore) -> None:
     job_id = f"onpolicy-{new_id()}"
     for version in range(3):
         got = [
@@ -146,7 +146,9 @@ async def test_on_policy_bound_waits_for_every_step(registry: Registry) -> None:
         await registry.advance_trained_version(job_id, version + 1)
 
 
-async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(registry: Registry) -> None:
+async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
+    registry: RedisStore,
+) -> None:
     job_id = f"dropped-{new_id()}"
 
     async def claim() -> int | None:
@@ -163,7 +165,7 @@ async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(registry:
     assert await claim() is None
 
 
-async def test_dedup_sets_and_counters(registry: Registry) -> None:
+async def test_dedup_sets_and_counters(registry: RedisStore) -> None:
     job_id = f"dedup-{new_id()}"
     assert await registry.mark_seen("trained", job_id, "group-1")
     assert not await registry.mark_seen("trained", job_id, "group-1")
@@ -178,10 +180,10 @@ async def test_dedup_sets_and_counters(registry: Registry) -> None:
 async def test_unreachable_redis_fails_with_its_address() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ServerUnreachable, match=f"Redis at {url} unreachable"):
-        await Registry.connect(url, timeout_s=1.0)
+        await RedisStore.connect(url, timeout_s=1.0)
 
 
-async def test_stats_keep_latest_values_and_a_time_ordered_history(registry: Registry) -> None:
+async def test_stats_keep_latest_values_and_a_time_ordered_history(registry: RedisStore) -> None:
     replica = f"rollout:test-{new_id()[:8]}"
     for busy_s in (1.0, 2.5, 4.0):
         await registry.put_stats(replica, {"busy_s": busy_s, "uptime_s": 5.0}, ttl_s=60)
