@@ -28,13 +28,12 @@ import msgspec
 from rich.console import Console
 
 from common.config import SharedSettings, load
+from common.lifecycle import REPLICA_COUNTERS, SERVICES, TERMINAL_STATES
 from common.messages import Event, JobSpec
-from common.store import TERMINAL_STATUSES
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.jobwatch import JobProgress, watch_jobs
-from console.report import REPLICA_COUNTERS
-from console.stack import SERVICES, LocalStack
+from console.stack import LocalStack
 
 console = Console()
 
@@ -92,9 +91,10 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
 async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
     """Cumulative counters summed over rollout replicas."""
     totals: dict[str, float] = {}
-    for stats in (await client.registry.stats("rollout:")).values():
-        for name in REPLICA_COUNTERS:
-            totals[name] = totals.get(name, 0.0) + float(stats.get(name, 0.0))
+    for stats in (await client.registry.replica_stats()).values():
+        for name, value in stats.as_map().items():
+            if name in REPLICA_COUNTERS:
+                totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
@@ -110,7 +110,7 @@ async def run_jobs(
     def keep(event: Event) -> None:
         if event.event == "step":
             steps.append(event)
-        if event.event in TERMINAL_STATUSES:
+        if event.event in TERMINAL_STATES:
             console.print(f"  {event.job_id}: {event.event} {event.reason}")
 
     await client.submit(specs)

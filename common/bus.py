@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.abc import ConsumerRebalanceListener
@@ -37,6 +37,9 @@ from common.messages import (
 )
 from common.metrics import ConsumerMetrics, consumer_metrics
 from common.offsets import OffsetTracker
+
+if TYPE_CHECKING:
+    from common.ports import Sender
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +238,7 @@ class ConsumerLoop(Generic[M]):
         group_id: str,
         topics: Iterable[str],
         handler: Handler[M],
-        dead_letters: Producer,
+        dead_letters: Sender,
         service: str,
         retryable: tuple[type[BaseException], ...] = DEFAULT_RETRYABLE,
         max_records: int = 100,

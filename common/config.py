@@ -10,6 +10,7 @@ Real environment variables always win over the file.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -119,6 +120,15 @@ class TrainerSettings(BaseSettings):
     metrics_port: int = Field(default=9103, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
+
+ServiceSettings = EnvServiceSettings | RolloutSettings | TrainerSettings
+
+SERVICE_SETTINGS: Mapping[str, type[ServiceSettings]] = {
+    "env_svc": EnvServiceSettings,
+    "rollout_svc": RolloutSettings,
+    "trainer_svc": TrainerSettings,
+}
+"""Each service's own settings (its env-var prefix, consumer group and metrics port)."""
 
 S = TypeVar("S", bound=BaseSettings)
 

@@ -26,18 +26,8 @@ class Topic(StrEnum):
     TRAJECTORIES = "marlaas.trajectories"
     ADAPTERS = "marlaas.adapters"
     EVENTS = "marlaas.events"
+    CONTROL = "marlaas.control"
     DLQ = "marlaas.dlq"
-
-
-CONSUMED_TOPICS: dict[str, tuple[Topic, ...]] = {
-    "env_svc": (Topic.JOBS, Topic.ROLLOUTS, Topic.ADAPTERS, Topic.EVENTS),
-    "rollout_svc": (Topic.PROMPTS,),
-    "trainer_svc": (Topic.TRAJECTORIES,),
-}
-"""What each service reads in its consumer group (its lag is measured on these).
-
-rollout_svc also reads marlaas.adapters, outside any group (every replica reads every update).
-"""
 
 
 def new_id() -> str:
@@ -304,6 +294,34 @@ class AdapterUpdate(_Wire, tag="adapter_update"):
         return self.job_id
 
 
+# --- marlaas.control -----------------------------------------------------------------
+
+DropKind = Literal["dropped_stale", "dropped_invalid"]
+
+
+class GroupDropped(_Wire, tag="group_dropped"):
+    """trainer_svc -> env_svc: a group will never be trained; issue a replacement.
+
+    The flow-control window counts it out (`flow:{job}.dropped_groups`) before this is sent.
+    De-duplicated on `group_id`: a group is dropped at most once.
+    """
+
+    job_id: str
+    group_id: str
+    verdict: DropKind
+    """Why: too stale to train, or too few rewarded trajectories to compare."""
+    reason: str = ""
+    dropped_at: float = 0.0
+
+    @property
+    def dedup_id(self) -> str:
+        return self.group_id
+
+    @property
+    def kafka_key(self) -> str:
+        return self.job_id
+
+
 # --- marlaas.events -------------------------------------------------------------------
 
 EventKind = Literal[
@@ -374,6 +392,7 @@ Message = (
     | Trajectory
     | AdapterUpdate
     | Event
+    | GroupDropped
     | DeadLetter
 )
 
@@ -384,6 +403,7 @@ TOPIC_MESSAGES: dict[Topic, Any] = {
     Topic.TRAJECTORIES: Trajectory,
     Topic.ADAPTERS: AdapterUpdate,
     Topic.EVENTS: Event,
+    Topic.CONTROL: GroupDropped,
     Topic.DLQ: DeadLetter,
 }
 """Which message types a topic may carry; producing anything else is a bug."""

@@ -1,12 +1,14 @@
 """The Redis store: adapter pointers, the job registry, flow-control counters, de-dup sets.
 
-Keys (DESIGN.md, "Where state lives"):
-- `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS)
+Keys (who writes and reads each: docs/architecture.md, "Where state lives"):
+- `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS); its
+                    version is the job's trained version (common/flow.py reads it)
 - `job:{job}`       hash spec (msgpack JobSpec), tenant, status, reason, created_at, updated_at
 - `jobs`            set of every registered job id
-- `flow:{job}`      hash of integer counters (issued_groups, trained_version, ...)
+- `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
-- `stats:{service}:{replica}` hash of a replica's numbers (utilisation), expiring
+- `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
+  `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
 
 Every read-modify-write is one Lua script, so concurrent replicas cannot interleave.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import msgspec
 from redis import asyncio as aioredis
@@ -24,29 +26,23 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.backoff import connect_with_backoff
+from common.flow import (
+    DROPPED_GROUPS,
+    ISSUED_GROUPS,
+    TRY_ISSUE_GROUP,
+    FlowState,
+    IssuedGroup,
+    flow_key,
+)
+from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
 from common.messages import JobSpec
 
-JobStatus = Literal["pending", "running", "paused", "completed", "failed", "cancelled", "rejected"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "rejected"})
-
-ISSUED_GROUPS = "issued_groups"
-DROPPED_GROUPS = "dropped_groups"
-TRAINED_VERSION = "trained_version"
-
+_STATS = "stats:rollout:"
+_STATS_HISTORY = "stats-history:rollout:"
 STATS_HISTORY_SAMPLES = 20_000
 """Samples kept per replica (one per 5 s report: over a day)."""
 STATS_HISTORY_TTL_S = 7 * 24 * 3600
 """A stopped replica's history outlives it by a week, for reports of past runs."""
-
-
-def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
-    """How many live groups a job may have issued: `(trained_version + S + 1) * B`.
-
-    Live = issued minus dropped as stale. With S = 0 generation never runs ahead of
-    training (synchronous on-policy); each AdapterUpdate raises the limit by B.
-    `_TRY_ISSUE_GROUP` applies the same rule.
-    """
-    return (trained_version + max_staleness + 1) * groups_per_step
 
 
 # KEYS[1] adapter key; ARGV version, uri, step, updated_at -> {moved 0/1, version now stored}
@@ -79,29 +75,6 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'reason', ARGV[2], 'updated_at', 
 return {1, ARGV[1]}
 """
 
-# KEYS[1] flow key; ARGV max_staleness, groups_per_step, max_groups -> issued index, or -1.
-# Groups the trainer dropped as stale do not count against the bound: they are replaced.
-_TRY_ISSUE_GROUP = """
-local issued = tonumber(redis.call('HGET', KEYS[1], 'issued_groups') or '0')
-local dropped = tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')
-local trained = tonumber(redis.call('HGET', KEYS[1], 'trained_version') or '0')
-local limit = (trained + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2])
-if issued - dropped >= limit or issued - dropped >= tonumber(ARGV[3]) then return -1 end
-redis.call('HSET', KEYS[1], 'issued_groups', issued + 1)
-return issued
-"""
-
-# KEYS[1] hash; ARGV field, value -> the field's value after max(current, value)
-_MAX_FIELD = """
-local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-local proposed = tonumber(ARGV[2])
-if proposed > current then
-  redis.call('HSET', KEYS[1], ARGV[1], proposed)
-  return proposed
-end
-return current
-"""
-
 
 class UnknownJobError(KeyError):
     def __init__(self, job_id: str) -> None:
@@ -124,7 +97,7 @@ class AdapterPointer:
 @dataclass(frozen=True)
 class JobRecord:
     spec: JobSpec
-    status: JobStatus
+    status: JobState
     reason: str
     created_at: float
     updated_at: float
@@ -146,8 +119,7 @@ class RedisStore:
         self._set_adapter = client.register_script(_SET_ADAPTER)
         self._register_job = client.register_script(_REGISTER_JOB)
         self._set_status = client.register_script(_SET_STATUS)
-        self._try_issue_group = client.register_script(_TRY_ISSUE_GROUP)
-        self._max_field = client.register_script(_MAX_FIELD)
+        self._try_issue_group = client.register_script(TRY_ISSUE_GROUP)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
@@ -186,12 +158,12 @@ class RedisStore:
         Returns whether the pointer moved; an older writer never overwrites a newer version.
         """
         moved, _ = await self._set_adapter(
-            keys=[f"adapter:{job_id}"], args=[version, uri, step, time.time()]
+            keys=[_adapter_key(job_id)], args=[version, uri, step, time.time()]
         )
         return bool(moved)
 
     async def adapter(self, job_id: str) -> AdapterPointer | None:
-        fields = await self._redis.hgetall(f"adapter:{job_id}")
+        fields = await self._redis.hgetall(_adapter_key(job_id))
         return _pointer(job_id, fields) if fields else None
 
     async def adapters(self) -> dict[str, AdapterPointer]:
@@ -205,7 +177,7 @@ class RedisStore:
 
     # --- job registry ---------------------------------------------------------------
 
-    async def register_job(self, spec: JobSpec, status: JobStatus = "pending") -> bool:
+    async def register_job(self, spec: JobSpec, status: JobState = "pending") -> bool:
         """Record a job once; returns False when the id was already registered."""
         created = await self._register_job(
             keys=[f"job:{spec.job_id}", "jobs"],
@@ -228,13 +200,13 @@ class RedisStore:
     async def job_ids(self) -> list[str]:
         return sorted(_text(member) for member in await self._redis.smembers("jobs"))
 
-    async def set_job_status(self, job_id: str, status: JobStatus, reason: str = "") -> bool:
+    async def set_job_status(self, job_id: str, status: JobState, reason: str = "") -> bool:
         """Move a job to `status`; a job in a terminal status stays there (returns False).
 
         Raises UnknownJobError for a job that was never registered.
         """
         changed, current = await self._set_status(
-            keys=[f"job:{job_id}"], args=[status, reason, time.time(), *sorted(TERMINAL_STATUSES)]
+            keys=[f"job:{job_id}"], args=[status, reason, time.time(), *sorted(TERMINAL_STATES)]
         )
         if not current:
             raise UnknownJobError(job_id)
@@ -244,66 +216,71 @@ class RedisStore:
 
     async def try_issue_group(
         self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
-    ) -> int | None:
+    ) -> IssuedGroup | None:
         """Claim the next group index if the staleness bound allows it, else None.
 
         `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
         """
-        index = int(
-            await self._try_issue_group(
-                keys=[f"flow:{job_id}"], args=[max_staleness, groups_per_step, max_groups]
-            )
+        index, trained_version = await self._try_issue_group(
+            keys=[flow_key(job_id), _adapter_key(job_id)],
+            args=[max_staleness, groups_per_step, max_groups],
         )
-        return None if index < 0 else index
+        return None if int(index) < 0 else IssuedGroup(int(index), int(trained_version))
 
-    async def advance_trained_version(self, job_id: str, version: int) -> int:
-        """Raise the job's trained version to `version` (never lowers it); returns the new value."""
-        return int(await self._max_field(keys=[f"flow:{job_id}"], args=[TRAINED_VERSION, version]))
+    async def record_dropped_group(self, job_id: str) -> int:
+        """Count a group out of the job's window (it is replaced); returns the new count."""
+        return int(await self._redis.hincrby(flow_key(job_id), DROPPED_GROUPS, 1))
 
-    async def incr_counter(self, job_id: str, name: str, by: int = 1) -> int:
-        return int(await self._redis.hincrby(f"flow:{job_id}", name, by))
+    async def flow(self, job_id: str) -> FlowState:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(flow_key(job_id))
+            pipe.hget(_adapter_key(job_id), "version")
+            counters, version = await pipe.execute()
+        values = {_text(k): int(v) for k, v in counters.items()}
+        return FlowState(
+            issued_groups=values.get(ISSUED_GROUPS, 0),
+            dropped_groups=values.get(DROPPED_GROUPS, 0),
+            trained_version=int(version or 0),
+        )
 
-    async def counters(self, job_id: str) -> dict[str, int]:
-        fields = await self._redis.hgetall(f"flow:{job_id}")
-        return {_text(k): int(v) for k, v in fields.items()}
+    # --- rollout replica stats -----------------------------------------------------
 
-    # --- service stats --------------------------------------------------------------
+    async def put_replica_stats(
+        self, replica: str, stats: RolloutReplicaStats, *, ttl_s: int
+    ) -> None:
+        """Publish a rollout replica's numbers; they vanish if it stops reporting.
 
-    async def put_stats(self, name: str, stats: dict[str, float], *, ttl_s: int) -> None:
-        """Publish a replica's numbers under `stats:{name}`; they vanish if it stops reporting.
-
-        Each call also appends a timestamped sample to `stats-history:{name}` (a capped Redis
+        Each call also appends a timestamped sample to the replica's history (a capped Redis
         stream) for reports of utilisation and throughput over time.
         """
-        key = f"stats:{name}"
-        sample = {**stats, "at": time.time()}
+        key = f"{_STATS}{replica}"
+        # redis-py's mapping types are invariant; every value here is a float.
+        numbers: dict[Any, Any] = stats.as_map()
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=dict(stats))  # type: ignore[arg-type]
+            pipe.hset(key, mapping=numbers)
             pipe.expire(key, ttl_s)
             pipe.xadd(
-                f"stats-history:{name}", sample,  # type: ignore[arg-type]
+                f"{_STATS_HISTORY}{replica}", {**numbers, "at": time.time()},
                 maxlen=STATS_HISTORY_SAMPLES, approximate=True,
             )  # fmt: skip
-            pipe.expire(f"stats-history:{name}", STATS_HISTORY_TTL_S)
+            pipe.expire(f"{_STATS_HISTORY}{replica}", STATS_HISTORY_TTL_S)
             await pipe.execute()
 
-    async def stats(self, prefix: str) -> dict[str, dict[str, float]]:
-        """Numbers of every live replica whose name starts with `prefix` (e.g. `rollout:`)."""
-        found: dict[str, dict[str, float]] = {}
-        async for key in self._redis.scan_iter(match=f"stats:{prefix}*", count=500):
+    async def replica_stats(self) -> dict[str, RolloutReplicaStats]:
+        """The numbers of every live rollout replica, by replica name."""
+        found: dict[str, RolloutReplicaStats] = {}
+        async for key in self._redis.scan_iter(match=f"{_STATS}*", count=500):
             fields = await self._redis.hgetall(key)
-            found[_text(key).removeprefix("stats:")] = {
-                _text(k): float(v) for k, v in fields.items()
-            }
+            found[_text(key).removeprefix(_STATS)] = RolloutReplicaStats.of(_numbers(fields))
         return found
 
-    async def stats_history(self, prefix: str) -> dict[str, list[dict[str, float]]]:
-        """Time-ordered samples (each with `at`) of each replica whose name starts with `prefix`."""
-        found: dict[str, list[dict[str, float]]] = {}
-        async for key in self._redis.scan_iter(match=f"stats-history:{prefix}*", count=500):
+    async def replica_stats_history(self) -> dict[str, list[RolloutReplicaStats]]:
+        """Time-ordered samples (each with `at`) of every rollout replica, by replica name."""
+        found: dict[str, list[RolloutReplicaStats]] = {}
+        async for key in self._redis.scan_iter(match=f"{_STATS_HISTORY}*", count=500):
             entries = await self._redis.xrange(key) or []
-            found[_text(key).removeprefix("stats-history:")] = [
-                {_text(k): float(v) for k, v in (fields or {}).items()} for _, fields in entries
+            found[_text(key).removeprefix(_STATS_HISTORY)] = [
+                RolloutReplicaStats.of(_numbers(fields or {})) for _, fields in entries
             ]
         return found
 
@@ -321,6 +298,14 @@ class RedisStore:
         await self._redis.srem(f"dedup:{scope}:{job_id}", item_id)
 
 
+def _numbers(fields: Mapping[Any, Any]) -> dict[str, float]:
+    return {_text(k): float(v) for k, v in fields.items()}
+
+
+def _adapter_key(job_id: str) -> str:
+    return f"adapter:{job_id}"
+
+
 def _pointer(job_id: str, fields: Mapping[Any, Any]) -> AdapterPointer:
     values = {_text(k): _text(v) for k, v in fields.items()}
     return AdapterPointer(
@@ -332,8 +317,8 @@ def _pointer(job_id: str, fields: Mapping[Any, Any]) -> AdapterPointer:
     )
 
 
-def _status(raw: bytes | str) -> JobStatus:
+def _status(raw: bytes | str) -> JobState:
     status = _text(raw)
-    if status not in get_args(JobStatus):
+    if status not in JOB_STATES:
         raise ValueError(f"corrupt job status {status!r}")
     return status  # type: ignore[return-value]

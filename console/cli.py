@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from common.config import SharedSettings, load
+from common.lifecycle import SERVICES
 from common.logs import setup_logging
 from console import cli_jobs
 from console.cli_support import (
@@ -20,7 +21,7 @@ from console.cli_support import (
     options,
     quiet_logging,
 )
-from console.stack import SERVICES, LocalStack
+from console.stack import LocalStack
 
 app = typer.Typer(
     help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",

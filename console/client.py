@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 
 from common.config import (
-    EnvServiceSettings,
-    RolloutSettings,
+    SERVICE_SETTINGS,
     SharedSettings,
-    TrainerSettings,
     load,
 )
+from common.lifecycle import SERVICES, TERMINAL_STATES
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from common.store import TERMINAL_STATUSES, JobRecord, RedisStore, UnknownJobError
+from common.store import JobRecord, RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
@@ -82,7 +81,7 @@ class MarlaasClient:
         """Send pause/resume/cancel and wait until env_svc has applied it; returns the state."""
         record = await self.job(job_id)
         target = ACTION_STATES[action]
-        if record.status in TERMINAL_STATUSES:
+        if record.status in TERMINAL_STATES:
             raise JobStateError(f"job {job_id!r} is already {record.status}; nothing to {action}")
         if record.status == target:
             return target
@@ -91,7 +90,7 @@ class MarlaasClient:
         )
         deadline = time.monotonic() + wait_s
         while (status := (await self.job(job_id)).status) != target:
-            if status in TERMINAL_STATUSES:
+            if status in TERMINAL_STATES:
                 return status  # it ended meanwhile (completed, or cancelled by someone else)
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -120,7 +119,7 @@ class MarlaasClient:
             while not (ended and feed.caught_up):
                 for event in await feed.poll(0.5):
                     yield event
-                    ended = ended or event.event in TERMINAL_STATUSES
+                    ended = ended or event.event in TERMINAL_STATES
 
     def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
         return StatusBoard(
@@ -157,11 +156,7 @@ class MarlaasClient:
         ):
             if (record := await self.registry.job(job_id)) is not None:
                 specs[job_id] = record.spec
-        history = await self.registry.stats_history("rollout:")
-        report = build_report(
-            events, {name.removeprefix("rollout:"): samples for name, samples in history.items()},
-            specs=specs,
-        )  # fmt: skip
+        report = build_report(events, await self.registry.replica_stats_history(), specs=specs)
         return write_report(report, out_dir)
 
     # --- helpers ----------------------------------------------------------------------
@@ -177,8 +172,4 @@ class MarlaasClient:
 
 def consumer_groups() -> dict[str, str]:
     """Each service's consumer group, as this machine's settings name them."""
-    return {
-        "env_svc": load(EnvServiceSettings).consumer_group,
-        "rollout_svc": load(RolloutSettings).consumer_group,
-        "trainer_svc": load(TrainerSettings).consumer_group,
-    }
+    return {service: load(SERVICE_SETTINGS[service]).consumer_group for service in SERVICES}

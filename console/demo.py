@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from common.config import SharedSettings
+from common.lifecycle import SERVICES
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
 from console.client import MarlaasClient
 from console.jobwatch import JobProgress
-from console.stack import SERVICES, LocalStack
+from console.stack import LocalStack
 from console.status import live_view
 
 REWARD_WINDOW = 3
@@ -111,7 +112,10 @@ async def run_demo(
                 board.expect(specs)
                 snapshot = await live_view(board, console, until_done=True, timeout_s=timeout_s)
             jobs = {row.progress.job_id: row.progress for row in snapshot.jobs}
-            rollout_stats = await client.registry.stats("rollout:")
+            rollout_stats = {
+                replica: stats.as_map()
+                for replica, stats in (await client.registry.replica_stats()).items()
+            }
             report = await client.report(list(jobs), run_dir / "report")
     console.print(progress_table(jobs, final=True))
     summary = {

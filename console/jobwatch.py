@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.bus import Producer
+from common.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
 from common.messages import Event, JobSpec, Message
-from common.store import TERMINAL_STATUSES
 from console.eventfeed import EventFeed
 
 ETA_WINDOW = 5
@@ -23,7 +23,7 @@ class JobProgress:
     tenant: str
     env: str
     max_steps: int
-    status: str = "submitted"
+    lifecycle: JobLifecycle = field(default_factory=JobLifecycle)
     steps: int = 0
     rewards: list[float] = field(default_factory=list)
     """Mean reward of each trained step, in step order."""
@@ -32,7 +32,6 @@ class JobProgress:
     last_staleness: int = 0
     max_staleness_seen: int = 0
     dropped_groups: int = 0
-    reason: str = ""
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     """When env_svc accepted the job."""
@@ -46,8 +45,16 @@ class JobProgress:
         )  # fmt: skip
 
     @property
+    def status(self) -> str:
+        return self.lifecycle.state
+
+    @property
+    def reason(self) -> str:
+        return self.lifecycle.reason
+
+    @property
     def done(self) -> bool:
-        return self.status in TERMINAL_STATUSES
+        return self.lifecycle.done
 
     @property
     def wall_s(self) -> float:
@@ -84,24 +91,20 @@ class JobProgress:
     def apply(self, event: Event) -> None:
         if self.tenant in ("", "-") and event.tenant:
             self.tenant = event.tenant
-        match event.event:
-            case "step":
-                self.steps = max(self.steps, event.step)
-                self.rewards.append(event.metrics.get("mean_reward", float("nan")))
-                self.step_at.append(event.at)
-                self.last_staleness = int(event.metrics.get("staleness_max", 0))
-                self.max_staleness_seen = max(self.max_staleness_seen, self.last_staleness)
-                if not self.done and self.status != "paused":
-                    self.status = "running"
-            case "dropped_stale" | "dropped_invalid":
-                self.dropped_groups += 1
-            case "accepted" | "resumed":
-                self.started_at = self.started_at or event.at
-                if not self.done:
-                    self.status = "running"
-            case _:
-                self.status = event.event
-                self.reason = event.reason
+        self.lifecycle.apply(event)
+        if event.event == "step":
+            metrics = StepMetrics.of(event.metrics)
+            self.steps = max(self.steps, event.step)
+            self.rewards.append(
+                float("nan") if metrics.mean_reward is None else metrics.mean_reward
+            )
+            self.step_at.append(event.at)
+            self.last_staleness = int(metrics.staleness_max or 0)
+            self.max_staleness_seen = max(self.max_staleness_seen, self.last_staleness)
+        elif event.event in DROPPED_EVENTS:
+            self.dropped_groups += 1
+        elif event.event in ("accepted", "resumed"):
+            self.started_at = self.started_at or event.at
         if self.done and self.finished_at is None:
             self.finished_at = event.at or time.time()
 

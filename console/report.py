@@ -17,40 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from common.messages import Event, JobSpec
-from common.store import TERMINAL_STATUSES
-from console.svgchart import Point, Series, is_number, line_chart, plottable
-
-STEP_METRICS = (
-    "mean_reward",
-    "staleness_max",
-    "staleness_mean",
-    "loss",
-    "grad_norm",
-    "tokens",
-    "samples",
-    "step_s",
-    "wall_step_s",
+from common.lifecycle import (
+    DROPPED_EVENTS,
+    REPLICA_COUNTERS,
+    JobLifecycle,
+    RolloutReplicaStats,
+    StepMetrics,
 )
-"""Metrics of a trainer `step` event copied into each step row (absent ones stay None)."""
-
-STATE_AFTER: dict[str, str] = {
-    "accepted": "running",
-    "resumed": "running",
-    "paused": "paused",
-    "rejected": "rejected",
-    "cancelled": "cancelled",
-    "completed": "completed",
-    "failed": "failed",
-}
-"""A job's state after each lifecycle event."""
-
-DROPPED_EVENTS = frozenset({"dropped_stale", "dropped_invalid"})
-REASON_STATES = frozenset({"rejected", "failed"})
-"""States whose event reason is shown: why the job did not run, or why it stopped."""
-
-REPLICA_COUNTERS = ("busy_s", "uptime_s", "generated_tokens")
-"""Cumulative since the replica process started: one going down means it restarted."""
+from common.messages import Event, JobSpec
+from console.svgchart import Point, Series, is_number, line_chart, plottable
 
 RESTART_SLACK_S = 1.0
 """How much shorter than the gap between two samples the uptime may be (sampling jitter)
@@ -102,6 +77,10 @@ class StepRow:
     """tokens / step_s, when the step reported both."""
 
 
+STEP_COLUMNS = tuple(f.name for f in fields(StepRow) if f.name in StepMetrics.names())
+"""The `StepMetrics` of a trainer `step` event copied into each step row (absent: None)."""
+
+
 @dataclass
 class UtilisationRow:
     replica: str
@@ -132,7 +111,7 @@ class Report:
 
 def build_report(
     events: Sequence[Event],
-    replica_history: Mapping[str, Sequence[Mapping[str, float]]] | None = None,
+    replica_history: Mapping[str, Sequence[RolloutReplicaStats]] | None = None,
     *,
     specs: Mapping[str, JobSpec] | None = None,
     title: str = "MARLaaS report",
@@ -144,7 +123,10 @@ def build_report(
     """
     specs = specs or {}
     by_job = _events_by_job(events, specs)
-    histories = {name: _timed_samples(samples) for name, samples in (replica_history or {}).items()}
+    histories = {
+        name: _timed_samples([s.as_map() for s in samples])
+        for name, samples in (replica_history or {}).items()
+    }
     report = Report(
         title,
         time.time() if generated_at is None else generated_at,
@@ -200,10 +182,9 @@ def _step_row(event: Event, tenant: str, first_at: float) -> StepRow:
         event.step,
         event.at,
         event.at - first_at,
-        **{name: metrics.get(name) for name in STEP_METRICS},
+        **{name: metrics.get(name) for name in STEP_COLUMNS},
     )
-    if row.tokens is not None and row.step_s is not None and row.step_s > 0:
-        row.trainer_tokens_per_s = row.tokens / row.step_s
+    row.trainer_tokens_per_s = StepMetrics.of(metrics).trainer_tokens_per_s
     return row
 
 
@@ -241,17 +222,10 @@ def _job_summary(
 
 def _final_state(job_events: Sequence[Event]) -> tuple[str, str]:
     """The job's state after its last lifecycle event, and the reason when it matters."""
-    state, reason = "pending", ""
+    lifecycle = JobLifecycle()
     for event in job_events:
-        if state in TERMINAL_STATUSES:
-            # An ended job never runs again; an event sorted after its end is another
-            # service's clock running a little ahead (e.g. a pause sent as it completed).
-            break
-        if event.event in STATE_AFTER:
-            state, reason = STATE_AFTER[event.event], event.reason
-        elif event.event == "step" and state == "pending":
-            state = "running"  # its `accepted` is missing from the events read
-    return state, reason if state in REASON_STATES else ""
+        lifecycle.apply(event)
+    return lifecycle.state, lifecycle.reason
 
 
 # --- replicas ---------------------------------------------------------------------------

@@ -25,17 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pydantic_settings import BaseSettings
-
 from common.artifacts import atomic_write_text
 from common.bus import ensure_topics
 from common.config import (
-    EnvServiceSettings,
-    RolloutSettings,
+    SERVICE_SETTINGS,
     SharedSettings,
-    TrainerSettings,
     stack_env_file,
 )
+from common.lifecycle import SERVICES
 from common.store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -194,14 +191,6 @@ async def wait_ready(
     return ready.result()
 
 
-SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
-_SETTINGS_OF: dict[str, type[BaseSettings]] = {
-    "env_svc": EnvServiceSettings,
-    "rollout_svc": RolloutSettings,
-    "trainer_svc": TrainerSettings,
-}
-
-
 def start_service(
     module: str, settings: SharedSettings, kafka_bootstrap: str, redis_url: str, log_path: Path
 ) -> ChildServer:
@@ -219,7 +208,7 @@ def start_service(
     # one machine must not collide on the services' fixed default ports.
     env.setdefault("MARLAAS_METRICS_HOST", "127.0.0.1")
     port_variable = None
-    if (settings_class := _SETTINGS_OF.get(module)) is not None:
+    if (settings_class := SERVICE_SETTINGS.get(module)) is not None:
         port_variable = f"{settings_class.model_config['env_prefix']}METRICS_PORT"
         env.setdefault(port_variable, str(free_port()))
     child = _spawn(module, [sys.executable, "-m", module], log_path, env=env)

@@ -21,14 +21,9 @@ from rich.table import Table
 from rich.text import Text
 
 from common.bus import group_lag
-from common.messages import CONSUMED_TOPICS, Event, JobSpec
-from common.store import (
-    DROPPED_GROUPS,
-    ISSUED_GROUPS,
-    TRAINED_VERSION,
-    RedisStore,
-    UnknownJobError,
-)
+from common.lifecycle import CONSUMED_TOPICS
+from common.messages import Event, JobSpec
+from common.store import RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.jobwatch import JobProgress
 
@@ -66,7 +61,7 @@ class ServiceLag:
 
 
 @dataclass(frozen=True)
-class ReplicaStats:
+class ReplicaRow:
     name: str
     utilisation: float
     """Share of its uptime the engine had at least one request running."""
@@ -81,7 +76,7 @@ class ReplicaStats:
 class StatusSnapshot:
     jobs: list[JobRow]
     lags: list[ServiceLag]
-    replicas: list[ReplicaStats]
+    replicas: list[ReplicaRow]
     taken_at: float
 
     def to_json(self) -> dict[str, Any]:
@@ -143,7 +138,7 @@ class StatusBoard:
         return StatusSnapshot(jobs=jobs, lags=lags, replicas=replicas, taken_at=time.time())
 
     def expect(self, specs: Collection[JobSpec]) -> None:
-        """Jobs just submitted: shown as `submitted` until env_svc has registered them."""
+        """Jobs just submitted: shown as `pending` until env_svc has registered them."""
         for spec in specs:
             self._progress.setdefault(spec.job_id, JobProgress.of(spec))
 
@@ -175,13 +170,8 @@ class StatusBoard:
             state = record.status
             progress.submitted_at = spec.submitted_at or progress.submitted_at
             if state in ("running", "paused"):
-                counters = await self.registry.counters(job_id)
-                live_groups = (
-                    counters.get(ISSUED_GROUPS, 0)
-                    - counters.get(DROPPED_GROUPS, 0)
-                    - counters.get(TRAINED_VERSION, 0) * spec.rl.groups_per_step
-                )
-                in_flight = max(live_groups, 0) * spec.rl.group_size
+                flow = await self.registry.flow(job_id)
+                in_flight = flow.untrained_groups(spec.rl.groups_per_step) * spec.rl.group_size
         return JobRow(progress, state, in_flight, list(self._events.get(job_id, ())))
 
     async def _lags(self) -> list[ServiceLag]:
@@ -193,16 +183,16 @@ class StatusBoard:
 
         return list(await asyncio.gather(*(one(s, g) for s, g in self.consumer_groups.items())))
 
-    async def _replicas(self) -> list[ReplicaStats]:
+    async def _replicas(self) -> list[ReplicaRow]:
         return [
-            ReplicaStats(
-                name.removeprefix("rollout:"),
-                utilisation=stats.get("utilisation", 0.0),
-                recent_utilisation=stats.get("recent_utilisation"),
-                tokens_per_s=stats.get("tokens_per_s"),
-                in_flight=int(stats.get("in_flight", 0)),
+            ReplicaRow(
+                name,
+                utilisation=stats.utilisation or 0.0,
+                recent_utilisation=stats.recent_utilisation,
+                tokens_per_s=stats.tokens_per_s,
+                in_flight=int(stats.in_flight or 0),
             )
-            for name, stats in sorted((await self.registry.stats("rollout:")).items())
+            for name, stats in sorted((await self.registry.replica_stats()).items())
         ]
 
 
@@ -236,7 +226,7 @@ async def live_view(
 
 STATE_STYLES = {
     "running": "green", "paused": "yellow", "completed": "bold green", "cancelled": "dim",
-    "rejected": "red", "failed": "bold red", "submitted": "cyan", "pending": "cyan",
+    "rejected": "red", "failed": "bold red", "pending": "cyan",
 }  # fmt: skip
 
 
@@ -322,7 +312,7 @@ def event_cells(event: Event, *, brief: bool = False) -> tuple[str, str, str, st
     return stamp, event.service, event.event, str(event.step) if event.step else "", details
 
 
-def _busy(replica: ReplicaStats) -> str:
+def _busy(replica: ReplicaRow) -> str:
     now = "" if replica.recent_utilisation is None else f"{replica.recent_utilisation:.0%} now, "
     return f"{now}{replica.utilisation:.0%} since start ({replica.name})"
 

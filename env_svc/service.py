@@ -16,22 +16,23 @@ from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import EnvServiceSettings, SharedSettings
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
+from common.lifecycle import COMMAND_EVENT, CONSUMED_TOPICS, STATE_AFTER, ServiceName
 from common.logs import job_logger
 from common.messages import (
-    CONSUMED_TOPICS,
     AdapterUpdate,
     ContextTooLongError,
-    Event,
     GenerationRequest,
     GenerationResult,
+    GroupDropped,
     JobCommand,
     JobSpec,
     Message,
     Trajectory,
     job_event,
 )
+from common.ports import Sender, StateStore
 from common.service import Service
-from common.store import TRAINED_VERSION, JobRecord, RedisStore
+from common.store import JobRecord, RedisStore
 from env_svc.episodes import (
     ChatTokenizer,
     EpisodeError,
@@ -43,29 +44,41 @@ from env_svc.protocol import Environment, EnvSpecError, environment_for
 
 log = logging.getLogger(__name__)
 
-SERVICE = "env_svc"
+SERVICE: ServiceName = "env_svc"
 
 
 class EnvService(Service):
     name = SERVICE
 
     def __init__(
-        self, shared: SharedSettings, settings: EnvServiceSettings, tokenizer: ChatTokenizer
+        self,
+        shared: SharedSettings,
+        settings: EnvServiceSettings,
+        tokenizer: ChatTokenizer,
+        *,
+        producer: Sender | None = None,
+        store: StateStore | None = None,
     ) -> None:
+        """`producer` / `store`: given (tests), they are used as they are; else `start()`
+        connects to Kafka and Redis."""
         self.shared = shared
         self.settings = settings
         self.tokenizer = tokenizer
-        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.store: RedisStore | None = None
+        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
+        self.store = store
+        self._owns_store = store is None
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
 
     async def start(self) -> None:
-        self.store = await RedisStore.connect(
-            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-        )
-        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        if self.store is None:
+            self.store = await RedisStore.connect(
+                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+            )
+        if self._kafka is not None:
+            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
         self.consumer = ConsumerLoop[Message](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
@@ -87,8 +100,9 @@ class EnvService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
-        await self.producer.stop()
-        if self.store is not None:
+        if self._kafka is not None:
+            await self._kafka.stop()
+        if self.store is not None and self._owns_store:
             await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
@@ -107,12 +121,9 @@ class EnvService(Service):
                 await self.on_command(message)
             case GenerationResult():
                 await self.on_result(message)
-            case AdapterUpdate():
-                await self.on_adapter(message)
-            case Event(event="dropped_stale" | "dropped_invalid"):
+            case AdapterUpdate() | GroupDropped():
+                # A trained version widens the job's window; a dropped group frees a slot.
                 await self.issue_groups(message.job_id)
-            case _:
-                pass  # other events are for dashboards
 
     # --- jobs -----------------------------------------------------------------------
 
@@ -134,7 +145,7 @@ class EnvService(Service):
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
             )
             return
-        if await store.register_job(spec, status="running"):
+        if await store.register_job(spec, status=STATE_AFTER["accepted"]):
             job_log.info("job accepted: env %s", spec.env.name)
             await self.producer.send(
                 job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant)
@@ -149,20 +160,15 @@ class EnvService(Service):
                 "command %s for an unknown job ignored", command.action
             )
             return
-        status = {"pause": "paused", "resume": "running", "cancel": "cancelled"}[command.action]
-        if not await store.set_job_status(command.job_id, status):  # type: ignore[arg-type]
+        kind = COMMAND_EVENT[command.action]
+        if not await store.set_job_status(command.job_id, STATE_AFTER[kind]):
             return  # already finished: a late command changes nothing
-        kind = {"pause": "paused", "resume": "resumed", "cancel": "cancelled"}[command.action]
         await self.producer.send(
-            job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant)  # type: ignore[arg-type]
+            job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant)
         )
         job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)
         if command.action == "resume":
             await self.issue_groups(command.job_id)
-
-    async def on_adapter(self, update: AdapterUpdate) -> None:
-        await self._store().advance_trained_version(update.job_id, update.version)
-        await self.issue_groups(update.job_id)
 
     async def issue_groups(self, job_id: str) -> None:
         """Issue every group the staleness bound allows now: G requests each."""
@@ -173,25 +179,24 @@ class EnvService(Service):
         spec, env = self._job(record)
         rl = spec.rl
         while (
-            group_index := await store.try_issue_group(
+            group := await store.try_issue_group(
                 job_id,
                 max_staleness=rl.max_staleness,
                 groups_per_step=rl.groups_per_step,
                 max_groups=rl.max_steps * rl.groups_per_step,
             )
         ) is not None:
-            group_id = f"{job_id}/g{group_index}"
-            # Sample with at least the version training had reached when the group was issued.
-            trained_version = (await store.counters(job_id)).get(TRAINED_VERSION, 0)
+            group_id = f"{job_id}/g{group.index}"
             for sample_index in range(rl.group_size):
                 request = start_episode(
-                    env, self.tokenizer, spec, group_id=group_id, group_index=group_index,
+                    env, self.tokenizer, spec, group_id=group_id, group_index=group.index,
                     sample_index=sample_index,
                 )  # fmt: skip
+                # Sample with at least the version training had reached when it was issued.
                 await self.producer.send(
-                    msgspec.structs.replace(request, min_adapter_version=trained_version)
+                    msgspec.structs.replace(request, min_adapter_version=group.trained_version)
                 )
-            job_logger(log, job_id, spec.tenant).debug("issued group %d", group_index)
+            job_logger(log, job_id, spec.tenant).debug("issued group %d", group.index)
 
     # --- episodes -------------------------------------------------------------------
 
@@ -216,7 +221,7 @@ class EnvService(Service):
 
     # --- helpers --------------------------------------------------------------------
 
-    def _store(self) -> RedisStore:
+    def _store(self) -> StateStore:
         if self.store is None:
             raise RuntimeError("env_svc not started")
         return self.store

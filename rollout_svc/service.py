@@ -13,15 +13,15 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from common.artifacts import adapter_path
 from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
 from common.health import redis_ready
+from common.lifecycle import CONSUMED_TOPICS, RolloutReplicaStats, ServiceName
 from common.logs import job_logger
 from common.messages import (
-    CONSUMED_TOPICS,
     AdapterUpdate,
     DeadLetter,
     GenerationRequest,
@@ -39,14 +39,47 @@ from common.metrics import (
     ROLLOUT_TOKENS_PER_SECOND,
     export_service_metrics,
 )
+from common.ports import Sender, StateStore
 from common.service import Service
 from common.store import RedisStore
-from rollout_svc.engine import AdapterRef, RolloutEngine
+from rollout_svc.engine import AdapterRef
 
 log = logging.getLogger(__name__)
 
-SERVICE = "rollout_svc"
+SERVICE: ServiceName = "rollout_svc"
 STATS_INTERVAL_S = 5.0
+
+
+class GenerationEngine(Protocol):
+    """What the service needs of its engine: `rollout_svc.engine.RolloutEngine` (vLLM), or
+    a deterministic stand-in in handler tests."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def loaded_adapters(self) -> int: ...
+
+    @property
+    def busy_seconds(self) -> float: ...
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def generate(
+        self, request: GenerationRequest, adapter: AdapterRef | None = None
+    ) -> GenerationResult: ...
+
+    async def load(self, adapter: AdapterRef) -> None: ...
+
+    async def retire(self, job_id: str, version: int) -> None: ...
 
 
 def aborted(request: GenerationRequest) -> GenerationResult:
@@ -61,14 +94,24 @@ class RolloutService(Service):
     name = SERVICE
 
     def __init__(
-        self, shared: SharedSettings, settings: RolloutSettings, engine: RolloutEngine
+        self,
+        shared: SharedSettings,
+        settings: RolloutSettings,
+        engine: GenerationEngine,
+        *,
+        producer: Sender | None = None,
+        store: StateStore | None = None,
     ) -> None:
+        """`producer` / `store`: given (tests), they are used as they are; else `start()`
+        connects to Kafka and Redis."""
         self.shared = shared
         self.settings = settings
         self.engine = engine
         self.replica = f"{socket.gethostname()}-{os.getpid()}"
-        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.store: RedisStore | None = None
+        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
+        self.store = store
+        self._owns_store = store is None
         self.consumer: ConsumerLoop[GenerationRequest] | None = None
         self.adapters = BroadcastReader[AdapterUpdate](
             bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
@@ -88,10 +131,12 @@ class RolloutService(Service):
         ROLLOUT_ADAPTERS_LOADED.set_function(lambda: engine.loaded_adapters)
 
     async def start(self) -> None:
-        self.store = await RedisStore.connect(
-            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-        )
-        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        if self.store is None:
+            self.store = await RedisStore.connect(
+                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+            )
+        if self._kafka is not None:
+            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
         await self.adapters.start(timeout_s=self.shared.connect_timeout_s)
         for job_id, pointer in (await self.store.adapters()).items():
             self.latest[job_id] = AdapterRef(
@@ -131,8 +176,9 @@ class RolloutService(Service):
             await self.consumer.close()
         await self.adapters.close()
         await self.engine.stop()
-        await self.producer.stop()
-        if self.store is not None:
+        if self._kafka is not None:
+            await self._kafka.stop()
+        if self.store is not None and self._owns_store:
             await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
@@ -234,16 +280,16 @@ class RolloutService(Service):
             ROLLOUT_TOKENS_PER_SECOND.set(recent_tokens_per_s)
             last_at, last_busy_s, last_tokens = now, busy_s, tokens
             uptime = now - self._started_at
-            stats = {
-                "busy_s": busy_s,
-                "uptime_s": uptime,
-                "utilisation": busy_s / uptime if uptime > 0 else 0.0,
-                "recent_utilisation": recent_busy,
-                "generated_tokens": float(tokens),
-                "tokens_per_s": recent_tokens_per_s,
-                "in_flight": float(engine.in_flight),
-            }
-            await store.put_stats(f"rollout:{self.replica}", stats, ttl_s=60)
+            stats = RolloutReplicaStats(
+                busy_s=busy_s,
+                uptime_s=uptime,
+                utilisation=busy_s / uptime if uptime > 0 else 0.0,
+                recent_utilisation=recent_busy,
+                generated_tokens=float(tokens),
+                tokens_per_s=recent_tokens_per_s,
+                in_flight=float(engine.in_flight),
+            )
+            await store.put_replica_stats(self.replica, stats, ttl_s=60)
             try:
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:

@@ -84,8 +84,9 @@ def pipeline_services(
     Session-scoped: starting vLLM takes tens of seconds, and jobs of different tests are
     independent (unique job ids), as tenants' jobs are in production.
     """
+    from common.lifecycle import SERVICES
     from common.models import tiny_model
-    from console.stack import SERVICES, start_services, stop_services
+    from console.stack import start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
     settings = SharedSettings(

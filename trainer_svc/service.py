@@ -25,8 +25,23 @@ from aiokafka.structs import TopicPartition
 from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import SharedSettings, TrainerSettings
 from common.health import redis_ready
+from common.lifecycle import (
+    CONSUMED_TOPICS,
+    STATE_AFTER,
+    TERMINAL_STATES,
+    ServiceName,
+    StepMetrics,
+)
 from common.logs import job_logger
-from common.messages import CONSUMED_TOPICS, AdapterUpdate, JobSpec, Topic, Trajectory, job_event
+from common.messages import (
+    AdapterUpdate,
+    DropKind,
+    GroupDropped,
+    JobSpec,
+    Topic,
+    Trajectory,
+    job_event,
+)
 from common.metrics import (
     TRAINER_GROUPS_DROPPED,
     TRAINER_STEP_SECONDS,
@@ -34,15 +49,16 @@ from common.metrics import (
     TRAINER_TOKENS_PER_SECOND,
     export_service_metrics,
 )
+from common.ports import Sender, StateStore
 from common.service import Service
-from common.store import DROPPED_GROUPS, TERMINAL_STATUSES, RedisStore
-from trainer_svc.groups import Group, Verdict, verdict
+from common.store import RedisStore
+from trainer_svc.groups import Group, verdict
 from trainer_svc.grpo import group_advantages
 from trainer_svc.policy import MultiAdapterPolicy
 
 log = logging.getLogger(__name__)
 
-SERVICE = "trainer_svc"
+SERVICE: ServiceName = "trainer_svc"
 KEEP_CHECKPOINTS = 2
 
 
@@ -65,16 +81,24 @@ class TrainerService(Service):
         shared: SharedSettings,
         settings: TrainerSettings,
         load_policy: Callable[[], MultiAdapterPolicy],
+        *,
+        producer: Sender | None = None,
+        store: StateStore | None = None,
     ) -> None:
-        """`load_policy` loads the base model; `start()` calls it in a thread."""
+        """`load_policy` loads the base model; `start()` calls it in a thread.
+
+        `producer` / `store`: given (tests), they are used as they are; else `start()`
+        connects to Kafka and Redis."""
         self.shared = shared
         self.settings = settings
         self._load_policy = load_policy
         self._policy: MultiAdapterPolicy | None = None
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
-        self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.store: RedisStore | None = None
+        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
+        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
+        self.store = store
+        self._owns_store = store is None
         self.consumer: ConsumerLoop[Trajectory] | None = None
         self.jobs: dict[str, OwnedJob] = {}
         self._wake = asyncio.Event()
@@ -88,11 +112,13 @@ class TrainerService(Service):
         return self._policy
 
     async def start(self) -> None:
-        self._policy = await asyncio.to_thread(self._load_policy)
-        self.store = await RedisStore.connect(
-            self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-        )
-        await self.producer.start(timeout_s=self.shared.connect_timeout_s)
+        await self.load_model()
+        if self.store is None:
+            self.store = await RedisStore.connect(
+                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
+            )
+        if self._kafka is not None:
+            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
         self.consumer = ConsumerLoop[Trajectory](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
@@ -103,6 +129,10 @@ class TrainerService(Service):
             on_revoked=self.on_revoked,
         )
         await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
+
+    async def load_model(self) -> None:
+        if self._policy is None:
+            self._policy = await asyncio.to_thread(self._load_policy)
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -117,8 +147,9 @@ class TrainerService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
-        await self.producer.stop()
-        if self.store is not None:
+        if self._kafka is not None:
+            await self._kafka.stop()
+        if self.store is not None and self._owns_store:
             await self.store.close()
 
     async def readiness(self) -> dict[str, bool]:
@@ -150,7 +181,7 @@ class TrainerService(Service):
         record = await self._store().job(job_id)
         if record is None:
             raise ValueError(f"trajectory for unknown job {job_id!r}")
-        if record.status in TERMINAL_STATUSES:
+        if record.status in TERMINAL_STATES:
             return None
         spec = record.spec
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
@@ -187,15 +218,24 @@ class TrainerService(Service):
 
     async def train_loop(self) -> None:
         while not self._stopping.is_set():
-            job = await self._next_job()
-            if job is None:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
-                except TimeoutError:
-                    pass
+            if await self.train_once():
                 continue
-            await self._step(job)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    async def train_once(self) -> bool:
+        """Drop unusable groups, then train one step of the next job that has B groups ready.
+
+        Returns whether a step ran.
+        """
+        job = await self._next_job()
+        if job is None:
+            return False
+        await self._step(job)
+        return True
 
     async def _next_job(self) -> OwnedJob | None:
         """Round-robin over jobs with B usable groups: no tenant waits behind another."""
@@ -221,13 +261,19 @@ class TrainerService(Service):
                 await self._drop(job, group, kind, reason)
         job.ready = keep
 
-    async def _drop(self, job: OwnedJob, group: Group, kind: Verdict, reason: str) -> None:
-        store = self._store()
+    async def _drop(self, job: OwnedJob, group: Group, kind: DropKind, reason: str) -> None:
+        """Count the group out of the job's window, have env_svc replace it, tell dashboards."""
         job_id = job.spec.job_id
-        await store.incr_counter(job_id, DROPPED_GROUPS)
+        await self._store().record_dropped_group(job_id)
+        await self.producer.send(
+            GroupDropped(
+                job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
+                dropped_at=time.time(),
+            )
+        )  # fmt: skip
         await self.producer.send(
             job_event(
-                job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,  # type: ignore[arg-type]
+                job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,
                 reason=f"group {group.group_id}: {reason}",
             )
         )  # fmt: skip
@@ -238,68 +284,87 @@ class TrainerService(Service):
         group.release()
 
     async def _step(self, job: OwnedJob) -> None:
-        store = self._store()
-        spec, rl = job.spec, job.spec.rl
-        record = await store.job(spec.job_id)
-        if record is None or record.status in TERMINAL_STATUSES:
+        """Train B groups, save the new version, publish it, report the step."""
+        record = await self._store().job(job.spec.job_id)
+        if record is None or record.status in TERMINAL_STATES:
             self._release_all(job)
-            self._disown(spec.job_id)
+            self._disown(job.spec.job_id)
             return
-        groups = [job.ready.popleft() for _ in range(rl.groups_per_step)]
-        trajectories: list[Trajectory] = []
-        advantages: list[float] = []
-        rewards: list[float] = []
-        for group in groups:
-            valid = group.valid
-            rewards_G = [t.reward for t in valid]
-            advantages += group_advantages_list(rewards_G, std_normalize=rl.std_normalize)
-            trajectories += valid
-            rewards += rewards_G
-        lags = [job.version - group.oldest_version for group in groups]
+        groups = [job.ready.popleft() for _ in range(job.spec.rl.groups_per_step)]
         started = time.monotonic()
-        metrics = await asyncio.to_thread(
-            self.policy.train_step, spec.job_id, trajectories, advantages
-        )
-        train_s = time.monotonic() - started
+        metrics = await self._train(job, groups)
         version = job.version + 1
         uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
-        await store.publish_adapter(spec.job_id, version, uri, version)
+        metrics.wall_step_s = time.monotonic() - started
+        await self._publish(job, version, uri, groups, metrics)
+        await self._report(job, metrics)
+
+    async def _train(self, job: OwnedJob, groups: list[Group]) -> StepMetrics:
+        """One optimizer step on the groups' rewarded trajectories, advantages per group."""
+        rl = job.spec.rl
+        trajectories: list[Trajectory] = []
+        advantages: list[float] = []
         for group in groups:
-            await store.mark_seen("trained", spec.job_id, group.group_id)
-        job.version = version
-        metrics.update(
-            mean_reward=sum(rewards) / len(rewards),
-            staleness_max=float(max(lags)),
-            staleness_mean=sum(lags) / len(lags),
-            samples=float(len(trajectories)),
-            wall_step_s=time.monotonic() - started,
+            valid = group.valid
+            trajectories += valid
+            advantages += group_advantages_list(
+                [t.reward for t in valid], std_normalize=rl.std_normalize
+            )
+        lags = [job.version - group.oldest_version for group in groups]
+        policy_metrics = await asyncio.to_thread(
+            self.policy.train_step, job.spec.job_id, trajectories, advantages
         )
+        metrics = StepMetrics.of(policy_metrics)
+        metrics.mean_reward = sum(t.reward for t in trajectories) / len(trajectories)
+        metrics.staleness_max = float(max(lags))
+        metrics.staleness_mean = sum(lags) / len(lags)
+        metrics.samples = float(len(trajectories))
+        return metrics
+
+    async def _publish(
+        self, job: OwnedJob, version: int, uri: str, groups: list[Group], metrics: StepMetrics
+    ) -> None:
+        """Move the pointer (the job's trained version), mark the groups trained, release
+        their commits and announce the version to rollout_svc and env_svc."""
+        store, job_id = self._store(), job.spec.job_id
+        await store.publish_adapter(job_id, version, uri, version)
+        for group in groups:
+            await store.mark_seen("trained", job_id, group.group_id)
+        job.version = version
         await self.producer.send(
             AdapterUpdate(
-                job_id=spec.job_id, version=version, uri=uri, step=version, metrics=metrics,
+                job_id=job_id,
+                version=version,
+                uri=uri,
+                step=version,
+                metrics=metrics.as_map(),
                 published_at=time.time(),
-            )
-        )  # fmt: skip
-        await self.producer.send(
-            job_event(
-                spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version, metrics=metrics
             )
         )
         for group in groups:
             group.release()
+
+    async def _report(self, job: OwnedJob, metrics: StepMetrics) -> None:
+        """The step event, metrics and log line; the job's completion after its last step."""
+        spec, version = job.spec, job.version
+        await self.producer.send(
+            job_event(
+                spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version,
+                metrics=metrics.as_map(),
+            )
+        )  # fmt: skip
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
-        TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics["wall_step_s"])
-        if train_s > 0:
-            tokens = sum(len(t.token_ids) for t in trajectories)
-            TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens / train_s)
+        TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics.wall_step_s or 0.0)
+        if (tokens_per_s := metrics.trainer_tokens_per_s) is not None:
+            TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens_per_s)
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
             "step %d/%d reward %.3f loss %.4f staleness %d (%.1fs)",
-            version, rl.max_steps, metrics["mean_reward"], metrics.get("loss", 0.0), max(lags),
-            metrics["wall_step_s"],
+            version, spec.rl.max_steps, metrics.mean_reward, metrics.loss or 0.0,
+            metrics.staleness_max or 0, metrics.wall_step_s or 0.0,
         )  # fmt: skip
-        if version >= rl.max_steps:
-            await store.set_job_status(spec.job_id, "completed")
+        if version >= spec.rl.max_steps:
+            await self._store().set_job_status(spec.job_id, STATE_AFTER["completed"])
             await self.producer.send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
             )
@@ -332,7 +397,7 @@ class TrainerService(Service):
         job.ready.clear()
         job.filling.clear()
 
-    def _store(self) -> RedisStore:
+    def _store(self) -> StateStore:
         if self.store is None:
             raise RuntimeError("trainer_svc not started")
         return self.store

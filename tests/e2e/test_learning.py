@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import SharedSettings
+from common.lifecycle import SERVICES
 from console.demo import demo_jobs
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
-from console.stack import SERVICES, LocalStack, start_services, stop_services
+from console.stack import LocalStack, start_services, stop_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

@@ -20,6 +20,7 @@ from aiokafka import AIOKafkaConsumer
 from typer.testing import CliRunner
 
 from common.bus import Producer
+from common.lifecycle import RolloutReplicaStats
 from common.messages import (
     EnvSettings,
     JobCommand,
@@ -31,7 +32,7 @@ from common.messages import (
     job_event,
     new_id,
 )
-from common.store import DROPPED_GROUPS, ISSUED_GROUPS, RedisStore
+from common.store import RedisStore
 from console.cli import app
 from console.stack import LocalStack, free_port
 from tests.conftest import with_store
@@ -82,9 +83,13 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
 
     async def write(registry: RedisStore) -> None:
         await registry.register_job(job, status=status)  # type: ignore[arg-type]
-        await registry.incr_counter(job.job_id, ISSUED_GROUPS, 9)
-        await registry.incr_counter(job.job_id, DROPPED_GROUPS, 1)
-        await registry.advance_trained_version(job.job_id, len(REWARDS))
+        # 3 versions trained (the pointer), 9 groups issued, 1 of them dropped.
+        await registry.publish_adapter(job.job_id, len(REWARDS), "/artifacts/none", len(REWARDS))
+        for _ in range(9):
+            assert await registry.try_issue_group(
+                job.job_id, max_staleness=9, groups_per_step=B, max_groups=100
+            )
+        await registry.record_dropped_group(job.job_id)
         producer = Producer(kafka_bootstrap, client_id="test-history")
         await producer.start()
         events = [job_event(job.job_id, "accepted", "env_svc", tenant=job.tenant)]
@@ -223,7 +228,10 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     replica = f"status-{new_id()[:8]}"
     stats = {"busy_s": 40.0, "uptime_s": 50.0, "utilisation": 0.8, "recent_utilisation": 0.5,
              "generated_tokens": 3000.0, "tokens_per_s": 72.5, "in_flight": 12.0}  # fmt: skip
-    with_store(redis_url, lambda r: r.put_stats(f"rollout:{replica}", stats, ttl_s=60))
+    with_store(
+        redis_url,
+        lambda r: r.put_replica_stats(replica, RolloutReplicaStats.of(stats), ttl_s=60),
+    )
     code, out, _ = invoke(cli, "status", "--json")
     assert code == 0
     (seen,) = [r for r in json.loads(out)["rollout_replicas"] if r["name"] == replica]
@@ -362,7 +370,9 @@ def test_report_plots_the_rewards_of_the_events(
         for second in (5.0, 10.0):
             stats = {"busy_s": second / 2, "uptime_s": second, "utilisation": 0.5,
                      "generated_tokens": 100 * second, "in_flight": 3.0}  # fmt: skip
-            await registry.put_stats(f"rollout:cli-test-{job.job_id}", stats, ttl_s=60)
+            await registry.put_replica_stats(
+                f"cli-test-{job.job_id}", RolloutReplicaStats.of(stats), ttl_s=60
+            )
 
     with_store(redis_url, rollout_stats)
     code, out, _ = invoke(cli, "report", job.job_id, "--out", str(tmp_path / "report"))

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.store import ISSUED_GROUPS
 from console.cli import app
 from console.stack import LocalStack
 from tests.conftest import RunningServices, with_store
@@ -112,9 +111,9 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
 
     code, out, err = invoke(cli, "pause", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: paused"), err
-    issued = with_store(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS]
+    issued = with_store(local_stack.redis_url, lambda r: r.flow(job_id)).issued_groups
     time.sleep(4)  # training goes on with what is in flight; no new group is issued
-    assert with_store(local_stack.redis_url, lambda r: r.counters(job_id))[ISSUED_GROUPS] == issued
+    assert with_store(local_stack.redis_url, lambda r: r.flow(job_id)).issued_groups == issued
 
     code, out, _ = invoke(cli, "resume", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: running")

@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from common.backoff import ServerUnreachable
+from common.flow import FlowState, issue_limit
+from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.store import DROPPED_GROUPS, RedisStore, UnknownJobError, issue_limit
+from common.store import RedisStore, UnknownJobError
 from console.stack import free_port
 
 pytestmark = pytest.mark.kafka
@@ -113,37 +115,53 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
     replicas = [await RedisStore.connect(redis_url) for _ in range(4)]
     try:
 
-        async def claim(replica: RedisStore) -> int | None:
-            return await replica.try_issue_group(
+        async def claim(replica: RedisStore) -> tuple[int, int] | None:
+            group = await replica.try_issue_group(
                 job_id, max_staleness=1, groups_per_step=4, max_groups=100
             )
+            return None if group is None else (group.index, group.trained_version)
 
         claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(50)))
         issued = sorted(c for c in claims if c is not None)
-        assert issued == list(range(issue_limit(0, 1, 4)))  # 8 groups, each index once
+        # 8 groups, each index once, each knowing the trained version it was issued at
+        assert issued == [(i, 0) for i in range(issue_limit(0, 1, 4))]
 
-        assert await replicas[0].advance_trained_version(job_id, 1) == 1
-        assert await replicas[1].advance_trained_version(job_id, 0) == 1  # never lowers
+        assert await trained(replicas[0], job_id, 1)
+        assert not await trained(replicas[1], job_id, 0)  # the pointer never moves back
         claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(20)))
-        assert sorted(c for c in claims if c is not None) == list(range(8, 12))
-        counters = await replicas[2].counters(job_id)
-        assert counters == {"issued_groups": 12, "trained_version": 1}
+        assert sorted(c for c in claims if c is not None) == [(i, 1) for i in range(8, 12)]
+        assert await replicas[2].flow(job_id) == FlowState(
+            issued_groups=12, dropped_groups=0, trained_version=1
+        )
     finally:
         for replica in replicas:
             await replica.close()
+
+
+async def trained(store: RedisStore, job_id: str, version: int) -> bool:
+    """What the trainer does once `version` is durable: move the adapter pointer."""
+    return await store.publish_adapter(job_id, version, f"/artifacts/{job_id}/v{version}", version)
+
+
+async def claim_index(
+    store: RedisStore, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
+) -> int | None:
+    group = await store.try_issue_group(
+        job_id, max_staleness=max_staleness, groups_per_step=groups_per_step,
+        max_groups=max_groups,
+    )  # fmt: skip
+    return None if group is None else group.index
 
 
 async def test_on_policy_bound_waits_for_every_step(registry: RedisStore) -> None:
     job_id = f"onpolicy-{new_id()}"
     for version in range(3):
         got = [
-            await registry.try_issue_group(
-                job_id, max_staleness=0, groups_per_step=2, max_groups=100
-            )
+            await claim_index(registry, job_id, max_staleness=0, groups_per_step=2, max_groups=100)
             for _ in range(3)
         ]
         assert got == [2 * version, 2 * version + 1, None]
-        await registry.advance_trained_version(job_id, version + 1)
+        await trained(registry, job_id, version + 1)
 
 
 async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
@@ -152,20 +170,21 @@ async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
     job_id = f"dropped-{new_id()}"
 
     async def claim() -> int | None:
-        return await registry.try_issue_group(
-            job_id, max_staleness=0, groups_per_step=2, max_groups=4
-        )
+        return await claim_index(registry, job_id, max_staleness=0, groups_per_step=2, max_groups=4)
 
     assert [await claim(), await claim(), await claim()] == [0, 1, None]
-    await registry.incr_counter(job_id, DROPPED_GROUPS)  # the trainer dropped one as stale
+    assert await registry.record_dropped_group(job_id) == 1  # the trainer dropped one
     assert [await claim(), await claim()] == [2, None]  # one replacement, no more
-    await registry.advance_trained_version(job_id, 1)
+    await trained(registry, job_id, 1)
     assert [await claim(), await claim(), await claim()] == [3, 4, None]  # 4 live groups: cap
-    await registry.advance_trained_version(job_id, 5)
+    await trained(registry, job_id, 5)
     assert await claim() is None
+    assert await registry.flow(job_id) == FlowState(
+        issued_groups=5, dropped_groups=1, trained_version=5
+    )
 
 
-async def test_dedup_sets_and_counters(registry: RedisStore) -> None:
+async def test_dedup_sets(registry: RedisStore) -> None:
     job_id = f"dedup-{new_id()}"
     assert await registry.mark_seen("trained", job_id, "group-1")
     assert not await registry.mark_seen("trained", job_id, "group-1")
@@ -173,8 +192,6 @@ async def test_dedup_sets_and_counters(registry: RedisStore) -> None:
     assert not await registry.seen("issued", job_id, "group-1")  # scopes are separate
     await registry.forget_seen("trained", job_id, "group-1")
     assert not await registry.seen("trained", job_id, "group-1")
-    assert await registry.incr_counter(job_id, "dropped_stale") == 1
-    assert await registry.incr_counter(job_id, "dropped_stale", 2) == 3
 
 
 async def test_unreachable_redis_fails_with_its_address() -> None:
@@ -184,12 +201,15 @@ async def test_unreachable_redis_fails_with_its_address() -> None:
 
 
 async def test_stats_keep_latest_values_and_a_time_ordered_history(registry: RedisStore) -> None:
-    replica = f"rollout:test-{new_id()[:8]}"
+    replica = f"test-{new_id()[:8]}"
     for busy_s in (1.0, 2.5, 4.0):
-        await registry.put_stats(replica, {"busy_s": busy_s, "uptime_s": 5.0}, ttl_s=60)
-    assert (await registry.stats(replica))[replica] == {"busy_s": 4.0, "uptime_s": 5.0}
-    history = (await registry.stats_history(replica))[replica]
-    assert [sample["busy_s"] for sample in history] == [1.0, 2.5, 4.0]
-    assert all(sample["uptime_s"] == 5.0 for sample in history)
-    times = [sample["at"] for sample in history]
+        stats = RolloutReplicaStats(busy_s=busy_s, uptime_s=5.0)
+        await registry.put_replica_stats(replica, stats, ttl_s=60)
+    assert (await registry.replica_stats())[replica] == RolloutReplicaStats(
+        busy_s=4.0, uptime_s=5.0
+    )
+    history = (await registry.replica_stats_history())[replica]
+    assert [sample.busy_s for sample in history] == [1.0, 2.5, 4.0]
+    assert all(sample.uptime_s == 5.0 for sample in history)
+    times = [sample.at or 0.0 for sample in history]
     assert times == sorted(times) and times[-1] - times[0] < 5

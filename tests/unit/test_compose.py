@@ -20,12 +20,13 @@ import pytest
 import yaml
 
 from common.config import SharedSettings
+from common.lifecycle import SERVICES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 
-MARLAAS_SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
+MARLAAS_SERVICES = SERVICES
 SERVICE_TARGETS = {"env_svc": "env", "rollout_svc": "rollout", "trainer_svc": "trainer"}
 
 Compose = dict[str, Any]

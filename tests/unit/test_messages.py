@@ -19,6 +19,7 @@ from common.messages import (
     Event,
     GenerationRequest,
     GenerationResult,
+    GroupDropped,
     JobCommand,
     JobSpec,
     MessageDecodeError,
@@ -33,7 +34,7 @@ from common.messages import (
 
 ALL_MESSAGES = [
     JobSpec, JobCommand, GenerationRequest, GenerationResult, Trajectory, AdapterUpdate, Event,
-    DeadLetter,
+    GroupDropped, DeadLetter,
 ]  # fmt: skip
 
 _text = st.text(max_size=12)

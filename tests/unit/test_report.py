@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
 from console.report import Report, build_report, write_report
 
@@ -62,7 +63,7 @@ EVENTS = [
     *[step("job-b", i + 1, r, 12 * (i + 1)) for i, r in enumerate(REWARDS["job-b"])],
     event(EVIL_JOB, "rejected", 3, reason="<script>alert(1)</script>", tenant="<b>x</b>"),
 ]
-HISTORY = {
+SAMPLES: dict[str, list[dict[str, float]]] = {
     "replica-1": [
         {"at": T0 + 5, "busy_s": 1.0, "uptime_s": 5.0, "generated_tokens": 100.0, "in_flight": 4},
         {"at": T0 + 10, "busy_s": 5.0, "uptime_s": 10.0, "generated_tokens": 600.0, "in_flight": 8},
@@ -80,6 +81,10 @@ HISTORY = {
         # busier than the interval (12 s in 10 s) is shown as 1; no token count: no rate
         {"at": T0 + 82, "busy_s": 32.0, "uptime_s": 60.0},
     ],
+}
+HISTORY = {
+    replica: [RolloutReplicaStats.of(sample) for sample in samples]
+    for replica, samples in SAMPLES.items()
 }
 
 
@@ -131,7 +136,11 @@ def parsed(index: Path) -> Page:
     return page
 
 
-def written(tmp_path: Path, events: list[Event], history: dict | None = HISTORY) -> Page:  # type: ignore[type-arg]
+def written(
+    tmp_path: Path,
+    events: list[Event],
+    history: dict[str, list[RolloutReplicaStats]] | None = HISTORY,
+) -> Page:
     report = build_report(events, history, specs=SPECS, generated_at=T0 + 100)
     index = write_report(report, tmp_path)
     assert index == tmp_path / "index.html"

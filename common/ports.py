@@ -1,0 +1,60 @@
+"""What a service sees of Kafka's producer and of Redis: two small protocols.
+
+Services are written against these, not against aiokafka or redis-py, so each service's
+handlers run unchanged on the real `Producer` / `RedisStore` and, in unit tests, on an
+in-memory bus and a store over fakeredis (tests/fakes.py): the same scenarios run on both.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from common.flow import IssuedGroup
+from common.lifecycle import JobState, RolloutReplicaStats
+from common.messages import JobSpec, Message
+from common.store import AdapterPointer, JobRecord
+
+
+class Sender(Protocol):
+    """Produces a message to the topic its type belongs to (common.bus.Producer)."""
+
+    async def send(self, message: Message) -> None: ...
+
+
+class StateStore(Protocol):
+    """The Redis state the services read and write (common.store.RedisStore)."""
+
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    # adapter pointers
+    async def publish_adapter(self, job_id: str, version: int, uri: str, step: int) -> bool: ...
+
+    async def adapter(self, job_id: str) -> AdapterPointer | None: ...
+
+    async def adapters(self) -> dict[str, AdapterPointer]: ...
+
+    # job registry
+    async def register_job(self, spec: JobSpec, status: JobState = "pending") -> bool: ...
+
+    async def job(self, job_id: str) -> JobRecord | None: ...
+
+    async def set_job_status(self, job_id: str, status: JobState, reason: str = "") -> bool: ...
+
+    # flow control
+    async def try_issue_group(
+        self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
+    ) -> IssuedGroup | None: ...
+
+    async def record_dropped_group(self, job_id: str) -> int: ...
+
+    # replica stats
+    async def put_replica_stats(
+        self, replica: str, stats: RolloutReplicaStats, *, ttl_s: int
+    ) -> None: ...
+
+    # de-duplication
+    async def mark_seen(self, scope: str, job_id: str, item_id: str) -> bool: ...
+
+    async def seen(self, scope: str, job_id: str, item_id: str) -> bool: ...

@@ -1,0 +1,339 @@
+"""Each service's handlers, driven message by message, on an in-memory bus and store.
+
+The same scenarios run twice: on `MemoryBus` + the store over fakeredis (`memory`), and on
+the real producer to Tansu + Valkey (`kafka`, marker `kafka`), reading back what was
+produced. Only rollout_svc's engine is a stand-in (a gated, deterministic engine): its
+real counterpart is tested in tests/integration/test_rollout_engine.py and the pipeline test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
+from common.flow import issue_limit
+from common.messages import (
+    AdapterUpdate,
+    EnvSettings,
+    Event,
+    GenerationRequest,
+    GenerationResult,
+    GroupDropped,
+    JobCommand,
+    JobSpec,
+    RLSettings,
+    SamplingSettings,
+    Topic,
+    Trajectory,
+    new_id,
+    result_for,
+)
+from common.models import tiny_model
+from env_svc.episodes import ChatTokenizer
+from env_svc.service import EnvService
+from rollout_svc.engine import AdapterRef
+from rollout_svc.service import RolloutService
+from tests.fakes import Backend, Inbox, kafka_backend, memory_backend
+from trainer_svc.policy import MultiAdapterPolicy
+from trainer_svc.service import TrainerService
+
+BASE_MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
+def servers(request: pytest.FixtureRequest) -> tuple[str, str] | None:
+    """None for the in-memory backend; the real broker's and Redis' addresses otherwise."""
+    if request.param == "memory":
+        return None
+    stack = request.getfixturevalue("local_stack")
+    return stack.kafka_bootstrap, stack.redis_url
+
+
+@pytest.fixture
+async def backend(servers: tuple[str, str] | None) -> AsyncIterator[Backend]:
+    if servers is None:
+        async with memory_backend() as found:
+            yield found
+    else:
+        async with kafka_backend(*servers) as found:
+            yield found
+
+
+def job_spec(
+    name: str, *, env: str = "arithmetic", group_size: int, groups_per_step: int,
+    max_staleness: int, max_steps: int,
+) -> JobSpec:  # fmt: skip
+    return JobSpec(
+        job_id=f"{name}-{new_id()[:8]}", tenant="acme", base_model=BASE_MODEL,
+        env=EnvSettings(name=env, params={"max_operand": 9}),
+        rl=RLSettings(
+            group_size=group_size, groups_per_step=groups_per_step, max_steps=max_steps,
+            max_staleness=max_staleness, max_context_tokens=128,
+            sampling=SamplingSettings(max_new_tokens=8),
+        ),
+    )  # fmt: skip
+
+
+def events(messages: Sequence[object], kind: str) -> list[Event]:
+    return [m for m in messages if isinstance(m, Event) and m.event == kind]
+
+
+def adapter_update(job_id: str, version: int) -> AdapterUpdate:
+    return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
+
+
+# --- env_svc ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer.from_dir(smollm2_dir)
+
+
+def env_service(backend: Backend, tokenizer: ChatTokenizer) -> EnvService:
+    return EnvService(
+        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(), tokenizer,
+        producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+
+
+async def test_env_svc_issues_exactly_the_groups_the_window_allows(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    jobs, rollouts = Inbox(Topic.JOBS), Inbox(Topic.ADAPTERS)
+    G, B, S = 3, 2, 1
+    spec = job_spec("window", group_size=G, groups_per_step=B, max_staleness=S, max_steps=10)
+    job_id = spec.job_id
+
+    async def requests(expect: int) -> list[GenerationRequest]:
+        sent = await backend.sent(Topic.PROMPTS, job_id, expect=expect)
+        assert all(isinstance(m, GenerationRequest) for m in sent)
+        return sent  # type: ignore[return-value]
+
+    await jobs.hand(service.handle, spec)
+    issued = await requests(issue_limit(0, S, B) * G)
+    assert len(issued) == 4 * G  # (0 + S + 1) * B groups of G
+    assert sorted({r.group_id for r in issued}) == [f"{job_id}/g{i}" for i in range(4)]
+    assert {r.min_adapter_version for r in issued} == {0}
+    assert len(events(await backend.sent(Topic.EVENTS, job_id, expect=1), "accepted")) == 1
+    record = await backend.store.job(job_id)
+    assert record is not None and record.status == "running"
+
+    await jobs.hand(service.handle, spec)  # redelivered: nothing new
+    assert len(await requests(4 * G)) == 4 * G
+
+    # The trainer moved the pointer (the trained version) and announced it: B more groups.
+    await backend.store.publish_adapter(job_id, 1, "/nowhere/v1", 1)
+    await rollouts.hand(service.handle, adapter_update(job_id, 1))
+    issued = await requests(6 * G)
+    assert len(issued) == 6 * G
+    assert {r.min_adapter_version for r in issued[4 * G :]} == {1}
+
+    # A dropped group is counted out of the window and replaced, once.
+    await backend.store.record_dropped_group(job_id)
+    await rollouts.hand(
+        service.handle,
+        GroupDropped(job_id=job_id, group_id=f"{job_id}/g0", verdict="dropped_stale"),
+    )
+    assert len(await requests(7 * G)) == 7 * G
+
+    # Paused: a new version issues nothing until the job is resumed.
+    await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="pause"))
+    await backend.store.publish_adapter(job_id, 2, "/nowhere/v2", 2)
+    await rollouts.hand(service.handle, adapter_update(job_id, 2))
+    assert len(await requests(7 * G)) == 7 * G
+    await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="resume"))
+    issued = await requests(9 * G)
+    assert len(issued) == 9 * G  # 9 issued - 1 dropped = (2 + S + 1) * B live
+    kinds = [e.event for e in await backend.sent(Topic.EVENTS, job_id, expect=3)]  # type: ignore[union-attr]
+    assert kinds == ["accepted", "paused", "resumed"]
+    assert jobs.committable == 4 and rollouts.committable == 3  # nothing held
+
+
+async def test_env_svc_rejects_a_bad_job_with_its_reason_and_issues_nothing(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    spec = job_spec("bad", env="no-such-env", group_size=2, groups_per_step=1,
+                    max_staleness=0, max_steps=1)  # fmt: skip
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
+    assert "unknown environment 'no-such-env'" in rejected.reason
+    assert await backend.sent(Topic.PROMPTS, spec.job_id, expect=0) == []
+    assert await backend.store.job(spec.job_id) is None
+
+
+async def test_env_svc_turns_a_result_into_a_trajectory_once(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    spec = job_spec("episode", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    first, _ = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
+    assert isinstance(first, GenerationRequest)
+    completion = [*tokenizer.encode("7"), tokenizer.eos_token_id]
+    result = result_for(
+        first, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
+        adapter_version=0, finish_reason="stop",
+    )  # fmt: skip
+    results = Inbox(Topic.ROLLOUTS)
+    await results.hand(service.handle, result)
+    await results.hand(service.handle, result)  # redelivered: its trajectory was sent
+    (trajectory,) = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=1)
+    assert isinstance(trajectory, Trajectory)
+    assert trajectory.episode_id == first.episode_id and not trajectory.error
+    assert trajectory.token_ids == [*first.context_token_ids, *completion]
+    assert sum(trajectory.loss_mask) == len(completion)
+
+
+# --- trainer_svc ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    return tiny_model()
+
+
+def trajectory(spec: JobSpec, group: int, sample: int, reward: float, version: int) -> Trajectory:
+    return Trajectory(
+        episode_id=f"{spec.job_id}/{group}/{sample}", job_id=spec.job_id,
+        group_id=f"{spec.job_id}/g{group}", sample_index=sample,
+        group_size=spec.rl.group_size, token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1],
+        behaviour_logprobs=[0.0, 0.0, -2.0, -2.0, -2.0], reward=reward,
+        adapter_versions=[version],
+    )  # fmt: skip
+
+
+async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_once(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    spec = job_spec("trainer", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    job_id = spec.job_id
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
+        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+    await service.load_model()
+    await backend.store.register_job(spec, status="running")
+    inbox = Inbox(Topic.TRAJECTORIES)
+
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 0.0, version=0))
+    assert inbox.committable == 0  # held until its group is trained
+    assert not await service.train_once()  # the group is not complete
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 1.0, version=0))
+    assert await service.train_once()
+    assert inbox.committable == 2
+    pointer = await backend.store.adapter(job_id)
+    assert pointer is not None and pointer.version == 1
+
+    # Group 1 was sampled with v0 (stale at S = 0), group 2 with v1.
+    for group, version in ((1, 0), (2, 1)):
+        for sample, reward in enumerate((0.0, 1.0)):
+            await inbox.hand(
+                service.on_trajectory, trajectory(spec, group, sample, reward, version)
+            )
+    assert inbox.committable == 2
+    assert await service.train_once()
+    assert inbox.committable == 6 and not await service.train_once()
+
+    updates = await backend.sent(Topic.ADAPTERS, job_id, expect=2)
+    assert [(u.version, u.step) for u in updates] == [(1, 1), (2, 2)]  # type: ignore[union-attr]
+    (dropped,) = await backend.sent(Topic.CONTROL, job_id, expect=1)
+    assert isinstance(dropped, GroupDropped)
+    assert (dropped.group_id, dropped.verdict) == (f"{job_id}/g1", "dropped_stale")
+    assert (await backend.store.flow(job_id)).dropped_groups == 1
+    sent_events = await backend.sent(Topic.EVENTS, job_id, expect=4)
+    assert [e.event for e in sent_events] == [  # type: ignore[union-attr]
+        "step", "dropped_stale", "step", "completed",
+    ]  # fmt: skip
+    steps = events(sent_events, "step")
+    assert [s.metrics["samples"] for s in steps] == [2.0, 2.0]
+    assert all(s.metrics["mean_reward"] == 0.5 for s in steps)
+    record = await backend.store.job(job_id)
+    assert record is not None and record.status == "completed"
+
+    # A redelivered trajectory of the finished job is neither trained nor held.
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 0.0, version=0))
+    assert inbox.committable == 7 and not await service.train_once()
+
+
+# --- rollout_svc ------------------------------------------------------------------------
+
+
+class GatedEngine:
+    """A deterministic engine whose generations finish when the test opens the gate."""
+
+    ready = True
+    loaded_adapters = 0
+    busy_seconds = 0.0
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.in_flight = 0
+        self.generated_tokens = 0
+        self.loaded: list[AdapterRef] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(
+        self, request: GenerationRequest, adapter: AdapterRef | None = None
+    ) -> GenerationResult:
+        self.in_flight += 1
+        await self.gate.wait()
+        self.in_flight -= 1
+        self.generated_tokens += 2
+        return result_for(
+            request, completion_token_ids=[7, 8], logprobs=[-0.5, -0.5],
+            adapter_version=adapter.version if adapter else 0, finish_reason="stop",
+        )  # fmt: skip
+
+    async def load(self, adapter: AdapterRef) -> None:
+        self.loaded.append(adapter)
+
+    async def retire(self, job_id: str, version: int) -> None:
+        pass
+
+
+def request_for(job_id: str, index: int, min_adapter_version: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{job_id}/{index}/0/t0", job_id=job_id, episode_id=f"{job_id}/{index}/0",
+        group_id=f"{job_id}/g{index}", sample_index=0, turn=0, context_token_ids=[1, 2, 3],
+        sampling=SamplingSettings(), min_adapter_version=min_adapter_version,
+    )  # fmt: skip
+
+
+async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
+    backend: Backend,
+) -> None:
+    engine = GatedEngine()
+    service = RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
+        store=backend.store,
+    )  # fmt: skip
+    job_id = f"rollout-{new_id()[:8]}"
+    # The pointer is at v1 but this replica never saw the broadcast: it reads the store.
+    await backend.store.publish_adapter(job_id, 1, "/artifacts/adapters/x/v1", 1)
+    prompts = Inbox(Topic.PROMPTS)
+    await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
+    await prompts.hand(service.on_request, request_for(job_id, 1, min_adapter_version=1))
+    await asyncio.sleep(0.05)
+    assert prompts.committable == 0 and engine.in_flight == 2  # both held, in the engine
+    assert await backend.sent(Topic.ROLLOUTS, job_id, expect=0) == []
+
+    engine.gate.set()
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    assert prompts.committable == 2
+    results = await backend.sent(Topic.ROLLOUTS, job_id, expect=2)
+    assert sorted((r.request_id, r.adapter_version) for r in results) == [  # type: ignore[union-attr]
+        (f"{job_id}/0/0/t0", 0), (f"{job_id}/1/0/t0", 1),
+    ]  # fmt: skip
+    assert [(a.job_id, a.version) for a in engine.loaded] == [(job_id, 1)]
