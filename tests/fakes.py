@@ -28,6 +28,9 @@ from common.ports import Sender
 from common.store import RedisStore
 
 
+HANDLER_TESTS_DB = 2
+
+
 def memory_store() -> RedisStore:
     """A fresh, empty in-memory Redis behind the real store (Lua scripts included)."""
     return RedisStore(fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer()), "memory://")
@@ -174,10 +177,17 @@ async def memory_backend() -> AsyncIterator[MemoryBackend]:
 
 @asynccontextmanager
 async def kafka_backend(bootstrap: str, redis_url: str) -> AsyncIterator[KafkaBackend]:
-    """The real producer (Tansu) and store (Valkey), and a tap on every topic."""
+    """The real producer (Tansu) and store (Valkey), and a tap on every topic.
+
+    The store is Redis database `HANDLER_TESTS_DB`: service processes running on the same
+    servers (the pipeline tests') then do not know these jobs and leave their messages alone,
+    instead of acting on them beside the handlers under test.
+    """
     producer = Producer(bootstrap, client_id="handler-tests")
     await producer.start(timeout_s=30)
-    store = await RedisStore.connect(redis_url, timeout_s=30)
+    store = await RedisStore.connect(
+        f"{redis_url.rsplit('/', 1)[0]}/{HANDLER_TESTS_DB}", timeout_s=30
+    )
     tap = KafkaTap(bootstrap, list(Topic))
     await tap.start()
     try:
