@@ -1,6 +1,6 @@
 """Every payload that crosses a Kafka topic, and the topic each one travels on.
 
-This module owns the wire contract (DESIGN.md, "Topics and messages"). Payloads
+This module owns the wire contract (docs/architecture.md, "Topics and messages"). Payloads
 are msgpack-encoded `msgspec.Struct`s laid out as arrays (compact, and new
 fields appended with defaults stay readable by old readers). Each carries a
 `schema` version and an id that consumers use for de-duplication.

@@ -1,6 +1,6 @@
 """The Redis store: adapter pointers, the job registry, flow-control counters, de-dup sets.
 
-Keys (DESIGN.md, "Where state lives"):
+Keys (docs/architecture.md, "Redis keys"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS)
 - `job:{job}`       hash spec (msgpack JobSpec), tenant, status, reason, created_at, updated_at
 - `jobs`            set of every registered job id
