@@ -1,11 +1,11 @@
 """The Kafka bus: topic bootstrap, producer, at-least-once consumer loop, dead letters, lag.
 
-Delivery contract (DESIGN.md): offsets are committed only after the handler
-succeeded (or explicitly after held work became durable); a record that cannot
-be decoded, or whose handler fails for good, goes to `marlaas.dlq` and the loop
-goes on; a retryable failure re-reads the same record after a back-off.
-No Kafka transactions and no idempotent producer: the embedded broker lacks
-InitProducerId, so consumers de-duplicate by message id instead.
+Delivery contract (docs/architecture.md, "Delivery guarantees"): offsets are committed only
+after the handler succeeded (or explicitly after held work became durable); a record that
+cannot be decoded, or whose handler fails for good, goes to `marlaas.dlq` and the loop goes
+on; a retryable failure re-reads the same record after a back-off. No Kafka transactions and
+no idempotent producer: the embedded broker lacks InitProducerId, so consumers de-duplicate
+by message id instead.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every payload that crosses a Kafka topic, and the topic each one travels on.
 
-This module owns the wire contract (DESIGN.md, "Topics and messages"). Payloads
+This module owns the wire contract (docs/architecture.md, "Topics and messages"). Payloads
 are msgpack-encoded `msgspec.Struct`s laid out as arrays (compact, and new
 fields appended with defaults stay readable by old readers). Each carries a
 `schema` version and an id that consumers use for de-duplication.
@@ -67,46 +67,74 @@ class EnvSettings(_Part):
     name: str
     """Registered environment name, e.g. `arithmetic`, `calculator`, `countdown`."""
     params: dict[str, Any] = {}
-    """Environment-specific parameters (operand ranges, max turns, ...)."""
+    """Environment-specific parameters (operand ranges, max turns, ...); the environment
+    checks them at submission, and a bad one rejects the job."""
     seed: int = 0
-    """Seeds the task sampler so a job's task stream is reproducible."""
+    """Seeds the task sampler (and the adapter's initial LoRA weights), so a job's task stream
+    is reproducible."""
 
 
 class LoraSettings(_Part):
     rank: int = 8
+    """LoRA rank r, >= 1 and at most the deployment's `MARLAAS_MAX_LORA_RANK` (default 16);
+    trainable parameters grow linearly with it."""
     alpha: int = 16
+    """LoRA scaling numerator, > 0: the adapter's update is scaled by alpha / rank."""
     dropout: float = 0.0
+    """LoRA dropout probability in [0, 1), passed to PEFT. The trainer keeps the model in eval
+    mode, so it has no effect at present."""
     target_modules: list[str] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+    """Names of the base model's linear modules that get an adapter (Llama-style names); at
+    least one, and ones vLLM can serve LoRA on."""
 
 
 class SamplingSettings(_Part):
     temperature: float = 1.0
+    """Sampling temperature, > 0 (RL needs exploration); the recorded logprobs are the model's
+    own, before temperature."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]: sample only from the most likely tokens covering it;
+    1 = off."""
     max_new_tokens: int = 32
+    """Most tokens sampled per turn, >= 1; a turn that reaches it ends with finish reason
+    `length`. Counts against `max_context_tokens`."""
     stop: list[str] = []
+    """Strings that end a turn early, besides the end-of-turn token; empty = none (rollout_svc
+    then skips detokenizing)."""
 
 
 class RLSettings(_Part):
     group_size: int = 8
-    """G: samples per task; advantages are relative within a group."""
+    """G, >= 2: samples per task; advantages are relative within a group."""
     groups_per_step: int = 4
-    """B: groups per optimizer step."""
+    """B, >= 1: groups per optimizer step (each step trains G * B episodes)."""
     max_steps: int = 20
+    """Optimizer steps (= adapter versions), >= 1, after which the job completes; also caps
+    the groups ever issued at max_steps * B."""
     max_staleness: int = 1
-    """S: how many adapter versions generation may run ahead of training (0 = on-policy)."""
+    """S, >= 0: how many adapter versions generation may run ahead of training (0 = on-policy);
+    a group sampled more than S versions behind is dropped and replaced."""
     learning_rate: float = 1e-4
+    """AdamW learning rate of the job's adapter, in (0, 1); no weight decay."""
     clip_low: float = 0.2
+    """PPO clip below, in [0, 1): the policy ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.28
+    """PPO clip above, >= 0: the ratio is clipped at 1 + clip_high (DAPO's clip-higher when
+    above clip_low: more room for unlikely tokens with a positive advantage to grow)."""
     is_cap: float = 2.0
-    """Truncated importance-sampling cap for the sampler/trainer mismatch."""
+    """Truncated importance-sampling cap, >= 1, on the weight correcting the sampler/trainer
+    mismatch (staleness, kernel differences)."""
     std_normalize: bool = False
     """Divide advantages by the group's reward std (GRPO); off = Dr. GRPO."""
     max_turns: int | None = None
-    """Cap on model turns per episode; None leaves the environment's own limit."""
+    """Cap on model turns per episode, >= 1; None leaves the environment's own limit."""
     max_context_tokens: int = 512
+    """Longest episode context in tokens, > max_new_tokens: a prompt that leaves no room for a
+    turn rejects the job, and an episode whose next turn would not fit is scored as it stands."""
     sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
+    """How rollout_svc samples every turn of the job's episodes."""
 
 
 # --- marlaas.jobs ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Redis store: adapter pointers, the job registry, flow-control counters, de-dup sets.
 
-Keys (who writes and reads each: docs/architecture.md, "Where state lives"):
+Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS); its
                     version is the job's trained version (common/flow.py reads it)
 - `job:{job}`       hash spec (msgpack JobSpec), tenant, status, reason, created_at, updated_at

@@ -1,13 +1,14 @@
 """The token-level episode driver: chat messages in, token ids out, and back (pure logic).
 
-Token-in/token-out (DESIGN.md): an episode's context is tokenized once and only ever extended.
-The prompt comes from the chat template; each sampled completion is appended as the sampler's
-own token ids; the environment's replies (tool results) and the next generation prompt are
-appended as the template's *text delta*, tokenized on its own. So the trainer scores exactly
-the sampled tokens, and the text of the context always equals what the chat template renders
-for the message list. The token ids equal `apply_chat_template(..., tokenize=True)` whenever
-the sampler chose the canonical tokenization of its text; when it did not (BPE allows several
-spellings of one string), only the ids of sampled spans differ, the decoded text does not.
+Token-in/token-out (docs/architecture.md, "Token-in/token-out"): an episode's context is
+tokenized once and only ever extended. The prompt comes from the chat template; each sampled
+completion is appended as the sampler's own token ids; the environment's replies (tool
+results) and the next generation prompt are appended as the template's *text delta*,
+tokenized on its own. So the trainer scores exactly the sampled tokens, and the text of the
+context always equals what the chat template renders for the message list. The token ids
+equal `apply_chat_template(..., tokenize=True)` whenever the sampler chose the canonical
+tokenization of its text; when it did not (BPE allows several spellings of one string), only
+the ids of sampled spans differ, the decoded text does not.
 
 env_svc replicas keep no state: everything an episode needs between turns (`EpisodeCarry`)
 rides in `GenerationRequest.env_state`, which rollout_svc echoes back in the result, while the

@@ -5,36 +5,7 @@ different adapters side by side (up to `max_loras` distinct adapters per step), 
 request never waits for another job's batch. Token-in/token-out: the context arrives as
 token ids and the completion leaves as token ids with the sampler's logprob of each one.
 
-How vLLM 0.32 runs here (read from its source, checked on a 2-core CPU machine):
-- `AsyncLLM` (alias `AsyncLLMEngine`) always runs the scheduler ("EngineCore") in a child
-  process; on CPU that process starts one more worker process. The CPU platform forces
-  `VLLM_WORKER_MULTIPROC_METHOD=spawn`, so children re-import the parent's `__main__`:
-  scripts must build the engine under `if __name__ == "__main__":`. pytest's own entry
-  points are guarded, so tests need nothing special. `VLLM_ENABLE_V1_MULTIPROCESSING`
-  only affects the synchronous `LLM` engine and the CPU executor choice; leave it alone.
-- The first forward pass after start-up pays several seconds of one-off kernel set-up
-  (vLLM skips its own warm-up with eager mode and a fixed KV cache size), so `start()`
-  runs one tiny request before it returns.
-- On CPU the KV cache size must be given (`kv_cache_gib`): otherwise vLLM tries to reserve
-  90% of the machine's memory. A set `VLLM_CPU_KVCACHE_SPACE` (whole GiB) overrides it.
-- vLLM 0.32's CPU LoRA kernels (`vllm/lora/ops/torch_ops/lora_ops.py`) index the adapter
-  slots with the sentinel -1 that means "no LoRA", which in PyTorch is the LAST slot: a
-  base-model request batched beside LoRA requests silently gets another job's adapter
-  (open upstream fixes: vllm-project/vllm#48421, #49656; GPU kernels skip -1). On CPU we
-  therefore serve base-model requests through a pinned all-zero rank-1 "null" adapter in
-  one extra slot, so no request ever carries -1.
-  The LoRA path itself is costly on CPU (each token gathers its adapter's weights):
-  SmolLM2, 16 greedy requests, 1 thread: ~200 tok/s without LoRA, ~70 tok/s with any.
-- Thread binding on CPU: `VLLM_CPU_OMP_THREADS_BIND` (default `auto`: one OpenMP thread
-  per physical core, minus `VLLM_CPU_NUM_OF_RESERVED_CPU` cores, default 1, left to the
-  scheduler and this process). `torch.set_num_threads` is disabled in the worker. On 2
-  cores keep `auto` (1 thread on core 0): `0-1` is ~1.4x faster on an idle machine but
-  collapses (3-4x slower) when another process (the trainer) competes for the cores, and
-  `nobind` swings from normal to 0.6 tok/s.
-- Prompts go in as `TokensPrompt`; vLLM 0.32 logs once that raw prompts are deprecated in
-  favour of `engine.renderer.render_cmpl`, which older vLLM (GPU images) lacks.
-
-vllm is imported inside `start()`: services import this module before deciding to start.
+How vLLM runs here, its CPU quirks and our work-arounds: docs/architecture.md, "vLLM on CPU".
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from common.offsets import OffsetTracker
 from common.ports import Sender
 from common.store import RedisStore
 
-
 HANDLER_TESTS_DB = 2
 
 

@@ -1,8 +1,8 @@
 """The RL loss: group-relative advantages and the asynchronous clipped policy objective.
 
-This module owns the loss (STYLE.md, rule 1). Logprob tensors follow `Trajectory`'s alignment:
-position t holds the logprob of token t (so position 0, which has no predecessor, is 0 and
-always masked out).
+This module owns the loss (docs/architecture.md, "Conventions": one owner per contract).
+Logprob tensors follow `Trajectory`'s alignment: position t holds the logprob of token t (so
+position 0, which has no predecessor, is 0 and always masked out).
 
 Objective (decoupled PPO, AReaL; Fu et al. 2025), per masked token t of sequence b, with
   logp     = trainer logprob under the parameters being optimised (carries the gradient),

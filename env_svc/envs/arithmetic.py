@@ -1,8 +1,9 @@
 """`arithmetic`: single-turn integer arithmetic, "What is 7 + 5? Answer with just the number."
 
-The untrained SmolLM2 is rarely exactly right (FACTS.md: replies are chatty, the last number
-is right ~19% of the time with operands 1-9), so correctness is judged on the last number of
-the reply ("7 + 5 = 12" counts) and a small format component rewards a bare number.
+The untrained SmolLM2 is rarely exactly right (docs/architecture.md, "Facts measured on this
+machine": replies are chatty, the last number is right ~19% of the time with operands 1-9), so
+correctness is judged on the last number of the reply ("7 + 5 = 12" counts) and a small format
+component rewards a bare number.
 """
 
 from __future__ import annotations

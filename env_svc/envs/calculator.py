@@ -8,8 +8,9 @@ ChatML-family models are most likely to have seen:
 
 Each call is answered with a `{"role": "tool", "content": "4042"}` message (ChatML renders it
 as `<|im_start|>tool`), whose tokens the trainer masks out. A turn without a tool call is the
-final answer. The untrained model never emits tool calls (FACTS.md), so besides the exact
-answer two shaped components reward well-formed calls and calls that returned a value.
+final answer. The untrained model never emits tool calls (docs/architecture.md, "Facts
+measured on this machine"), so besides the exact answer two shaped components reward
+well-formed calls and calls that returned a value.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 compose.yaml is validated against the Compose Specification's JSON schema (the copy that
 check-jsonschema ships for `--builtin-schema vendor.compose-spec`), then for what a schema
 cannot see: references between services, volumes and Dockerfile targets, and the settings
-and storage the design relies on (DESIGN.md, "Two deployments, one code path").
+and storage the design relies on (docs/architecture.md, "Two deployments, one code path").
 """
 
 from __future__ import annotations
