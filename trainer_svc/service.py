@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from aiokafka.structs import TopicPartition
 
 from common.bus import ConsumerLoop, Delivery, Producer
@@ -36,14 +32,14 @@ from common.metrics import (
 )
 from common.service import Service
 from common.store import DROPPED_GROUPS, TERMINAL_STATUSES, RedisStore
+from trainer_svc.checkpoints import CheckpointStore
 from trainer_svc.groups import Group, Verdict, verdict
-from trainer_svc.grpo import group_advantages
+from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
 
 log = logging.getLogger(__name__)
 
 SERVICE = "trainer_svc"
-KEEP_CHECKPOINTS = 2
 
 
 @dataclass
@@ -73,6 +69,7 @@ class TrainerService(Service):
         self._policy: MultiAdapterPolicy | None = None
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
+        self.checkpoints = CheckpointStore(self.artifacts)
         self.producer = Producer(shared.kafka_bootstrap, client_id=SERVICE)
         self.store: RedisStore | None = None
         self.consumer: ConsumerLoop[Trajectory] | None = None
@@ -154,15 +151,21 @@ class TrainerService(Service):
             return None
         spec = record.spec
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
+        try:
+            checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
+        except Exception:
+            # Not owned after all: the next trajectory tries again from a fresh adapter.
+            self.policy.remove_job(job_id)
+            raise
         version = 0
-        latest = self._checkpoint_root(job_id) / "latest"
-        if latest.is_file():
-            checkpoint = self._checkpoint_root(job_id) / latest.read_text().strip()
-            _, version = await asyncio.to_thread(self.policy.load_checkpoint, job_id, checkpoint)
+        if checkpoint is not None:
+            version = checkpoint.version
             # A crash may have come between the checkpoint and marking its groups trained.
-            for group_id in json.loads((checkpoint / "groups.json").read_text()):
+            for group_id in checkpoint.group_ids:
                 await self._store().mark_seen("trained", job_id, group_id)
-            job_logger(log, job_id, spec.tenant).info("resumed from %s at v%d", checkpoint, version)
+            job_logger(log, job_id, spec.tenant).info(
+                "resumed from %s at v%d", checkpoint.path, version
+            )
         job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
         self.jobs[job_id] = job
         return job
@@ -252,7 +255,7 @@ class TrainerService(Service):
         for group in groups:
             valid = group.valid
             rewards_G = [t.reward for t in valid]
-            advantages += group_advantages_list(rewards_G, std_normalize=rl.std_normalize)
+            advantages += group_advantages_of(rewards_G, std_normalize=rl.std_normalize)
             trajectories += valid
             rewards += rewards_G
         lags = [job.version - group.oldest_version for group in groups]
@@ -262,7 +265,9 @@ class TrainerService(Service):
         )
         train_s = time.monotonic() - started
         version = job.version + 1
-        uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
+        uri = await asyncio.to_thread(
+            self.checkpoints.save, self.policy, spec.job_id, version, [g.group_id for g in groups]
+        )
         await store.publish_adapter(spec.job_id, version, uri, version)
         for group in groups:
             await store.mark_seen("trained", spec.job_id, group.group_id)
@@ -307,25 +312,6 @@ class TrainerService(Service):
             self._release_all(job)
             self._disown(spec.job_id)
 
-    def _save(self, job: OwnedJob, version: int, group_ids: list[str]) -> str:
-        """Adapter for rollout, checkpoint for resuming; returns the adapter's URI."""
-        job_id = job.spec.job_id
-        adapter_dir = self.policy.save_adapter(
-            job_id, self.artifacts / "adapters" / job_id / f"v{version}"
-        )
-        root = self._checkpoint_root(job_id)
-        self.policy.save_checkpoint(job_id, root / f"v{version}", step=version, version=version)
-        (root / f"v{version}" / "groups.json").write_text(json.dumps(group_ids))
-        tmp = root / "latest.tmp"
-        tmp.write_text(f"v{version}")
-        tmp.replace(root / "latest")
-        for old in sorted(root.glob("v*"), key=lambda p: int(p.name[1:]))[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
-        return adapter_dir.resolve().as_uri()
-
-    def _checkpoint_root(self, job_id: str) -> Path:
-        return self.artifacts / "checkpoints" / job_id
-
     def _release_all(self, job: OwnedJob) -> None:
         for group in [*job.ready, *job.filling.values()]:
             group.release()
@@ -336,7 +322,3 @@ class TrainerService(Service):
         if self.store is None:
             raise RuntimeError("trainer_svc not started")
         return self.store
-
-
-def group_advantages_list(rewards_G: list[float], *, std_normalize: bool) -> list[float]:
-    return group_advantages(torch.tensor(rewards_G), std_normalize=std_normalize).tolist()
