@@ -28,6 +28,8 @@ acts once a caller takes several steps on one batch and passes `proximal_logprob
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 LOGITS_CHUNK_ROWS = 1024
@@ -49,6 +51,11 @@ def group_advantages(
         # Population std: the group is the whole sample, not an estimate of a larger one.
         advantages_G = advantages_G / (rewards_G.std(correction=0) + eps)
     return advantages_G
+
+
+def group_advantages_of(rewards_G: Sequence[float], *, std_normalize: bool) -> list[float]:
+    """`group_advantages` of one group's rewards as plain floats, one per trajectory."""
+    return group_advantages(torch.tensor(list(rewards_G)), std_normalize=std_normalize).tolist()
 
 
 def policy_loss(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
+_CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE)
 MAX_GRAD_NORM = 1.0
 
 # policy_loss metrics that are means over masked tokens: combined across micro-batches
@@ -213,17 +214,35 @@ class MultiAdapterPolicy:
             self._write_adapter(job_id, staging)
         return out_dir
 
-    def save_checkpoint(self, job_id: str, out_dir: Path, *, step: int, version: int) -> Path:
-        """Adapter (loadable on its own) + optimizer state + step/version, atomically."""
+    def save_checkpoint(
+        self,
+        job_id: str,
+        out_dir: Path,
+        *,
+        step: int,
+        version: int,
+        extra_files: Mapping[str, str] | None = None,
+    ) -> Path:
+        """Adapter (loadable on its own) + optimizer state + step/version, atomically.
+
+        `extra_files` (file name -> text) are written into the same directory before it is
+        renamed into place, so they appear together with the rest or not at all.
+        """
         import torch
 
         job = self._job(job_id)
         out_dir = Path(out_dir)
+        extra = dict(extra_files or {})
+        for name in extra:
+            if name in _CHECKPOINT_FILES or Path(name).name != name or name[:1] in ("", "."):
+                raise ValueError(f"extra checkpoint file {name!r}: need a new plain file name")
         with atomic_dir(out_dir) as staging:
             self._write_adapter(job_id, staging)
             torch.save(job.optimizer.state_dict(), staging / OPTIMIZER_STATE)
             state = {"job_id": job_id, "step": step, "version": version}
             (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+            for name, text in extra.items():
+                (staging / name).write_text(text)
         return out_dir
 
     def load_checkpoint(self, job_id: str, ckpt_dir: Path) -> tuple[int, int]:

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from aiokafka.structs import TopicPartition
 
 from common.bus import ConsumerLoop, Delivery, Producer
@@ -52,14 +48,14 @@ from common.metrics import (
 from common.ports import Sender, StateStore
 from common.service import Service
 from common.store import RedisStore
+from trainer_svc.checkpoints import CheckpointStore
 from trainer_svc.groups import Group, verdict
-from trainer_svc.grpo import group_advantages
+from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
 
 log = logging.getLogger(__name__)
 
 SERVICE: ServiceName = "trainer_svc"
-KEEP_CHECKPOINTS = 2
 
 
 @dataclass
@@ -95,6 +91,7 @@ class TrainerService(Service):
         self._policy: MultiAdapterPolicy | None = None
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
+        self.checkpoints = CheckpointStore(self.artifacts)
         self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
         self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
         self.store = store
@@ -185,15 +182,21 @@ class TrainerService(Service):
             return None
         spec = record.spec
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
+        try:
+            checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
+        except Exception:
+            # Not owned after all: the next trajectory tries again from a fresh adapter.
+            self.policy.remove_job(job_id)
+            raise
         version = 0
-        latest = self._checkpoint_root(job_id) / "latest"
-        if latest.is_file():
-            checkpoint = self._checkpoint_root(job_id) / latest.read_text().strip()
-            _, version = await asyncio.to_thread(self.policy.load_checkpoint, job_id, checkpoint)
+        if checkpoint is not None:
+            version = checkpoint.version
             # A crash may have come between the checkpoint and marking its groups trained.
-            for group_id in json.loads((checkpoint / "groups.json").read_text()):
+            for group_id in checkpoint.group_ids:
                 await self._store().mark_seen("trained", job_id, group_id)
-            job_logger(log, job_id, spec.tenant).info("resumed from %s at v%d", checkpoint, version)
+            job_logger(log, job_id, spec.tenant).info(
+                "resumed from %s at v%d", checkpoint.path, version
+            )
         job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
         self.jobs[job_id] = job
         return job
@@ -294,7 +297,10 @@ class TrainerService(Service):
         started = time.monotonic()
         metrics = await self._train(job, groups)
         version = job.version + 1
-        uri = await asyncio.to_thread(self._save, job, version, [g.group_id for g in groups])
+        group_ids = [g.group_id for g in groups]
+        uri = await asyncio.to_thread(
+            self.checkpoints.save, self.policy, job.spec.job_id, version, group_ids
+        )
         metrics.wall_step_s = time.monotonic() - started
         await self._publish(job, version, uri, groups, metrics)
         await self._report(job, metrics)
@@ -307,7 +313,7 @@ class TrainerService(Service):
         for group in groups:
             valid = group.valid
             trajectories += valid
-            advantages += group_advantages_list(
+            advantages += group_advantages_of(
                 [t.reward for t in valid], std_normalize=rl.std_normalize
             )
         lags = [job.version - group.oldest_version for group in groups]
@@ -372,25 +378,6 @@ class TrainerService(Service):
             self._release_all(job)
             self._disown(spec.job_id)
 
-    def _save(self, job: OwnedJob, version: int, group_ids: list[str]) -> str:
-        """Adapter for rollout, checkpoint for resuming; returns the adapter's URI."""
-        job_id = job.spec.job_id
-        adapter_dir = self.policy.save_adapter(
-            job_id, self.artifacts / "adapters" / job_id / f"v{version}"
-        )
-        root = self._checkpoint_root(job_id)
-        self.policy.save_checkpoint(job_id, root / f"v{version}", step=version, version=version)
-        (root / f"v{version}" / "groups.json").write_text(json.dumps(group_ids))
-        tmp = root / "latest.tmp"
-        tmp.write_text(f"v{version}")
-        tmp.replace(root / "latest")
-        for old in sorted(root.glob("v*"), key=lambda p: int(p.name[1:]))[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
-        return adapter_dir.resolve().as_uri()
-
-    def _checkpoint_root(self, job_id: str) -> Path:
-        return self.artifacts / "checkpoints" / job_id
-
     def _release_all(self, job: OwnedJob) -> None:
         for group in [*job.ready, *job.filling.values()]:
             group.release()
@@ -401,7 +388,3 @@ class TrainerService(Service):
         if self.store is None:
             raise RuntimeError("trainer_svc not started")
         return self.store
-
-
-def group_advantages_list(rewards_G: list[float], *, std_normalize: bool) -> list[float]:
-    return group_advantages(torch.tensor(rewards_G), std_normalize=std_normalize).tolist()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer_svc import grpo
-from trainer_svc.grpo import group_advantages, policy_loss, token_logprobs
+from trainer_svc.grpo import group_advantages, group_advantages_of, policy_loss, token_logprobs
 
 CLIP: dict[str, Any] = {"clip_low": 0.2, "clip_high": 0.28, "is_cap": 2.0}
 LN = math.log
@@ -282,3 +282,10 @@ def test_token_logprobs_are_float32_from_bfloat16_logits() -> None:
 def test_token_logprobs_of_a_single_token_is_zero() -> None:
     logprobs_BT = token_logprobs(torch.zeros(2, 1, 5), torch.zeros(2, 1, dtype=torch.long))
     assert logprobs_BT.tolist() == [[0.0], [0.0]]
+
+
+def test_group_advantages_of_plain_rewards() -> None:
+    assert group_advantages_of([0.0, 1.0, 1.0, 0.0], std_normalize=False) == [-0.5, 0.5, 0.5, -0.5]
+    normalised = group_advantages_of([0.0, 1.0, 1.0, 0.0], std_normalize=True)
+    assert normalised == pytest.approx([-1.0, 1.0, 1.0, -1.0], abs=1e-5)
+    assert group_advantages_of([0.3, 0.3], std_normalize=True) == [0.0, 0.0]

@@ -1,0 +1,143 @@
+"""The trainer's artifacts: published adapter versions and the checkpoints a job resumes from.
+
+Layout under the artifact dir (MARLAAS_ARTIFACT_DIR):
+
+    adapters/<job>/v<n>/        the PEFT adapter of version n; rollout_svc loads it by URI and
+                                `marlaas export` copies it out. Every version is kept.
+    checkpoints/<job>/v<n>/     adapter + optimizer + trainer_state.json (MultiAdapterPolicy's
+                                checkpoint) + groups.json: the ids of the groups version n
+                                was trained on. Only the newest `keep` (2) are kept.
+    checkpoints/<job>/latest    text `v<n>`: the newest complete checkpoint.
+
+A save writes the adapter, then the whole checkpoint directory (groups.json included) in one
+atomic rename, then moves `latest`, then prunes. A crash at any point leaves `latest` naming a
+complete checkpoint: the previous one until `latest` has moved. A directory newer than
+`latest` (a crash after its rename) is not used and the next save of that version replaces it.
+
+`latest` naming a directory that is missing or incomplete is an error, not "no checkpoint": the
+job has published versions and marked groups trained, so starting it again from scratch
+would go back in versions and lose its progress. `CheckpointStore.latest` raises
+FileNotFoundError then, and an operator decides.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.artifacts import atomic_write_text
+from common.jobspec import is_name
+from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
+
+KEEP_CHECKPOINTS = 2
+LATEST = "latest"
+GROUPS_FILE = "groups.json"
+_VERSION_DIR = re.compile(r"v(\d+)")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint: its directory, its version, the groups that version trained."""
+
+    path: Path
+    version: int
+    group_ids: tuple[str, ...]
+
+
+class CheckpointStore:
+    """Adapters and checkpoints of every job under one artifact directory."""
+
+    def __init__(self, artifacts: Path, *, keep: int = KEEP_CHECKPOINTS) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, not {keep}")
+        self.artifacts = Path(artifacts)
+        self.keep = keep
+
+    def adapter_dir(self, job_id: str, version: int) -> Path:
+        return self.artifacts / "adapters" / _checked(job_id) / f"v{version}"
+
+    def checkpoint_dir(self, job_id: str, version: int) -> Path:
+        return self._root(job_id) / f"v{version}"
+
+    def save(
+        self, policy: MultiAdapterPolicy, job_id: str, version: int, group_ids: Sequence[str]
+    ) -> str:
+        """Publishable adapter + checkpoint of `version`, trained on `group_ids`; then `latest`
+        moves to it and older checkpoints are pruned. Returns the adapter's `file://` URI."""
+        adapter_dir = policy.save_adapter(job_id, self.adapter_dir(job_id, version))
+        policy.save_checkpoint(
+            job_id,
+            self.checkpoint_dir(job_id, version),
+            step=version,
+            version=version,
+            extra_files={GROUPS_FILE: json.dumps(list(group_ids))},
+        )
+        atomic_write_text(self._root(job_id) / LATEST, f"v{version}")
+        self._prune(job_id, version)
+        return adapter_dir.resolve().as_uri()
+
+    def latest(self, job_id: str) -> Checkpoint | None:
+        """The checkpoint `latest` names; None when the job has none (no `latest` file).
+
+        Raises FileNotFoundError when `latest` names a missing or incomplete directory, and
+        ValueError when it holds something other than `v<n>`.
+        """
+        pointer = self._root(job_id) / LATEST
+        try:
+            name = pointer.read_text().strip()
+        except FileNotFoundError:
+            return None
+        match = _VERSION_DIR.fullmatch(name)
+        if match is None:
+            raise ValueError(f"{pointer} holds {name!r}, not a checkpoint name v<n>")
+        path = self._root(job_id) / name
+        missing = [f for f in (TRAINER_STATE, GROUPS_FILE) if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{pointer} names {name}, but {path} is missing or incomplete (no {missing[0]});"
+                " not restarting the job from scratch"
+            )
+        group_ids = json.loads((path / GROUPS_FILE).read_text())
+        return Checkpoint(path=path, version=int(match[1]), group_ids=tuple(group_ids))
+
+    def resume(self, policy: MultiAdapterPolicy, job_id: str) -> Checkpoint | None:
+        """Load the latest checkpoint into the job's adapter and optimizer, which `policy`
+        already has (`add_job`); None, leaving them as they are, when the job has none."""
+        checkpoint = self.latest(job_id)
+        if checkpoint is None:
+            return None
+        _, version = policy.load_checkpoint(job_id, checkpoint.path)
+        if version != checkpoint.version:
+            raise ValueError(f"{checkpoint.path} holds version {version}, not {checkpoint.version}")
+        return checkpoint
+
+    def _prune(self, job_id: str, saved: int) -> None:
+        """Keep `saved` and the `keep - 1` newest checkpoints before it; delete older ones.
+
+        Newer directories (left by a crash before `latest` moved) stay: the next saves
+        replace them.
+        """
+        older = sorted(v for v in self._versions(job_id) if v < saved)
+        for version in older[: max(len(older) - (self.keep - 1), 0)]:
+            shutil.rmtree(self.checkpoint_dir(job_id, version), ignore_errors=True)
+
+    def _versions(self, job_id: str) -> list[int]:
+        root = self._root(job_id)
+        if not root.is_dir():
+            return []
+        matches = (_VERSION_DIR.fullmatch(p.name) for p in root.iterdir() if p.is_dir())
+        return [int(m[1]) for m in matches if m is not None]
+
+    def _root(self, job_id: str) -> Path:
+        return self.artifacts / "checkpoints" / _checked(job_id)
+
+
+def _checked(job_id: str) -> str:
+    # Job ids become directory names: refuse anything that could leave the artifact tree.
+    if not is_name(job_id):
+        raise ValueError(f"job id {job_id!r} is not a valid job name")
+    return job_id
