@@ -91,7 +91,7 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
 async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
     """Cumulative counters summed over rollout replicas."""
     totals: dict[str, float] = {}
-    for stats in (await client.registry.replica_stats()).values():
+    for stats in (await client.store.replica_stats()).values():
         for name, value in stats.as_map().items():
             if name in REPLICA_COUNTERS:
                 totals[name] = totals.get(name, 0.0) + value

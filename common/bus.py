@@ -1,11 +1,12 @@
-"""The Kafka bus: topic bootstrap, producer, at-least-once consumer loop, dead letters, lag.
+"""The Kafka bus: client start-up, producer, at-least-once consumer loop, dead letters, lag.
 
-Delivery contract (docs/architecture.md, "Delivery guarantees"): offsets are committed only
-after the handler succeeded (or explicitly after held work became durable); a record that
-cannot be decoded, or whose handler fails for good, goes to `marlaas.dlq` and the loop goes
-on; a retryable failure re-reads the same record after a back-off. No Kafka transactions and
-no idempotent producer: the embedded broker lacks InitProducerId, so consumers de-duplicate
-by message id instead.
+Topic creation and outside lag reads are the operator's (console/topics.py); fan-out reading
+is common/broadcast.py. Delivery contract (docs/architecture.md, "Delivery guarantees"):
+offsets are committed only after the handler succeeded (or explicitly after held work became
+durable); a record that cannot be decoded, or whose handler fails for good, goes to
+`marlaas.dlq` and the loop goes on; a retryable failure re-reads the same record after a
+back-off. No Kafka transactions and no idempotent producer: the embedded broker lacks
+InitProducerId, so consumers de-duplicate by message id instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
 from aiokafka.structs import TopicPartition
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (KafkaConnectionError, OSError, asyncio.TimeoutError)
-_TOPIC_ALREADY_EXISTS = 36
 
 
 class RetryableError(Exception):
@@ -57,13 +57,13 @@ class RetryableError(Exception):
 DEFAULT_RETRYABLE: tuple[type[BaseException], ...] = (RetryableError, ConnectionError, TimeoutError)
 
 
-# --- topics -------------------------------------------------------------------------
+# --- clients ------------------------------------------------------------------------
 
 
 C = TypeVar("C", AIOKafkaProducer, AIOKafkaConsumer, AIOKafkaAdminClient)
 
 
-async def _started(make: Callable[[], C], bootstrap: str, timeout_s: float) -> C:
+async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) -> C:
     """A started client, retried with back-off; a client whose start failed is closed."""
 
     async def attempt() -> C:
@@ -80,52 +80,6 @@ async def _started(make: Callable[[], C], bootstrap: str, timeout_s: float) -> C
     )
 
 
-async def _start_admin(bootstrap: str, timeout_s: float) -> AIOKafkaAdminClient:
-    return await _started(
-        lambda: AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="marlaas-admin"),
-        bootstrap,
-        timeout_s,
-    )
-
-
-async def ensure_topics(
-    bootstrap: str, partitions: int = 12, *, timeout_s: float = 60.0
-) -> dict[str, int]:
-    """Create every missing `marlaas.*` topic; return each topic's partition count.
-
-    Idempotent: existing topics are left alone (a count differing from
-    `partitions` is logged, since Kafka cannot shrink a topic).
-    """
-    admin = await _start_admin(bootstrap, timeout_s)
-    try:
-        existing = set(await admin.list_topics())
-        missing = [topic.value for topic in Topic if topic.value not in existing]
-        if missing:
-            response = await admin.create_topics(
-                [
-                    NewTopic(name, num_partitions=partitions, replication_factor=1)
-                    for name in missing
-                ]
-            )
-            for name, code, *rest in response.topic_errors:
-                if code not in (0, _TOPIC_ALREADY_EXISTS):
-                    raise KafkaError(f"cannot create topic {name}: error {code} {rest}")
-            log.info("created topics %s with %d partitions", ", ".join(missing), partitions)
-        # Describe only topics that exist now: naming a missing one would auto-create it.
-        counts = {
-            entry["topic"]: len(entry["partitions"])
-            for entry in await admin.describe_topics([topic.value for topic in Topic])
-        }
-    finally:
-        await admin.close()
-    for name, count in counts.items():
-        if count != partitions:
-            log.warning(
-                "topic %s has %d partitions, not the configured %d", name, count, partitions
-            )
-    return counts
-
-
 # --- producing ----------------------------------------------------------------------
 
 
@@ -138,7 +92,7 @@ class Producer:
         self._producer: AIOKafkaProducer | None = None
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        self._producer = await _started(
+        self._producer = await start_client(
             lambda: AIOKafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 client_id=self.client_id,
@@ -274,7 +228,7 @@ class ConsumerLoop(Generic[M]):
         return set(self._trackers)
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        self._consumer = await _started(
+        self._consumer = await start_client(
             lambda: AIOKafkaConsumer(
                 bootstrap_servers=self.bootstrap,
                 group_id=self.group_id,
@@ -509,101 +463,3 @@ def _describe(partitions: Iterable[TopicPartition]) -> str:
     for tp in partitions:
         by_topic.setdefault(tp.topic, []).append(tp.partition)
     return "; ".join(f"{t}{sorted(p)}" for t, p in sorted(by_topic.items())) or "none"
-
-
-async def group_lag(
-    bootstrap: str, group_id: str, topics: Iterable[str], *, timeout_s: float = 10.0
-) -> list[PartitionLag]:
-    """Lag of a consumer group on `topics`, seen from outside the group (CLI, dashboards)."""
-    admin = await _start_admin(bootstrap, timeout_s)
-    try:
-        # Describe only existing topics: naming a missing one would auto-create it.
-        wanted = set(topics) & set(await admin.list_topics())
-        partitions = [
-            TopicPartition(entry["topic"], p["partition"])
-            for entry in (await admin.describe_topics(sorted(wanted)) if wanted else [])
-            for p in entry["partitions"]
-        ]
-    finally:
-        await admin.close()
-    partitions.sort(key=lambda tp: (tp.topic, tp.partition))
-    # A consumer that names the group but never subscribes reads its commits without
-    # joining it (the admin client's OffsetFetch version is not one Tansu answers).
-    probe = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        group_id=group_id,
-        client_id="marlaas-lag",
-        enable_auto_commit=False,
-    )
-    await probe.start()
-    try:
-        ends = await probe.end_offsets(partitions) if partitions else {}
-        return [
-            PartitionLag(tp.topic, tp.partition, ends[tp], await probe.committed(tp))
-            for tp in partitions
-        ]
-    finally:
-        await probe.stop()
-
-
-class BroadcastReader(Generic[M]):
-    """Every member reads every record of `topic` from now on (no group, no commits).
-
-    For fan-out state such as adapter updates: each rollout replica must see all of them.
-    Start it before reading the matching snapshot (e.g. Redis) so nothing falls in between.
-    """
-
-    def __init__(
-        self, *, bootstrap: str, topic: str, handler: Callable[[M], Awaitable[None]], service: str
-    ) -> None:
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.service = service
-        self._handler = handler
-        self._consumer: AIOKafkaConsumer | None = None
-        self._stopping = asyncio.Event()
-
-    async def start(self, *, timeout_s: float = 60.0) -> None:
-        consumer = await _started(
-            lambda: AIOKafkaConsumer(
-                bootstrap_servers=self.bootstrap,
-                client_id=f"{self.service}-broadcast",
-                enable_auto_commit=False,
-                auto_offset_reset="latest",
-            ),
-            self.bootstrap,
-            timeout_s,
-        )
-        partitions = consumer.partitions_for_topic(self.topic)
-        if not partitions:
-            await consumer.topics()  # refresh metadata once
-            partitions = consumer.partitions_for_topic(self.topic) or set()
-        assigned = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        consumer.assign(assigned)
-        # Pin "now" before returning, so the caller's snapshot cannot miss a record.
-        for tp, end in (await consumer.end_offsets(assigned)).items():
-            consumer.seek(tp, end)
-        self._consumer = consumer
-
-    async def run(self) -> None:
-        consumer = self._consumer
-        if consumer is None:
-            raise RuntimeError("broadcast reader not started")
-        while not self._stopping.is_set():
-            batches = await consumer.getmany(timeout_ms=200)
-            for records in batches.values():
-                for record in records:
-                    try:
-                        message = decode(record.topic, record.value)
-                    except MessageDecodeError as exc:
-                        log.error("%s: skipping %s", self.service, exc)
-                        continue
-                    await self._handler(message)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    async def close(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-            self._consumer = None

@@ -126,7 +126,7 @@ def topics_create(
     ),
 ) -> None:
     """Create every marlaas.* topic that does not exist yet (idempotent)."""
-    from common.bus import ensure_topics
+    from console.topics import ensure_topics
 
     settings = load(SharedSettings)
     quiet_logging()

@@ -40,31 +40,31 @@ class MarlaasClient:
     def __init__(self, settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> None:
         self.settings = settings
         self.connect_timeout_s = connect_timeout_s
-        self._registry: RedisStore | None = None
+        self._store: RedisStore | None = None
 
     async def __aenter__(self) -> MarlaasClient:
-        self._registry = await RedisStore.connect(
+        self._store = await RedisStore.connect(
             self.settings.redis_url, timeout_s=self.connect_timeout_s
         )
         return self
 
     async def __aexit__(self, *_: object) -> None:
-        if self._registry is not None:
-            await self._registry.close()
-            self._registry = None
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
 
     @property
-    def registry(self) -> RedisStore:
-        if self._registry is None:
+    def store(self) -> RedisStore:
+        if self._store is None:
             raise RuntimeError("use `async with MarlaasClient(...)`")
-        return self._registry
+        return self._store
 
     # --- jobs -------------------------------------------------------------------------
 
     async def submit(self, specs: Sequence[JobSpec]) -> None:
         """Produce every spec to marlaas.jobs; refuses ids that already exist (none is sent)."""
         for spec in specs:
-            if (record := await self.registry.job(spec.job_id)) is not None:
+            if (record := await self.store.job(spec.job_id)) is not None:
                 raise JobStateError(
                     f"job {spec.job_id!r} already exists ({record.status}); "
                     "give the file another job_id or leave it out for a fresh one"
@@ -72,7 +72,7 @@ class MarlaasClient:
         await self._send(*specs)
 
     async def job(self, job_id: str) -> JobRecord:
-        record = await self.registry.job(job_id)
+        record = await self.store.job(job_id)
         if record is None:
             raise UnknownJobError(job_id)
         return record
@@ -106,13 +106,13 @@ class MarlaasClient:
         """Every event of the job so far, oldest first."""
         async with self._feed({job_id}) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
-        if not events and await self.registry.job(job_id) is None:
+        if not events and await self.store.job(job_id) is None:
             raise UnknownJobError(job_id)
         return events
 
     async def follow(self, job_id: str) -> AsyncIterator[Event]:
         """The job's events so far, then each new one until the job has ended."""
-        if await self.registry.job(job_id) is None:
+        if await self.store.job(job_id) is None:
             await self.events(job_id)  # raises UnknownJobError unless it has events
         async with self._feed({job_id}) as feed:
             ended = False
@@ -123,7 +123,7 @@ class MarlaasClient:
 
     def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
         return StatusBoard(
-            self.settings.kafka_bootstrap, self.registry, consumer_groups(),
+            self.settings.kafka_bootstrap, self.store, consumer_groups(),
             job_ids=job_ids, timeout_s=self.connect_timeout_s,
         )  # fmt: skip
 
@@ -139,24 +139,23 @@ class MarlaasClient:
             resolve_base_model, self.settings.base_model, self.settings.cache_dir
         )
         return await export_adapter(
-            self.registry, job_id, out_dir, base_model_path=str(base_model_dir), version=version
+            self.store, job_id, out_dir, base_model_path=str(base_model_dir), version=version
         )
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
-        from console.report import build_report, write_report
+        from console.report import build_report
+        from console.report_page import write_report
 
         async with self._feed(set(job_ids) or None) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         for job_id in set(job_ids) - {e.job_id for e in events}:
             await self.job(job_id)  # no events yet: it must at least be registered
         specs = {}
-        for job_id in set(job_ids) or {e.job_id for e in events} | set(
-            await self.registry.job_ids()
-        ):
-            if (record := await self.registry.job(job_id)) is not None:
+        for job_id in set(job_ids) or {e.job_id for e in events} | set(await self.store.job_ids()):
+            if (record := await self.store.job(job_id)) is not None:
                 specs[job_id] = record.spec
-        report = build_report(events, await self.registry.replica_stats_history(), specs=specs)
+        report = build_report(events, await self.store.replica_stats_history(), specs=specs)
         return write_report(report, out_dir)
 
     # --- helpers ----------------------------------------------------------------------

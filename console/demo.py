@@ -114,7 +114,7 @@ async def run_demo(
             jobs = {row.progress.job_id: row.progress for row in snapshot.jobs}
             rollout_stats = {
                 replica: stats.as_map()
-                for replica, stats in (await client.registry.replica_stats()).items()
+                for replica, stats in (await client.store.replica_stats()).items()
             }
             report = await client.report(list(jobs), run_dir / "report")
     console.print(progress_table(jobs, final=True))

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import _started
+from common.bus import start_client
 from common.messages import Event, MessageDecodeError, Topic, decode
 
 
@@ -40,7 +40,7 @@ class EventFeed:
         self._seen: set[str] = set()
 
     async def start(self) -> None:
-        consumer = await _started(
+        consumer = await start_client(
             lambda: AIOKafkaConsumer(
                 bootstrap_servers=self.bootstrap,
                 client_id="marlaas-events-reader",

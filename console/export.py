@@ -73,7 +73,7 @@ def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
 
 
 async def export_adapter(
-    registry: RedisStore,
+    store: RedisStore,
     job_id: str,
     out_dir: Path,
     *,
@@ -86,10 +86,10 @@ async def export_adapter(
     lies on the exporting machine). `out_dir` must not exist or be empty; it appears whole
     or not at all.
     """
-    record = await registry.job(job_id)
+    record = await store.job(job_id)
     if record is None:
         raise ExportError(f"unknown job {job_id!r}")
-    pointer = await registry.adapter(job_id)
+    pointer = await store.adapter(job_id)
     if pointer is None or pointer.version < 1:
         raise ExportError(
             f"job {job_id!r} has no trained adapter yet ({record.status}); "

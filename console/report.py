@@ -1,21 +1,17 @@
-"""`marlaas report`: one self-contained HTML page (inline SVG charts) + the numbers as CSV/JSON.
+"""`marlaas report`, its numbers: jobs, steps and replica utilisation from events and stats.
 
 Pure: it turns events (`marlaas.events`) and rollout replica stats history (Redis) into a
-report; reading them is `console.client`'s job. Every chart carries its exact numbers
-(`data-values` on each series), so the page can be checked by parsing it.
+`Report`; reading them is `console.client`'s job, writing the page and files is
+`console.report_page`'s.
 """
 
 from __future__ import annotations
 
-import csv
-import html
 import itertools
-import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 from common.lifecycle import (
     DROPPED_EVENTS,
@@ -25,7 +21,7 @@ from common.lifecycle import (
     StepMetrics,
 )
 from common.messages import Event, JobSpec
-from console.svgchart import Point, Series, is_number, line_chart, plottable
+from console.svgchart import is_number
 
 RESTART_SLACK_S = 1.0
 """How much shorter than the gap between two samples the uptime may be (sampling jitter)
@@ -291,177 +287,3 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
     return numerator / denominator
-
-
-# --- files ------------------------------------------------------------------------------
-
-
-def write_report(report: Report, out_dir: Path) -> Path:
-    """Write index.html, steps.csv, utilisation.csv and report.json; returns index.html."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(out_dir / "steps.csv", report.steps, StepRow)
-    _write_csv(out_dir / "utilisation.csv", report.utilisation, UtilisationRow)
-    # Strict JSON: a NaN or infinite metric (a diverged loss) becomes null.
-    report_json = json.dumps(_finite_or_none(asdict(report)), indent=2, allow_nan=False)
-    (out_dir / "report.json").write_text(report_json + "\n", encoding="utf-8")
-    index = out_dir / "index.html"
-    index.write_text(render_html(report), encoding="utf-8")
-    return index
-
-
-def _write_csv(path: Path, rows: Sequence[StepRow | UtilisationRow], kind: type) -> None:
-    with path.open("w", newline="", encoding="utf-8") as out:
-        writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(kind)])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in asdict(row).items()})
-
-
-def _finite_or_none(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
-# --- HTML -------------------------------------------------------------------------------
-
-
-def render_html(report: Report) -> str:
-    generated = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.generated_at))
-    title = html.escape(report.title)
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>{_CSS}</style></head><body>
-<h1>{title}</h1>
-<p class="meta">Generated {html.escape(generated)} · {len(report.jobs)} jobs ·
-{len(report.steps)} steps · numbers: <a href="steps.csv">steps.csv</a>,
-<a href="utilisation.csv">utilisation.csv</a>, <a href="report.json">report.json</a></p>
-{_jobs_table(report.jobs)}
-{"".join(_charts(report))}
-</body></html>
-"""
-
-
-def _charts(report: Report) -> list[str]:
-    steps_by_job: dict[str, list[StepRow]] = {}
-    for row in report.steps:
-        steps_by_job.setdefault(row.job_id, []).append(row)
-    util_by_replica: dict[str, list[UtilisationRow]] = {}
-    for util in report.utilisation:
-        util_by_replica.setdefault(util.replica, []).append(util)
-    origin = report.started_at or 0.0
-
-    def per_step(metric: str) -> list[Series]:
-        return [
-            Series(job_id, job_id, [plottable((r.step, getattr(r, metric)) for r in rows)])
-            for job_id, rows in steps_by_job.items()
-        ]
-
-    trainer_throughput = [
-        Series(
-            job_id,
-            f"trainer: {job_id}",
-            [plottable((r.at - origin, r.trainer_tokens_per_s) for r in rows)],
-            "trainer",
-        )
-        for job_id, rows in steps_by_job.items()
-    ]
-    rollout_throughput = [
-        Series(name, f"rollout: {name}", _segments(rows, "tokens_per_s"), "rollout")
-        for name, rows in util_by_replica.items()
-    ]
-    utilisation = [
-        Series(name, name, _segments(rows, "utilisation")) for name, rows in util_by_replica.items()
-    ]
-    return [
-        line_chart(
-            "reward",
-            "Mean reward per step",
-            "step",
-            "mean reward",
-            per_step("mean_reward"),
-            whole_x=True,
-        ),
-        line_chart(
-            "staleness",
-            "Staleness (max adapter versions behind) per step",
-            "step",
-            "versions behind",
-            per_step("staleness_max"),
-            whole_x=True,
-            whole_y=True,
-        ),
-        line_chart(
-            "throughput",
-            "Throughput: trainer tokens/s per step, rollout tokens/s",
-            "seconds since report start",
-            "tokens/s",
-            trainer_throughput + rollout_throughput,
-        ),
-        line_chart(
-            "utilisation",
-            "Rollout engine busy share over time",
-            "seconds since report start",
-            "busy share",
-            utilisation,
-        ),
-    ]
-
-
-def _segments(rows: Sequence[UtilisationRow], metric: str) -> list[list[Point]]:
-    """A replica's points, split where it restarted."""
-    return [
-        plottable((r.elapsed_s, getattr(r, metric)) for r in segment_rows)
-        for _, segment_rows in itertools.groupby(rows, key=lambda r: r.segment)
-    ]
-
-
-def _jobs_table(jobs: Sequence[JobSummary]) -> str:
-    columns = (
-        "job_id",
-        "tenant",
-        "env",
-        "state",
-        "steps",
-        "max_steps",
-        "first_reward",
-        "last_reward",
-        "best_reward",
-        "max_staleness",
-        "dropped_groups",
-        "wall_s",
-        "reason",
-    )
-    head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)
-    rows = "".join(
-        f'<tr data-job="{html.escape(job.job_id)}">'
-        + "".join(f'<td data-field="{c}">{_cell(c, getattr(job, c))}</td>' for c in columns)
-        + "</tr>"
-        for job in jobs
-    )
-    return f'<table class="jobs"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
-
-
-def _cell(column: str, value: object) -> str:
-    if value is None or value == "":
-        return "-"
-    if column.endswith("reward") and isinstance(value, float):
-        return f"{value:.3f}"
-    if column == "wall_s" and isinstance(value, float):
-        return f"{value:.0f}"
-    return html.escape(str(value))
-
-
-_CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
-h1 { font-size: 20px; margin: 0 0 4px; } .meta { color: #666; margin: 0 0 16px; }
-table.jobs { border-collapse: collapse; margin-bottom: 20px; }
-table.jobs th, table.jobs td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; }
-table.jobs th { background: #f5f5f5; }
-svg.chart { display: block; margin: 0 0 18px; background: #fff; }
-svg.chart text { fill: #444; } svg.chart .title { fill: #222; } svg.chart .nodata { fill: #999; }
-"""

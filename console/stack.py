@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import IO
 
 from common.artifacts import atomic_write_text
-from common.bus import ensure_topics
 from common.config import (
     SERVICE_SETTINGS,
     SharedSettings,
@@ -34,6 +33,7 @@ from common.config import (
 )
 from common.lifecycle import SERVICES
 from common.store import RedisStore
+from console.topics import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ async def wait_ready(
             await asyncio.sleep(0.2)
 
     async def probe() -> dict[str, int]:
-        registry = await RedisStore.connect(redis_url, timeout_s=timeout_s)
-        await registry.close()
+        store = await RedisStore.connect(redis_url, timeout_s=timeout_s)
+        await store.close()
         return await ensure_topics(kafka_bootstrap, partitions, timeout_s=timeout_s)
 
     watcher = asyncio.create_task(watch_children(), name="stack-watch-children")

@@ -20,12 +20,12 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from common.bus import group_lag
 from common.lifecycle import CONSUMED_TOPICS
 from common.messages import Event, JobSpec
 from common.store import RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.jobwatch import JobProgress
+from console.topics import group_lag
 
 RECENT_EVENTS = 200
 """Events kept per job for `marlaas status JOB` and `--json`."""
@@ -94,14 +94,14 @@ class StatusBoard:
     def __init__(
         self,
         bootstrap: str,
-        registry: RedisStore,
+        store: RedisStore,
         consumer_groups: dict[str, str],
         *,
         job_ids: Collection[str] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         self.bootstrap = bootstrap
-        self.registry = registry
+        self.store = store
         self.consumer_groups = consumer_groups
         """Consumer group of each service, e.g. {"env_svc": "marlaas-env"}."""
         self.job_ids = set(job_ids) if job_ids else None
@@ -126,7 +126,7 @@ class StatusBoard:
 
     async def snapshot(self) -> StatusSnapshot:
         self._apply(await self._feed.poll(0.05))
-        job_ids = self.job_ids or set(await self.registry.job_ids()) | set(self._progress)
+        job_ids = self.job_ids or set(await self.store.job_ids()) | set(self._progress)
         rows = [await self._row(job_id) for job_id in sorted(job_ids)]
         if self.job_ids:
             for row, job_id in zip(rows, sorted(job_ids), strict=True):
@@ -153,7 +153,7 @@ class StatusBoard:
             self._events.setdefault(event.job_id, deque(maxlen=RECENT_EVENTS)).append(event)
 
     async def _row(self, job_id: str) -> JobRow | None:
-        record = await self.registry.job(job_id)
+        record = await self.store.job(job_id)
         progress = self._progress.get(job_id)
         if record is None and progress is None:
             return None
@@ -170,7 +170,7 @@ class StatusBoard:
             state = record.status
             progress.submitted_at = spec.submitted_at or progress.submitted_at
             if state in ("running", "paused"):
-                flow = await self.registry.flow(job_id)
+                flow = await self.store.flow(job_id)
                 in_flight = flow.untrained_groups(spec.rl.groups_per_step) * spec.rl.group_size
         return JobRow(progress, state, in_flight, list(self._events.get(job_id, ())))
 
@@ -192,7 +192,7 @@ class StatusBoard:
                 tokens_per_s=stats.tokens_per_s,
                 in_flight=int(stats.in_flight or 0),
             )
-            for name, stats in sorted((await self.registry.replica_stats()).items())
+            for name, stats in sorted((await self.store.replica_stats()).items())
         ]
 
 

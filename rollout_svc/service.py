@@ -16,7 +16,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from common.artifacts import adapter_path
-from common.bus import BroadcastReader, ConsumerLoop, Delivery, Producer
+from common.broadcast import BroadcastReader
+from common.bus import ConsumerLoop, Delivery, Producer
 from common.config import RolloutSettings, SharedSettings
 from common.health import redis_ready
 from common.lifecycle import CONSUMED_TOPICS, RolloutReplicaStats, ServiceName

@@ -22,11 +22,10 @@ from common.bus import (
     Delivery,
     Producer,
     RetryableError,
-    ensure_topics,
-    group_lag,
 )
 from common.messages import DeadLetter, Event, Topic, decode, new_id
 from console.stack import free_port
+from console.topics import ensure_topics, group_lag
 
 pytestmark = pytest.mark.kafka
 

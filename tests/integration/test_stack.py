@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from common.bus import ensure_topics
 from common.messages import Topic
 from common.models import tiny_model
 from common.store import RedisStore
 from console.stack import LocalStack, free_port
+from console.topics import ensure_topics
 
 pytestmark = pytest.mark.kafka
 

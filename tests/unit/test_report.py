@@ -12,7 +12,8 @@ import pytest
 
 from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
-from console.report import Report, build_report, write_report
+from console.report import Report, build_report
+from console.report_page import write_report
 
 T0 = 1_800_000_000.0
 CHARTS = {"reward", "staleness", "throughput", "utilisation"}

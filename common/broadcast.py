@@ -1,0 +1,86 @@
+"""Fan-out reading: every member reads every record of a topic (adapter updates).
+
+No consumer group and no commits: each rollout replica must see every `AdapterUpdate`, so it
+reads `marlaas.adapters` from "now" on, after pinning "now" before it reads the matching Redis
+snapshot (docs/architecture.md, "Scaling").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from common.bus import start_client
+from common.messages import Message, MessageDecodeError, decode
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+class BroadcastReader(Generic[M]):
+    """Every member reads every record of `topic` from now on (no group, no commits).
+
+    For fan-out state such as adapter updates: each rollout replica must see all of them.
+    Start it before reading the matching snapshot (e.g. Redis) so nothing falls in between.
+    """
+
+    def __init__(
+        self, *, bootstrap: str, topic: str, handler: Callable[[M], Awaitable[None]], service: str
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.service = service
+        self._handler = handler
+        self._consumer: AIOKafkaConsumer | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self, *, timeout_s: float = 60.0) -> None:
+        consumer = await start_client(
+            lambda: AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap,
+                client_id=f"{self.service}-broadcast",
+                enable_auto_commit=False,
+                auto_offset_reset="latest",
+            ),
+            self.bootstrap,
+            timeout_s,
+        )
+        partitions = consumer.partitions_for_topic(self.topic)
+        if not partitions:
+            await consumer.topics()  # refresh metadata once
+            partitions = consumer.partitions_for_topic(self.topic) or set()
+        assigned = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        consumer.assign(assigned)
+        # Pin "now" before returning, so the caller's snapshot cannot miss a record.
+        for tp, end in (await consumer.end_offsets(assigned)).items():
+            consumer.seek(tp, end)
+        self._consumer = consumer
+
+    async def run(self) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("broadcast reader not started")
+        while not self._stopping.is_set():
+            batches = await consumer.getmany(timeout_ms=200)
+            for records in batches.values():
+                for record in records:
+                    try:
+                        message = decode(record.topic, record.value)
+                    except MessageDecodeError as exc:
+                        log.error("%s: skipping %s", self.service, exc)
+                        continue
+                    await self._handler(message)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
