@@ -15,7 +15,11 @@ from typing import Any
 
 from pydantic_settings import BaseSettings
 
+from common.bus import Producer
+from common.config import SharedSettings
 from common.health import HealthServer
+from common.ports import Sender, StateStore
+from common.store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,49 @@ class Service(ABC):
         Called by /readyz at any time, also before `start()` finished and after `stop()`,
         so it must read what is not there yet as not ready, never raise.
         """
+
+
+class Connections:
+    """A service's Kafka producer and Redis store.
+
+    Given ones (handler tests: an in-memory bus, a store over fakeredis) are used as they are
+    and left open; otherwise `open()` connects to the deployment's Kafka and Redis, retrying
+    for up to `connect_timeout_s`, and `close()` disconnects.
+    """
+
+    def __init__(
+        self,
+        shared: SharedSettings,
+        client_id: str,
+        *,
+        producer: Sender | None = None,
+        store: StateStore | None = None,
+    ) -> None:
+        self._shared = shared
+        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=client_id)
+        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
+        self.store = store
+        """None until `open()` connected it (readiness probes read that as not ready)."""
+        self._owns_store = store is None
+
+    async def open(self) -> None:
+        if self.store is None:
+            self.store = await RedisStore.connect(
+                self._shared.redis_url, timeout_s=self._shared.connect_timeout_s
+            )
+        if self._kafka is not None:
+            await self._kafka.start(timeout_s=self._shared.connect_timeout_s)
+
+    async def close(self) -> None:
+        if self._kafka is not None:
+            await self._kafka.stop()
+        if self.store is not None and self._owns_store:
+            await self.store.close()
+
+    def require_store(self) -> StateStore:
+        if self.store is None:
+            raise RuntimeError("the service has not started: no store yet")
+        return self.store
 
 
 def log_settings(*settings: BaseSettings) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from common.bus import ConsumerLoop, Delivery, Producer
+from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
@@ -31,8 +31,8 @@ from common.messages import (
     job_event,
 )
 from common.ports import Sender, StateStore
-from common.service import Service
-from common.store import JobRecord, RedisStore
+from common.service import Connections, Service
+from common.store import JobRecord
 from env_svc.episodes import (
     ChatTokenizer,
     EpisodeError,
@@ -64,21 +64,14 @@ class EnvService(Service):
         self.shared = shared
         self.settings = settings
         self.tokenizer = tokenizer
-        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
-        self.store = store
-        self._owns_store = store is None
+        self.io = Connections(shared, SERVICE, producer=producer, store=store)
+        self.producer = self.io.producer
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
 
     async def start(self) -> None:
-        if self.store is None:
-            self.store = await RedisStore.connect(
-                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-            )
-        if self._kafka is not None:
-            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
+        await self.io.open()
         self.consumer = ConsumerLoop[Message](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
@@ -100,15 +93,12 @@ class EnvService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
-        if self._kafka is not None:
-            await self._kafka.stop()
-        if self.store is not None and self._owns_store:
-            await self.store.close()
+        await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.store),
+            "redis": await redis_ready(self.io.store),
         }
 
     # --- dispatch -------------------------------------------------------------------
@@ -128,7 +118,7 @@ class EnvService(Service):
     # --- jobs -----------------------------------------------------------------------
 
     async def on_job(self, spec: JobSpec) -> None:
-        store = self._store()
+        store = self.io.require_store()
         job_log = job_logger(log, spec.job_id, spec.tenant)
         try:
             validate_job(
@@ -153,7 +143,7 @@ class EnvService(Service):
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
 
     async def on_command(self, command: JobCommand) -> None:
-        store = self._store()
+        store = self.io.require_store()
         record = await store.job(command.job_id)
         if record is None:
             job_logger(log, command.job_id).warning(
@@ -172,7 +162,7 @@ class EnvService(Service):
 
     async def issue_groups(self, job_id: str) -> None:
         """Issue every group the staleness bound allows now: G requests each."""
-        store = self._store()
+        store = self.io.require_store()
         record = await store.job(job_id)
         if record is None or record.status != "running":
             return
@@ -201,7 +191,7 @@ class EnvService(Service):
     # --- episodes -------------------------------------------------------------------
 
     async def on_result(self, result: GenerationResult) -> None:
-        store = self._store()
+        store = self.io.require_store()
         if await store.seen("results", result.job_id, result.request_id):
             return  # redelivered: its successor was already sent
         record = await store.job(result.job_id)
@@ -220,11 +210,6 @@ class EnvService(Service):
         await store.mark_seen("results", result.job_id, result.request_id)
 
     # --- helpers --------------------------------------------------------------------
-
-    def _store(self) -> StateStore:
-        if self.store is None:
-            raise RuntimeError("env_svc not started")
-        return self.store
 
     def _job(self, record: JobRecord) -> tuple[JobSpec, Environment[Any]]:
         job_id = record.spec.job_id

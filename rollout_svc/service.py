@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from common.artifacts import adapter_path
 from common.broadcast import BroadcastReader
-from common.bus import ConsumerLoop, Delivery, Producer
+from common.bus import ConsumerLoop, Delivery
 from common.config import RolloutSettings, SharedSettings
 from common.health import redis_ready
 from common.lifecycle import CONSUMED_TOPICS, RolloutReplicaStats, ServiceName
@@ -41,8 +41,7 @@ from common.metrics import (
     export_service_metrics,
 )
 from common.ports import Sender, StateStore
-from common.service import Service
-from common.store import RedisStore
+from common.service import Connections, Service
 from rollout_svc.engine import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -109,10 +108,8 @@ class RolloutService(Service):
         self.settings = settings
         self.engine = engine
         self.replica = f"{socket.gethostname()}-{os.getpid()}"
-        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
-        self.store = store
-        self._owns_store = store is None
+        self.io = Connections(shared, SERVICE, producer=producer, store=store)
+        self.producer = self.io.producer
         self.consumer: ConsumerLoop[GenerationRequest] | None = None
         self.adapters = BroadcastReader[AdapterUpdate](
             bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
@@ -132,14 +129,9 @@ class RolloutService(Service):
         ROLLOUT_ADAPTERS_LOADED.set_function(lambda: engine.loaded_adapters)
 
     async def start(self) -> None:
-        if self.store is None:
-            self.store = await RedisStore.connect(
-                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-            )
-        if self._kafka is not None:
-            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
+        await self.io.open()
         await self.adapters.start(timeout_s=self.shared.connect_timeout_s)
-        for job_id, pointer in (await self.store.adapters()).items():
+        for job_id, pointer in (await self.io.require_store().adapters()).items():
             self.latest[job_id] = AdapterRef(
                 job_id, pointer.version, str(adapter_path(pointer.uri))
             )
@@ -177,16 +169,13 @@ class RolloutService(Service):
             await self.consumer.close()
         await self.adapters.close()
         await self.engine.stop()
-        if self._kafka is not None:
-            await self._kafka.stop()
-        if self.store is not None and self._owns_store:
-            await self.store.close()
+        await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "engine": self.engine.ready,
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.store),
+            "redis": await redis_ready(self.io.store),
         }
 
     async def on_request(self, request: GenerationRequest, delivery: Delivery) -> None:
@@ -230,8 +219,7 @@ class RolloutService(Service):
         current = self.latest.get(request.job_id)
         if (current.version if current else 0) < request.min_adapter_version:
             # The broadcast has not reached this replica yet; Redis already has the pointer.
-            assert self.store is not None
-            pointer = await self.store.adapter(request.job_id)
+            pointer = await self.io.require_store().adapter(request.job_id)
             if pointer is not None:
                 await self.on_adapter(
                     AdapterUpdate(
@@ -254,9 +242,9 @@ class RolloutService(Service):
 
     async def _job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
         """A logger tagged with the job and its tenant (one registry read per job, ever)."""
-        if job_id not in self._tenants and self.store is not None:
+        if job_id not in self._tenants and self.io.store is not None:
             try:
-                record = await self.store.job(job_id)
+                record = await self.io.store.job(job_id)
             except Exception as exc:  # logging must not fail the path that logs (tried again)
                 log.debug("no tenant for job %s: %r", job_id, exc)
                 record = None
@@ -265,8 +253,7 @@ class RolloutService(Service):
         return job_logger(log, job_id, self._tenants.get(job_id))
 
     async def _report_stats(self) -> None:
-        store = self.store
-        assert store is not None
+        store = self.io.require_store()
         engine = self.engine
         last_at, last_busy_s, last_tokens = (
             time.monotonic(), engine.busy_seconds, engine.generated_tokens

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from common.bus import ConsumerLoop, Delivery, Producer
+from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
 from common.health import redis_ready
 from common.lifecycle import (
@@ -46,8 +46,7 @@ from common.metrics import (
     export_service_metrics,
 )
 from common.ports import Sender, StateStore
-from common.service import Service
-from common.store import RedisStore
+from common.service import Connections, Service
 from trainer_svc.checkpoints import CheckpointStore
 from trainer_svc.groups import Group, verdict
 from trainer_svc.grpo import group_advantages_of
@@ -92,10 +91,8 @@ class TrainerService(Service):
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
         self.checkpoints = CheckpointStore(self.artifacts)
-        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=SERVICE)
-        self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
-        self.store = store
-        self._owns_store = store is None
+        self.io = Connections(shared, SERVICE, producer=producer, store=store)
+        self.producer = self.io.producer
         self.consumer: ConsumerLoop[Trajectory] | None = None
         self.jobs: dict[str, OwnedJob] = {}
         self._wake = asyncio.Event()
@@ -110,12 +107,7 @@ class TrainerService(Service):
 
     async def start(self) -> None:
         await self.load_model()
-        if self.store is None:
-            self.store = await RedisStore.connect(
-                self.shared.redis_url, timeout_s=self.shared.connect_timeout_s
-            )
-        if self._kafka is not None:
-            await self._kafka.start(timeout_s=self.shared.connect_timeout_s)
+        await self.io.open()
         self.consumer = ConsumerLoop[Trajectory](
             bootstrap=self.shared.kafka_bootstrap,
             group_id=self.settings.consumer_group,
@@ -144,22 +136,19 @@ class TrainerService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
-        if self._kafka is not None:
-            await self._kafka.stop()
-        if self.store is not None and self._owns_store:
-            await self.store.close()
+        await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:
         return {
             "model": self._policy is not None,
             "kafka": self.consumer is not None and await self.consumer.reachable(),
-            "redis": await redis_ready(self.store),
+            "redis": await redis_ready(self.io.store),
         }
 
     # --- intake ---------------------------------------------------------------------
 
     async def on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
-        store = self._store()
+        store = self.io.require_store()
         job = self.jobs.get(trajectory.job_id) or await self._own(trajectory.job_id, delivery)
         if job is None:
             return
@@ -175,7 +164,7 @@ class TrainerService(Service):
 
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
         """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""
-        record = await self._store().job(job_id)
+        record = await self.io.require_store().job(job_id)
         if record is None:
             raise ValueError(f"trajectory for unknown job {job_id!r}")
         if record.status in TERMINAL_STATES:
@@ -193,7 +182,7 @@ class TrainerService(Service):
             version = checkpoint.version
             # A crash may have come between the checkpoint and marking its groups trained.
             for group_id in checkpoint.group_ids:
-                await self._store().mark_seen("trained", job_id, group_id)
+                await self.io.require_store().mark_seen("trained", job_id, group_id)
             job_logger(log, job_id, spec.tenant).info(
                 "resumed from %s at v%d", checkpoint.path, version
             )
@@ -267,7 +256,7 @@ class TrainerService(Service):
     async def _drop(self, job: OwnedJob, group: Group, kind: DropKind, reason: str) -> None:
         """Count the group out of the job's window, have env_svc replace it, tell dashboards."""
         job_id = job.spec.job_id
-        await self._store().record_dropped_group(job_id)
+        await self.io.require_store().record_dropped_group(job_id)
         await self.producer.send(
             GroupDropped(
                 job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
@@ -288,7 +277,7 @@ class TrainerService(Service):
 
     async def _step(self, job: OwnedJob) -> None:
         """Train B groups, save the new version, publish it, report the step."""
-        record = await self._store().job(job.spec.job_id)
+        record = await self.io.require_store().job(job.spec.job_id)
         if record is None or record.status in TERMINAL_STATES:
             self._release_all(job)
             self._disown(job.spec.job_id)
@@ -332,7 +321,7 @@ class TrainerService(Service):
     ) -> None:
         """Move the pointer (the job's trained version), mark the groups trained, release
         their commits and announce the version to rollout_svc and env_svc."""
-        store, job_id = self._store(), job.spec.job_id
+        store, job_id = self.io.require_store(), job.spec.job_id
         await store.publish_adapter(job_id, version, uri, version)
         for group in groups:
             await store.mark_seen("trained", job_id, group.group_id)
@@ -370,7 +359,7 @@ class TrainerService(Service):
             metrics.staleness_max or 0, metrics.wall_step_s or 0.0,
         )  # fmt: skip
         if version >= spec.rl.max_steps:
-            await self._store().set_job_status(spec.job_id, STATE_AFTER["completed"])
+            await self.io.require_store().set_job_status(spec.job_id, STATE_AFTER["completed"])
             await self.producer.send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
             )
@@ -383,8 +372,3 @@ class TrainerService(Service):
             group.release()
         job.ready.clear()
         job.filling.clear()
-
-    def _store(self) -> StateStore:
-        if self.store is None:
-            raise RuntimeError("trainer_svc not started")
-        return self.store
