@@ -63,10 +63,6 @@ COMMAND_EVENT: Mapping[JobAction, EventKind] = {
 DROPPED_EVENTS: frozenset[EventKind] = frozenset({"dropped_stale", "dropped_invalid"})
 
 
-def is_terminal(state: str) -> bool:
-    return state in TERMINAL_STATES
-
-
 @dataclass
 class JobLifecycle:
     """A job's state and reason, folded from its events in the order they were sent."""
