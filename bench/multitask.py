@@ -28,7 +28,7 @@ import msgspec
 from rich.console import Console
 
 from common.config import SharedSettings, load
-from common.lifecycle import REPLICA_COUNTERS, SERVICES, TERMINAL_STATES
+from common.lifecycle import REPLICA_COUNTERS, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.messages import Event, JobSpec
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
@@ -110,7 +110,7 @@ async def run_jobs(
     def keep(event: Event) -> None:
         if event.event == "step":
             steps.append(event)
-        if event.event in TERMINAL_STATES:
+        if STATE_AFTER.get(event.event) in TERMINAL_STATES:
             console.print(f"  {event.job_id}: {event.event} {event.reason}")
 
     await client.submit(specs)

@@ -18,18 +18,13 @@ from common.config import (
     SharedSettings,
     load,
 )
-from common.lifecycle import SERVICES, TERMINAL_STATES
+from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.store import JobRecord, RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
 from console.status import StatusBoard
-
-ACTION_STATES: dict[JobAction, str] = {
-    "pause": "paused", "resume": "running", "cancel": "cancelled",
-}  # fmt: skip
-"""The state a command moves a job to."""
 
 
 class JobStateError(ValueError):
@@ -80,7 +75,7 @@ class MarlaasClient:
     async def command(self, job_id: str, action: JobAction, *, wait_s: float = 30.0) -> str:
         """Send pause/resume/cancel and wait until env_svc has applied it; returns the state."""
         record = await self.job(job_id)
-        target = ACTION_STATES[action]
+        target = STATE_AFTER[COMMAND_EVENT[action]]
         if record.status in TERMINAL_STATES:
             raise JobStateError(f"job {job_id!r} is already {record.status}; nothing to {action}")
         if record.status == target:
@@ -119,7 +114,7 @@ class MarlaasClient:
             while not (ended and feed.caught_up):
                 for event in await feed.poll(0.5):
                     yield event
-                    ended = ended or event.event in TERMINAL_STATES
+                    ended = ended or STATE_AFTER.get(event.event) in TERMINAL_STATES
 
     def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
         return StatusBoard(
