@@ -6,9 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.messages import Trajectory
+from common.messages import DropKind, Trajectory
 
-Verdict = Literal["train", "dropped_stale", "dropped_invalid"]
+Verdict = Literal["train"] | DropKind
+"""Train the group, or drop it (and why: the drop kinds of `GroupDropped`)."""
 
 
 @dataclass
