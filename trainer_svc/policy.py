@@ -20,15 +20,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.messages import LoraSettings, RLSettings, Trajectory
-from trainer_svc.grpo import policy_loss, token_logprobs
+from trainer_svc.grpo import masked_token_logprobs, policy_loss, token_logprobs
 
 if TYPE_CHECKING:
     import torch
     from peft import PeftModel
+
+ComputeDtype = Literal["float32", "bfloat16"]
 
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -67,10 +69,18 @@ class MultiAdapterPolicy:
     """A shared float32 base model with one trainable LoRA adapter per job."""
 
     def __init__(
-        self, base_model_dir: Path, *, micro_batch_tokens: int = 2048, torch_threads: int = 0
+        self,
+        base_model_dir: Path,
+        *,
+        micro_batch_tokens: int = 2048,
+        torch_threads: int = 0,
+        compute_dtype: ComputeDtype = "float32",
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
-        bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default."""
+        bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
+        `compute_dtype` "bfloat16" runs a training step's forward and backward under CPU
+        autocast (bf16 matmuls on AVX-512-bf16/AMX); weights, LoRA masters, optimizer state
+        and the loss stay float32."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -78,6 +88,7 @@ class MultiAdapterPolicy:
             torch.set_num_threads(torch_threads)
         self.base_model_dir = Path(base_model_dir)
         self.micro_batch_tokens = micro_batch_tokens
+        self.compute_dtype = compute_dtype
         self._base = AutoModelForCausalLM.from_pretrained(
             self.base_model_dir, dtype=torch.float32
         ).eval()
@@ -148,10 +159,7 @@ class MultiAdapterPolicy:
         for indices in self._micro_batches([len(t.token_ids) for t in trajectories]):
             batch = [trajectories[i] for i in indices]
             token_ids_BT, attention_BT, mask_BT, behaviour_BT = _pad(batch)
-            logits_BTV = self._peft_model()(
-                input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
-            ).logits
-            logprobs_BT = token_logprobs(logits_BTV, token_ids_BT)
+            logprobs_BT = self._loss_logprobs(token_ids_BT, attention_BT, mask_BT)
             advantages_B = torch.tensor([advantages[i] for i in indices], dtype=torch.float32)
             loss, metrics = policy_loss(
                 logprobs_BT,
@@ -307,6 +315,22 @@ class MultiAdapterPolicy:
         config["target_modules"] = sorted(config["target_modules"])
         (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         save_file(self.adapter_state(job_id), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+    def _loss_logprobs(
+        self, token_ids_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor
+    ) -> torch.Tensor:
+        """Trainer logprobs at the loss positions (0 elsewhere), with the gradient."""
+        import torch
+
+        # The causal LM with the LoRA layers injected (typed loosely in peft's stubs).
+        model: Any = self._peft_model().get_base_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"):
+            hidden_BTH = model.get_decoder()(
+                input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
+            ).last_hidden_state
+            return masked_token_logprobs(
+                hidden_BTH, model.get_output_embeddings(), token_ids_BT, mask_BT
+            )
 
     def _micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Group sequence indices, longest first, so that count x longest <= the token budget."""

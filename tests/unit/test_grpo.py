@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from trainer_svc import grpo
-from trainer_svc.grpo import group_advantages, group_advantages_of, policy_loss, token_logprobs
+from trainer_svc.grpo import (
+    group_advantages,
+    group_advantages_of,
+    masked_token_logprobs,
+    policy_loss,
+    token_logprobs,
+)
 
 CLIP: dict[str, Any] = {"clip_low": 0.2, "clip_high": 0.28, "is_cap": 2.0}
 LN = math.log
@@ -289,3 +295,25 @@ def test_group_advantages_of_plain_rewards() -> None:
     normalised = group_advantages_of([0.0, 1.0, 1.0, 0.0], std_normalize=True)
     assert normalised == pytest.approx([-1.0, 1.0, 1.0, -1.0], abs=1e-5)
     assert group_advantages_of([0.3, 0.3], std_normalize=True) == [0.0, 0.0]
+
+
+def test_masked_token_logprobs_equal_the_full_projection_where_the_loss_looks() -> None:
+    torch.manual_seed(0)
+    batch, length, hidden, vocab = 3, 7, 8, 11
+    hidden_BTH = torch.randn(batch, length, hidden, requires_grad=True)
+    lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    token_ids_BT = torch.randint(0, vocab, (batch, length))
+    mask_BT = torch.tensor(
+        [[0, 0, 1, 1, 1, 0, 0], [1, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.float32
+    )
+    full_BT = token_logprobs(lm_head(hidden_BTH), token_ids_BT)
+    masked_BT = masked_token_logprobs(hidden_BTH, lm_head, token_ids_BT, mask_BT)
+    keep_BT = mask_BT.bool().clone()
+    keep_BT[:, 0] = False  # position 0 predicts nothing
+    assert torch.allclose(masked_BT[keep_BT], full_BT[keep_BT], atol=1e-6)
+    assert torch.all(masked_BT[~keep_BT] == 0)
+
+    weights_BT = torch.randn(batch, length) * keep_BT
+    (grad_full,) = torch.autograd.grad((full_BT * weights_BT).sum(), hidden_BTH)
+    (grad_masked,) = torch.autograd.grad((masked_BT * weights_BT).sum(), hidden_BTH)
+    assert torch.allclose(grad_masked, grad_full, atol=1e-6)

@@ -1,0 +1,184 @@
+"""Trainer throughput beside the CPU's own matmul peak, measured side by side in one run.
+
+    python bench/trainer.py [--model smollm2-135m-instruct] [--jobs 8] [--repeats 3]
+
+For each trainer variant — the code before issue 10's first changes (float32, logits at every
+position), logits at the loss positions only (float32), and the same under bf16 autocast —
+it times one job's `train_step` on a demo-sized batch (16 trajectories of a 45-token prompt +
+16 sampled tokens, the arithmetic demo job's shape) and 8 jobs' steps one after another. Beside
+them, in the same run: the best square-matmul rate in float32 and bfloat16 on the same
+threads. Writes `bench/results/trainer-<date>-<machine>.json`; every figure that matters is a
+ratio of two of its numbers.
+
+Model FLOPs of a LoRA step (frozen base): forward 2·N·T, backward through the activations
+2·N·T (no weight gradients for frozen weights), so 4·N·T for the decoder's N weights over all
+T positions, plus 4·V·H for each position that goes through the vocabulary projection. LoRA's
+own FLOPs (rank 8) are under 3% and left out: the share of peak is a slight underestimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.messages import LoraSettings, RLSettings, Trajectory
+from common.models import resolve_base_model
+from trainer_svc.grpo import token_logprobs
+from trainer_svc.policy import MultiAdapterPolicy
+
+PROMPT_TOKENS, SAMPLED_TOKENS, TRAJECTORIES = 45, 16, 16
+LORA = LoraSettings(rank=8, alpha=16)
+RL = RLSettings(learning_rate=1e-4)
+
+
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul in `dtype` over `repeats` timed runs."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: kernel selection, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+def batch(vocab: int, seed: int) -> list[Trajectory]:
+    generator = torch.Generator().manual_seed(seed)
+    length = PROMPT_TOKENS + SAMPLED_TOKENS
+    out = []
+    for index in range(TRAJECTORIES):
+        ids = torch.randint(100, vocab, (length,), generator=generator).tolist()
+        mask = [0] * PROMPT_TOKENS + [1] * SAMPLED_TOKENS
+        out.append(
+            Trajectory(
+                episode_id=f"e{index}", job_id="bench", group_id="g", sample_index=index,
+                group_size=TRAJECTORIES, token_ids=ids, loss_mask=mask,
+                behaviour_logprobs=[-2.0 * m for m in mask], reward=float(index % 2),
+            )
+        )  # fmt: skip
+    return out
+
+
+def full_logits_path(policy: MultiAdapterPolicy) -> None:
+    """The trainer as it was: logits at every position, then the logprobs picked from them."""
+
+    def loss_logprobs(
+        token_ids_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor
+    ) -> torch.Tensor:
+        logits_BTV = policy._peft_model()(
+            input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
+        ).logits
+        return token_logprobs(logits_BTV, token_ids_BT)
+
+    policy._loss_logprobs = loss_logprobs  # type: ignore[method-assign]
+
+
+def timed(step: Callable[[], object], repeats: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(
+    model_dir: Path, variant: str, jobs: int, repeats: int, peaks: dict[str, float]
+) -> dict[str, Any]:
+    dtype = "bfloat16" if variant == "bf16_loss_logits" else "float32"
+    policy = MultiAdapterPolicy(model_dir, compute_dtype=dtype)  # type: ignore[arg-type]
+    if variant == "fp32_full_logits":
+        full_logits_path(policy)
+    config = policy._base.config
+    decoder_params = sum(
+        p.numel() for name, p in policy._base.named_parameters() if ".layers." in name
+    )
+    head_params = config.vocab_size * config.hidden_size
+    job_ids = [f"job{i}" for i in range(jobs)]
+    for index, job_id in enumerate(job_ids):
+        policy.add_job(job_id, LORA, RL, seed=index)
+    trajectories = batch(config.vocab_size, seed=0)
+    advantages = [t.reward - 0.5 for t in trajectories]
+    one_s = timed(lambda: policy.train_step(job_ids[0], trajectories, advantages), repeats)
+    in_turn_s = timed(
+        lambda: [policy.train_step(j, trajectories, advantages) for j in job_ids],
+        max(repeats - 1, 1),
+    )
+    positions = TRAJECTORIES * (PROMPT_TOKENS + SAMPLED_TOKENS)
+    projected = positions if variant == "fp32_full_logits" else TRAJECTORIES * SAMPLED_TOKENS
+    step_flops = 4 * decoder_params * positions + 4 * head_params * projected
+    peak = peaks[dtype]
+    return {
+        "variant": variant,
+        "compute_dtype": dtype,
+        "one_job_step_s": one_s,
+        "one_job_trained_tokens_per_s": TRAJECTORIES * SAMPLED_TOKENS / one_s,
+        "one_job_positions_per_s": positions / one_s,
+        "one_job_model_flops_per_s": step_flops / one_s,
+        "one_job_share_of_peak": step_flops / one_s / peak,
+        "jobs_in_turn": jobs,
+        "jobs_in_turn_s": in_turn_s,
+        "jobs_in_turn_trained_tokens_per_s": jobs * TRAJECTORIES * SAMPLED_TOKENS / in_turn_s,
+        "step_model_flops": step_flops,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default=f"cpu{torch.get_num_threads()}")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model_dir = resolve_base_model(args.model)
+    peaks = {
+        "float32": matmul_peak_flops(torch.float32),
+        "bfloat16": matmul_peak_flops(torch.bfloat16),
+    }
+    runs = [
+        measure(model_dir, variant, args.jobs, args.repeats, peaks)
+        for variant in ("fp32_full_logits", "fp32_loss_logits", "bf16_loss_logits")
+    ]
+    before = runs[0]["one_job_step_s"]
+    for run in runs:
+        run["speedup_vs_fp32_full_logits"] = before / run["one_job_step_s"]
+        print(
+            f"{run['variant']:>18}: one job {run['one_job_step_s']:.2f} s/step "
+            f"({run['one_job_trained_tokens_per_s']:.0f} trained tok/s, "
+            f"{run['one_job_share_of_peak']:.1%} of the {run['compute_dtype']} matmul peak), "
+            f"{args.jobs} jobs in turn {run['jobs_in_turn_s']:.1f} s, "
+            f"x{run['speedup_vs_fp32_full_logits']:.2f} vs before"
+        )
+    result = {
+        "bench": "trainer",
+        "model": args.model,
+        "machine": args.machine,
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "batch": {"trajectories": TRAJECTORIES, "prompt": PROMPT_TOKENS, "sampled": SAMPLED_TOKENS},
+        "lora": {"rank": LORA.rank, "targets": LORA.target_modules},
+        "matmul_peak_flops": peaks,
+        "bf16_over_fp32_peak": peaks["bfloat16"] / peaks["float32"],
+        "runs": runs,
+    }
+    date = datetime.now(UTC).strftime("%Y%m%d")
+    out = args.out or Path(__file__).parent / "results" / f"trainer-{date}-{args.machine}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"peak fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f}")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
