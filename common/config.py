@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -117,6 +117,10 @@ class TrainerSettings(BaseSettings):
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Forward/backward precision of a step: `bfloat16` runs them under CPU autocast (bf16
+    matmuls on AVX-512-bf16/AMX) with float32 weights, LoRA masters, optimizer and loss;
+    2.05x the float32 step on the reference CPU (bench/results/trainer-20261203-cpu2.json)."""
     metrics_port: int = Field(default=9103, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 

@@ -21,8 +21,8 @@ def main() -> int:
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
             resolve_base_model(shared.base_model, shared.cache_dir),
-            torch_threads=settings.torch_threads,
-        )
+            torch_threads=settings.torch_threads, compute_dtype=settings.compute_dtype,
+        )  # fmt: skip
 
     # The model loads inside start(), so /healthz answers (and /readyz says 503) meanwhile.
     service = TrainerService(shared, settings, load_policy)
