@@ -134,13 +134,7 @@ def token_logprobs(logits_BTV: torch.Tensor, token_ids_BT: torch.Tensor) -> torc
     targets_N = token_ids_BT[:, 1:].reshape(-1)
     if length < 2:
         return logits_BTV.new_zeros((batch, length), dtype=torch.float32)
-    chunks_N = []
-    for start in range(0, logits_NV.shape[0], LOGITS_CHUNK_ROWS):
-        chunk_CV = logits_NV[start : start + LOGITS_CHUNK_ROWS].to(torch.float32)
-        targets_C = targets_N[start : start + LOGITS_CHUNK_ROWS]
-        picked_C = chunk_CV.gather(-1, targets_C[:, None]).squeeze(-1)
-        chunks_N.append(picked_C - torch.logsumexp(chunk_CV, dim=-1))
-    shifted_BT = torch.cat(chunks_N).reshape(batch, length - 1)
+    shifted_BT = _picked_logprobs(logits_NV, targets_N, lambda x: x).reshape(batch, length - 1)
     first_B1 = shifted_BT.new_zeros((batch, 1))
     return torch.cat([first_B1, shifted_BT], dim=1)
 
@@ -166,10 +160,22 @@ def masked_token_logprobs(
     positions_N = positions_N + 1  # the token predicted; its logits come from position t-1
     targets_N = token_ids_BT[rows_B, positions_N]
     hidden_NH = hidden_BTH[rows_B, positions_N - 1]
+    return logprobs_BT.index_put(
+        (rows_B, positions_N), _picked_logprobs(hidden_NH, targets_N, lm_head)
+    )
+
+
+def _picked_logprobs(
+    rows_N: torch.Tensor,
+    targets_N: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Float32 log-softmax of `to_logits(row)` at each row's target, LOGITS_CHUNK_ROWS rows at
+    a time, so no N x V float32 block is materialised at once (autograd keeps each chunk)."""
     chunks_N = []
-    for start in range(0, hidden_NH.shape[0], LOGITS_CHUNK_ROWS):
-        logits_CV = lm_head(hidden_NH[start : start + LOGITS_CHUNK_ROWS]).to(torch.float32)
+    for start in range(0, rows_N.shape[0], LOGITS_CHUNK_ROWS):
+        logits_CV = to_logits(rows_N[start : start + LOGITS_CHUNK_ROWS]).to(torch.float32)
         targets_C = targets_N[start : start + LOGITS_CHUNK_ROWS]
         picked_C = logits_CV.gather(-1, targets_C[:, None]).squeeze(-1)
         chunks_N.append(picked_C - torch.logsumexp(logits_CV, dim=-1))
-    return logprobs_BT.index_put((rows_B, positions_N), torch.cat(chunks_N))
+    return torch.cat(chunks_N)
