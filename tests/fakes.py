@@ -116,9 +116,6 @@ class Backend(Protocol):
     """What a handler test runs on: a producer, a store, and a way to see what was sent."""
 
     @property
-    def name(self) -> str: ...
-
-    @property
     def producer(self) -> Sender: ...
 
     @property
@@ -132,7 +129,6 @@ class Backend(Protocol):
 
 @dataclass
 class MemoryBackend:
-    name: str
     producer: MemoryBus
     store: RedisStore
 
@@ -142,7 +138,6 @@ class MemoryBackend:
 
 @dataclass
 class KafkaBackend:
-    name: str
     producer: Producer
     store: RedisStore
     tap: KafkaTap
@@ -169,7 +164,7 @@ def _job_of(message: Message) -> str:
 async def memory_backend() -> AsyncIterator[MemoryBackend]:
     store = memory_store()
     try:
-        yield MemoryBackend("memory", MemoryBus(), store)
+        yield MemoryBackend(MemoryBus(), store)
     finally:
         await store.close()
 
@@ -190,6 +185,6 @@ async def kafka_backend(bootstrap: str, redis_url: str) -> AsyncIterator[KafkaBa
     tap = KafkaTap(bootstrap, list(Topic))
     await tap.start()
     try:
-        yield KafkaBackend("kafka", producer, store, tap)
+        yield KafkaBackend(producer, store, tap)
     finally:
         await asyncio.gather(tap.stop(), producer.stop(), store.close())
