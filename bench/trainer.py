@@ -5,7 +5,8 @@
 For each trainer variant — the code before issue 10's first changes (float32, logits at every
 position), logits at the loss positions only (float32), and the same under bf16 autocast —
 it times one job's `train_step` on a demo-sized batch (16 trajectories of a 45-token prompt +
-16 sampled tokens, the arithmetic demo job's shape) and 8 jobs' steps one after another. Beside
+16 sampled tokens, the arithmetic demo job's shape), 8 jobs' steps one after another, and the
+same 8 jobs in one batched step (`train_steps`: shared passes, per-job loss and optimizer). Beside
 them, in the same run: the best square-matmul rate in float32 and bfloat16 on the same
 threads. Writes `bench/results/trainer-<date>-<machine>.json`; every figure that matters is a
 ratio of two of its numbers.
@@ -23,7 +24,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,10 @@ def full_logits_path(policy: MultiAdapterPolicy) -> None:
     """The trainer as it was: logits at every position, then the logprobs picked from them."""
 
     def loss_logprobs(
-        token_ids_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor
+        token_ids_BT: torch.Tensor,
+        attention_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        adapter_names_B: Sequence[str],
     ) -> torch.Tensor:
         logits_BTV = policy._peft_model()(
             input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
@@ -115,6 +119,10 @@ def measure(
         lambda: [policy.train_step(j, trajectories, advantages) for j in job_ids],
         max(repeats - 1, 1),
     )
+    batched_s = None
+    if variant != "fp32_full_logits":  # the old path had no per-row adapter routing
+        batches = {j: (trajectories, advantages) for j in job_ids}
+        batched_s = timed(lambda: policy.train_steps(batches), max(repeats - 1, 1))
     positions = TRAJECTORIES * (PROMPT_TOKENS + SAMPLED_TOKENS)
     projected = positions if variant == "fp32_full_logits" else TRAJECTORIES * SAMPLED_TOKENS
     step_flops = 4 * decoder_params * positions + 4 * head_params * projected
@@ -130,6 +138,14 @@ def measure(
         "jobs_in_turn": jobs,
         "jobs_in_turn_s": in_turn_s,
         "jobs_in_turn_trained_tokens_per_s": jobs * TRAJECTORIES * SAMPLED_TOKENS / in_turn_s,
+        "jobs_batched_s": batched_s,
+        "jobs_batched_trained_tokens_per_s": (
+            None if batched_s is None else jobs * TRAJECTORIES * SAMPLED_TOKENS / batched_s
+        ),
+        "jobs_batched_share_of_peak": (
+            None if batched_s is None else jobs * step_flops / batched_s / peak
+        ),
+        "batched_over_in_turn": None if batched_s is None else in_turn_s / batched_s,
         "step_model_flops": step_flops,
     }
 
@@ -159,6 +175,7 @@ def main() -> None:
             f"({run['one_job_trained_tokens_per_s']:.0f} trained tok/s, "
             f"{run['one_job_share_of_peak']:.1%} of the {run['compute_dtype']} matmul peak), "
             f"{args.jobs} jobs in turn {run['jobs_in_turn_s']:.1f} s, "
+            f"batched {run['jobs_batched_s'] or float('nan'):.1f} s, "
             f"x{run['speedup_vs_fp32_full_logits']:.2f} vs before"
         )
     result = {

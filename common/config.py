@@ -62,6 +62,12 @@ class SharedSettings(BaseSettings):
     """Largest LoRA rank the rollout engine is started with; env_svc rejects jobs above it."""
     max_loras: int = Field(default=8, ge=1)
     """Adapters the rollout engine holds at once (jobs sampled in one batch)."""
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Modules the rollout engine gives LoRA slots (JSON list, Llama-style names); env_svc
+    rejects jobs that target others. Every slot costs engine time on every token, so serve
+    only what jobs use."""
     topic_partitions: int = Field(default=12, ge=1)
     """Partitions per marlaas topic; caps each service's parallelism."""
     connect_timeout_s: float = Field(default=60.0, gt=0)
@@ -117,6 +123,9 @@ class TrainerSettings(BaseSettings):
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
+    max_jobs_per_step: int = Field(default=8, ge=1)
+    """Jobs trained together in one step (shared forward/backward passes, each job's own
+    loss and optimizer step) when several have their groups ready; 1 trains one at a time."""
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Forward/backward precision of a step: `bfloat16` runs them under CPU autocast (bf16
     matmuls on AVX-512-bf16/AMX) with float32 weights, LoRA masters, optimizer and loss;

@@ -6,6 +6,7 @@ Used by the CLI before anything is sent and by env_svc before a job is accepted.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from common.messages import JobSpec
 
@@ -31,15 +32,27 @@ class JobSpecError(ValueError):
 
 
 def validate_job(
-    spec: JobSpec, *, base_model: str | None = None, max_lora_rank: int | None = None
+    spec: JobSpec,
+    *,
+    base_model: str | None = None,
+    max_lora_rank: int | None = None,
+    lora_target_modules: Sequence[str] | None = None,
 ) -> None:
-    """Raise JobSpecError for the first problem found (all of them, joined by '; ')."""
-    problems = list(_problems(spec, base_model, max_lora_rank))
+    """Raise JobSpecError for the first problem found (all of them, joined by '; ').
+
+    `base_model`, `max_lora_rank` and `lora_target_modules` are what the deployment serves
+    (None: not checked)."""
+    problems = list(_problems(spec, base_model, max_lora_rank, lora_target_modules))
     if problems:
         raise JobSpecError("; ".join(problems))
 
 
-def _problems(spec: JobSpec, base_model: str | None, max_lora_rank: int | None) -> list[str]:
+def _problems(
+    spec: JobSpec,
+    base_model: str | None,
+    max_lora_rank: int | None,
+    lora_target_modules: Sequence[str] | None,
+) -> list[str]:
     rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
     checks: list[tuple[str, bool, str]] = [
         ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
@@ -90,6 +103,16 @@ def _problems(spec: JobSpec, base_model: str | None, max_lora_rank: int | None) 
                 "lora.rank",
                 lora.rank <= max_lora_rank,
                 f"{lora.rank} exceeds the rollout engine's max_lora_rank {max_lora_rank}",
+            )
+        )
+    if lora_target_modules is not None:
+        unserved = sorted(set(lora.target_modules) - set(lora_target_modules))
+        checks.append(
+            (
+                "lora.target_modules",
+                not unserved,
+                f"{unserved} not served by the rollout engine, which has LoRA slots on "
+                f"{sorted(lora_target_modules)} (MARLAAS_LORA_TARGET_MODULES)",
             )
         )
     if base_model is not None:

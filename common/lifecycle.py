@@ -128,7 +128,10 @@ class StepMetrics(_Numbers):
     samples: float | None = None
     """Trajectories trained."""
     step_s: float | None = None
-    """Forward + backward + optimizer time."""
+    """Forward + backward + optimizer time: the job's share (by trained tokens) of a step
+    shared with other jobs."""
+    jobs_in_step: float | None = None
+    """Jobs trained in the same forward/backward passes (1: alone)."""
     wall_step_s: float | None = None
     """Whole step: training, saving and publishing."""
 

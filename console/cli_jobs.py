@@ -46,7 +46,12 @@ def submit(
     """
     settings = load(SharedSettings)
     specs = [
-        load_job_file(path, base_model=settings.base_model, max_lora_rank=settings.max_lora_rank)
+        load_job_file(
+            path,
+            base_model=settings.base_model,
+            max_lora_rank=settings.max_lora_rank,
+            lora_target_modules=settings.lora_target_modules,
+        )
         for path in files
     ]
     run(_submit(specs, wait))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,16 @@ _REQUIRED = ("tenant", "env")
 _NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")
 
 
-def load_job_file(path: Path, *, base_model: str, max_lora_rank: int | None = None) -> JobSpec:
+def load_job_file(
+    path: Path,
+    *,
+    base_model: str,
+    max_lora_rank: int | None = None,
+    lora_target_modules: Sequence[str] | None = None,
+) -> JobSpec:
     """Read, type-check and validate one job file; raises JobFileError('<file>: <field>: ...')."""
     try:
-        return _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank)
+        return _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank, lora_target_modules)
     except (JobFileError, JobSpecError) as exc:
         raise JobFileError(f"{path}: {exc}") from None
 
@@ -71,7 +78,11 @@ def _fresh_job_id(tenant: str, stem: str) -> str:
 
 
 def _spec_of(
-    data: dict[str, Any], stem: str, base_model: str, max_lora_rank: int | None
+    data: dict[str, Any],
+    stem: str,
+    base_model: str,
+    max_lora_rank: int | None,
+    lora_target_modules: Sequence[str] | None,
 ) -> JobSpec:
     unknown = sorted(set(data) - set(_TOP_LEVEL) - set(_TABLES))
     if unknown:
@@ -95,7 +106,12 @@ def _spec_of(
         ),
         **parts,
     )
-    validate_job(spec, base_model=base_model, max_lora_rank=max_lora_rank)
+    validate_job(
+        spec,
+        base_model=base_model,
+        max_lora_rank=max_lora_rank,
+        lora_target_modules=lora_target_modules,
+    )
     _check_env_params(spec)
     return spec
 

@@ -122,7 +122,10 @@ class EnvService(Service):
         job_log = job_logger(log, spec.job_id, spec.tenant)
         try:
             validate_job(
-                spec, base_model=self.shared.base_model, max_lora_rank=self.shared.max_lora_rank
+                spec,
+                base_model=self.shared.base_model,
+                max_lora_rank=self.shared.max_lora_rank,
+                lora_target_modules=self.shared.lora_target_modules,
             )
             # A first episode proves the environment, its params and the prompt length.
             start_episode(

@@ -22,6 +22,7 @@ def main() -> int:
         resolve_base_model(shared.base_model, shared.cache_dir),
         max_loras=shared.max_loras,
         max_lora_rank=shared.max_lora_rank,
+        lora_target_modules=shared.lora_target_modules,
         max_model_len=settings.max_model_len,
         kv_cache_gib=settings.kv_cache_gib,
     )

@@ -18,6 +18,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ from common.messages import (
     SamplingSettings,
     result_for,
 )
+from rollout_svc import cpu_lora
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -111,9 +113,11 @@ class RolloutEngine:
         self,
         model: str | Path,
         *,
+        enable_lora: bool = True,
         max_loras: int = 4,
         max_cpu_loras: int | None = None,
         max_lora_rank: int = 16,
+        lora_target_modules: Sequence[str] | None = None,
         max_model_len: int = 1024,
         max_num_seqs: int | None = None,
         kv_cache_gib: float | None = 1.0,
@@ -124,9 +128,12 @@ class RolloutEngine:
     ) -> None:
         """Configure; nothing starts until `start()`.
 
+        `enable_lora` False serves the base model only (every request must be version 0).
         `max_loras`: distinct adapters in one batch step; `max_cpu_loras`: adapters kept
         loaded (least recently used ones are evicted and reloaded from their path on next
-        use; default `max_loras`). `kv_cache_gib`: KV cache size; required on CPU, None
+        use; default `max_loras`). `lora_target_modules`: the modules (PEFT names) that get
+        LoRA slots; None lets vLLM give every supported linear layer one, which costs compute
+        on layers no adapter targets. `kv_cache_gib`: KV cache size; required on CPU, None
         lets a GPU size it from free memory. `logprobs_mode`: `raw_logprobs` returns the
         model's log-softmax before temperature/top-p, the quantity the trainer recomputes;
         `processed_logprobs` returns the distribution actually sampled from.
@@ -134,7 +141,11 @@ class RolloutEngine:
         if max_lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, not {max_lora_rank}")
         self.model = str(model)
+        self.enable_lora = enable_lora
         self.max_loras = max_loras
+        self.lora_target_modules = (
+            None if lora_target_modules is None else list(lora_target_modules)
+        )
         self.max_cpu_loras = max_cpu_loras
         self.max_lora_rank = max_lora_rank
         self.max_model_len = max_model_len
@@ -174,7 +185,8 @@ class RolloutEngine:
 
         started = time.monotonic()
         extra_slots = 0
-        if current_platform.is_cpu():
+        if self.enable_lora and current_platform.is_cpu() and not cpu_lora.plugin_enabled():
+            # vLLM's own CPU LoRA path reads the "no adapter" sentinel -1 as the last slot.
             self._null_adapter_dir = write_null_adapter(
                 Path(self.model), Path(tempfile.mkdtemp(prefix="marlaas-null-lora-"))
             )
@@ -183,12 +195,13 @@ class RolloutEngine:
             model=self.model,
             dtype=self.dtype,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager,
-            enable_lora=True,
+            enable_lora=self.enable_lora,
             max_loras=self.max_loras + extra_slots,
             max_cpu_loras=(
                 None if self.max_cpu_loras is None else self.max_cpu_loras + extra_slots
             ),
             max_lora_rank=self.max_lora_rank,  # type: ignore[arg-type]
+            lora_target_modules=self.lora_target_modules,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             kv_cache_memory_bytes=(
@@ -377,6 +390,8 @@ class RolloutEngine:
 
         if adapter is None or adapter.version == 0:
             return self._null_lora
+        if not self.enable_lora:
+            raise ValueError(f"adapter {adapter.lora_name} requested from an engine without LoRA")
         key = (adapter.job_id, adapter.version)
         entry = self._adapters.get(key)
         if entry is None:

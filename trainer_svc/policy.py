@@ -14,10 +14,11 @@ at start-up, before they decide to load a model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -141,50 +142,85 @@ class MultiAdapterPolicy:
     def train_step(
         self, job_id: str, trajectories: Sequence[Trajectory], advantages: Sequence[float]
     ) -> dict[str, float]:
-        """One optimizer step on `trajectories`; the loss is the token mean over the batch.
+        """One optimizer step of one job: `train_steps` with that job alone."""
+        return self.train_steps({job_id: (trajectories, advantages)})[job_id]
 
-        Micro-batches accumulate gradients: policy_loss returns a mean over its own masked
-        tokens, so each is re-weighted by (its tokens / batch tokens) to sum to the batch mean.
+    def train_steps(
+        self, batches: Mapping[str, tuple[Sequence[Trajectory], Sequence[float]]]
+    ) -> dict[str, dict[str, float]]:
+        """One optimizer step per job, all the jobs' trajectories in shared forward/backward
+        passes (each row routed through its own job's adapter).
+
+        Each job's loss is the token mean over its own batch and reaches only its own
+        adapter; every job then clips and steps alone, so its update equals the one it would
+        get trained by itself (up to float rounding; tests/unit/test_policy.py). Micro-batches
+        accumulate gradients: policy_loss returns a mean over one job's rows in one
+        micro-batch, re-weighted by (those tokens / the job's batch tokens). Each job's
+        `step_s` is its share of the shared time, by trained tokens.
         """
         import torch
 
-        if not trajectories or len(trajectories) != len(advantages):
-            raise ValueError("need one advantage per trajectory and at least one trajectory")
         started = time.monotonic()
-        job = self._activate(job_id)
-        # Position 0 predicts nothing (token_logprobs gives it 0): never in the loss.
-        total_tokens = sum(sum(t.loss_mask[1:]) for t in trajectories)
-        job.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0)
-        for indices in self._micro_batches([len(t.token_ids) for t in trajectories]):
-            batch = [trajectories[i] for i in indices]
-            token_ids_BT, attention_BT, mask_BT, behaviour_BT = _pad(batch)
-            logprobs_BT = self._loss_logprobs(token_ids_BT, attention_BT, mask_BT)
-            advantages_B = torch.tensor([advantages[i] for i in indices], dtype=torch.float32)
-            loss, metrics = policy_loss(
-                logprobs_BT,
-                behaviour_BT,
-                advantages_B,
-                mask_BT,
-                clip_low=job.rl.clip_low,
-                clip_high=job.rl.clip_high,
-                is_cap=job.rl.is_cap,
+        jobs = {job_id: self._job(job_id) for job_id in batches}
+        rows: list[tuple[str, Trajectory, float]] = []
+        total_tokens: dict[str, int] = {}
+        for job_id, (trajectories, advantages) in batches.items():
+            if not trajectories or len(trajectories) != len(advantages):
+                raise ValueError(
+                    f"job {job_id!r}: need one advantage per trajectory and at least one"
+                )
+            rows += [(job_id, t, a) for t, a in zip(trajectories, advantages, strict=True)]
+            # Position 0 predicts nothing (token_logprobs gives it 0): never in the loss.
+            total_tokens[job_id] = sum(sum(t.loss_mask[1:]) for t in trajectories)
+        self._train_only(jobs.values())
+        sums = {job_id: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0) for job_id in jobs}
+        for indices in self._micro_batches([len(row[1].token_ids) for row in rows]):
+            owners = [rows[i][0] for i in indices]
+            token_ids_BT, attention_BT, mask_BT, behaviour_BT = _pad([rows[i][1] for i in indices])
+            logprobs_BT = self._loss_logprobs(
+                token_ids_BT, attention_BT, mask_BT, [jobs[o].adapter_name for o in owners]
             )
-            share = metrics["tokens"] / max(total_tokens, 1)
-            if metrics["tokens"] > 0:
-                (loss * share).backward()
-            for key in _TOKEN_MEAN_METRICS:
-                sums[key] += metrics[key] * share
-        # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
-        grad_norm = torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM)
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        return {
-            **sums,
-            "grad_norm": float(grad_norm),
-            "tokens": float(total_tokens),
-            "step_s": time.monotonic() - started,
-        }
+            advantages_B = torch.tensor([rows[i][2] for i in indices], dtype=torch.float32)
+            objective: torch.Tensor | None = None
+            for job_id in dict.fromkeys(owners):
+                rl = jobs[job_id].rl
+                own_B = torch.tensor([owner == job_id for owner in owners])
+                loss, metrics = policy_loss(
+                    logprobs_BT[own_B],
+                    behaviour_BT[own_B],
+                    advantages_B[own_B],
+                    mask_BT[own_B],
+                    clip_low=rl.clip_low,
+                    clip_high=rl.clip_high,
+                    is_cap=rl.is_cap,
+                )
+                share = metrics["tokens"] / max(total_tokens[job_id], 1)
+                if metrics["tokens"] > 0:
+                    objective = loss * share if objective is None else objective + loss * share
+                for key in _TOKEN_MEAN_METRICS:
+                    sums[job_id][key] += metrics[key] * share
+            if objective is not None:
+                objective.backward()
+        results: dict[str, dict[str, float]] = {}
+        for job_id, job in jobs.items():
+            # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
+            grad_norm = torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM)
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            results[job_id] = {
+                **sums[job_id],
+                "grad_norm": float(grad_norm),
+                "tokens": float(total_tokens[job_id]),
+            }
+        elapsed = time.monotonic() - started
+        all_tokens = max(sum(total_tokens.values()), 1)
+        for job_id, metrics in results.items():
+            share = (
+                total_tokens[job_id] / all_tokens if sum(total_tokens.values()) else 1 / len(jobs)
+            )
+            metrics["step_s"] = elapsed * share
+            metrics["jobs_in_step"] = float(len(jobs))
+        return results
 
     def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:
         """Logprob of each token given the ones before (position 0 gets 0); None = base model."""
@@ -297,6 +333,16 @@ class MultiAdapterPolicy:
         assert self._peft is not None, "no job added yet"
         return self._peft
 
+    def _train_only(self, jobs: Iterable[_Job]) -> None:
+        """Make exactly these jobs' adapters trainable, with no gradients left over."""
+        model = self._peft_model()
+        jobs = list(jobs)
+        model.set_adapter(jobs[0].adapter_name)  # freezes every other adapter
+        for job in jobs:
+            job.optimizer.zero_grad(set_to_none=True)
+            for param in job.params:
+                param.requires_grad_(True)
+
     def _activate(self, job_id: str) -> _Job:
         job = self._job(job_id)
         model = self._peft_model()
@@ -317,14 +363,31 @@ class MultiAdapterPolicy:
         save_file(self.adapter_state(job_id), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 
     def _loss_logprobs(
-        self, token_ids_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor
+        self,
+        token_ids_BT: torch.Tensor,
+        attention_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        adapter_names_B: Sequence[str],
     ) -> torch.Tensor:
-        """Trainer logprobs at the loss positions (0 elsewhere), with the gradient."""
+        """Trainer logprobs at the loss positions (0 elsewhere), with the gradient; row b
+        goes through adapter `adapter_names_B[b]`."""
         import torch
 
+        peft = self._peft_model()
         # The causal LM with the LoRA layers injected (typed loosely in peft's stubs).
-        model: Any = self._peft_model().get_base_model()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"):
+        model: Any = peft.get_base_model()
+        routing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if set(adapter_names_B) != {peft.active_adapter}:
+            # peft's mixed-adapter batch: each LoRA layer adds each row's own adapter. The
+            # hooks are what PeftModel.forward installs for `adapter_names`; we call the
+            # decoder directly (logits only at the loss positions), so install them here.
+            # (set_adapter instead would freeze the other jobs of this step.)
+            hooks: Any = peft._enable_peft_forward_hooks
+            routing = hooks(adapter_names=list(adapter_names_B))
+        with (
+            routing,
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"),
+        ):
             hidden_BTH = model.get_decoder()(
                 input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
             ).last_hidden_state

@@ -219,27 +219,32 @@ class TrainerService(Service):
                 pass
 
     async def train_once(self) -> bool:
-        """Drop unusable groups, then train one step of the next job that has B groups ready.
+        """Drop unusable groups, then train one step of every job that has B groups ready
+        (up to `max_jobs_per_step`), all of them in shared forward/backward passes.
 
         Returns whether a step ran.
         """
-        job = await self._next_job()
-        if job is None:
+        jobs = await self._ready_jobs()
+        if not jobs:
             return False
-        await self._step(job)
+        await self._step(jobs)
         return True
 
-    async def _next_job(self) -> OwnedJob | None:
-        """Round-robin over jobs with B usable groups: no tenant waits behind another."""
+    async def _ready_jobs(self) -> list[OwnedJob]:
+        """Jobs with B usable groups, round-robin from a moving start: no tenant waits
+        behind another when there are more ready jobs than one step takes."""
         candidates = list(self.jobs.values())
         if not candidates:
-            return None
+            return []
         start = next(self._turn) % len(candidates)
+        ready: list[OwnedJob] = []
         for job in candidates[start:] + candidates[:start]:
             await self._drop_unusable(job)
             if len(job.ready) >= job.spec.rl.groups_per_step:
-                return job
-        return None
+                ready.append(job)
+                if len(ready) == self.settings.max_jobs_per_step:
+                    break
+        return ready
 
     async def _drop_unusable(self, job: OwnedJob) -> None:
         keep: deque[Group] = deque()
@@ -275,46 +280,64 @@ class TrainerService(Service):
         )
         group.release()
 
-    async def _step(self, job: OwnedJob) -> None:
-        """Train B groups, save the new version, publish it, report the step."""
-        record = await self.io.require_store().job(job.spec.job_id)
-        if record is None or record.status in TERMINAL_STATES:
-            self._release_all(job)
-            self._disown(job.spec.job_id)
+    async def _step(self, jobs: list[OwnedJob]) -> None:
+        """Train B groups of each job in one shared step; then save, publish and report each
+        job's new version."""
+        live: list[OwnedJob] = []
+        for job in jobs:
+            record = await self.io.require_store().job(job.spec.job_id)
+            if record is None or record.status in TERMINAL_STATES:
+                self._release_all(job)
+                self._disown(job.spec.job_id)
+            else:
+                live.append(job)
+        if not live:
             return
-        groups = [job.ready.popleft() for _ in range(job.spec.rl.groups_per_step)]
         started = time.monotonic()
-        metrics = await self._train(job, groups)
-        version = job.version + 1
-        group_ids = [g.group_id for g in groups]
-        uri = await asyncio.to_thread(
-            self.checkpoints.save, self.policy, job.spec.job_id, version, group_ids
-        )
-        metrics.wall_step_s = time.monotonic() - started
-        await self._publish(job, version, uri, groups, metrics)
-        await self._report(job, metrics)
-
-    async def _train(self, job: OwnedJob, groups: list[Group]) -> StepMetrics:
-        """One optimizer step on the groups' rewarded trajectories, advantages per group."""
-        rl = job.spec.rl
-        trajectories: list[Trajectory] = []
-        advantages: list[float] = []
-        for group in groups:
-            valid = group.valid
-            trajectories += valid
-            advantages += group_advantages_of(
-                [t.reward for t in valid], std_normalize=rl.std_normalize
+        taken = {
+            job.spec.job_id: [job.ready.popleft() for _ in range(job.spec.rl.groups_per_step)]
+            for job in live
+        }
+        metrics = await self._train(live, taken)
+        for job in live:
+            job_id, groups = job.spec.job_id, taken[job.spec.job_id]
+            version = job.version + 1
+            uri = await asyncio.to_thread(
+                self.checkpoints.save, self.policy, job_id, version, [g.group_id for g in groups]
             )
-        lags = [job.version - group.oldest_version for group in groups]
-        policy_metrics = await asyncio.to_thread(
-            self.policy.train_step, job.spec.job_id, trajectories, advantages
-        )
-        metrics = StepMetrics.of(policy_metrics)
-        metrics.mean_reward = sum(t.reward for t in trajectories) / len(trajectories)
-        metrics.staleness_max = float(max(lags))
-        metrics.staleness_mean = sum(lags) / len(lags)
-        metrics.samples = float(len(trajectories))
-        return metrics
+            metrics[job_id].wall_step_s = time.monotonic() - started
+            await self._publish(job, version, uri, groups, metrics[job_id])
+            await self._report(job, metrics[job_id])
+
+    async def _train(
+        self, jobs: list[OwnedJob], taken: dict[str, list[Group]]
+    ) -> dict[str, StepMetrics]:
+        """One optimizer step per job on its groups' rewarded trajectories (advantages per
+        group), all jobs in one `train_steps` call."""
+        batches: dict[str, tuple[list[Trajectory], list[float]]] = {}
+        for job in jobs:
+            trajectories: list[Trajectory] = []
+            advantages: list[float] = []
+            for group in taken[job.spec.job_id]:
+                valid = group.valid
+                trajectories += valid
+                advantages += group_advantages_of(
+                    [t.reward for t in valid], std_normalize=job.spec.rl.std_normalize
+                )
+            batches[job.spec.job_id] = (trajectories, advantages)
+        policy_metrics = await asyncio.to_thread(self.policy.train_steps, batches)
+        out: dict[str, StepMetrics] = {}
+        for job in jobs:
+            job_id = job.spec.job_id
+            trajectories = batches[job_id][0]
+            lags = [job.version - group.oldest_version for group in taken[job_id]]
+            metrics = StepMetrics.of(policy_metrics[job_id])
+            metrics.mean_reward = sum(t.reward for t in trajectories) / len(trajectories)
+            metrics.staleness_max = float(max(lags))
+            metrics.staleness_mean = sum(lags) / len(lags)
+            metrics.samples = float(len(trajectories))
+            out[job_id] = metrics
+        return out
 
     async def _publish(
         self, job: OwnedJob, version: int, uri: str, groups: list[Group], metrics: StepMetrics

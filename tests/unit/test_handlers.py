@@ -262,6 +262,39 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     assert inbox.committable == 7 and not await service.train_once()
 
 
+async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    specs = [
+        job_spec(f"shared{i}", group_size=2, groups_per_step=1, max_staleness=1, max_steps=3)
+        for i in range(3)
+    ]
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(max_jobs_per_step=2),
+        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+    await service.load_model()
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for spec in specs:
+        await backend.store.register_job(spec, status="running")
+        for sample, reward in enumerate((0.0, 1.0)):
+            await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
+
+    assert await service.train_once()  # two of the three ready jobs, in one shared step
+    assert await service.train_once()  # the third
+    assert not await service.train_once()
+    assert inbox.committable == 6
+    jobs_in_step = []
+    for spec in specs:
+        (update,) = await backend.sent(Topic.ADAPTERS, spec.job_id, expect=1)
+        assert isinstance(update, AdapterUpdate) and update.version == 1
+        (step,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "step")
+        assert step.metrics["samples"] == 2.0 and step.metrics["step_s"] > 0
+        jobs_in_step.append(step.metrics["jobs_in_step"])
+    assert sorted(jobs_in_step) == [1.0, 2.0, 2.0]
+
+
 # --- rollout_svc ------------------------------------------------------------------------
 
 

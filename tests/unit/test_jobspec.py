@@ -57,6 +57,18 @@ def test_bad_fields_are_named(changes: dict[str, object], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_modules_the_engine_has_no_lora_slots_for_are_rejected() -> None:
+    served = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    validate_job(spec(), lora_target_modules=served)
+    mlp = spec(lora=LoraSettings(target_modules=["q_proj", "up_proj", "down_proj"]))
+    with pytest.raises(JobSpecError) as info:
+        validate_job(mlp, lora_target_modules=served)
+    assert "lora.target_modules: ['down_proj', 'up_proj'] not served by the rollout engine" in str(
+        info.value
+    )
+    validate_job(mlp)  # unchecked where the deployment is not known
+
+
 def test_all_problems_are_reported_at_once() -> None:
     bad = spec(rl=RLSettings(group_size=0, max_steps=0))
     with pytest.raises(JobSpecError) as info:
