@@ -54,9 +54,10 @@ def _batch() -> list[Trajectory]:
 def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(
-            a[key], b[key], atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}"
-        )
+        try:
+            torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0)
+        except AssertionError as exc:
+            raise AssertionError(f"{key}: {exc}") from None
 
 
 def _base_weights(policy: MultiAdapterPolicy) -> dict[str, torch.Tensor]:
