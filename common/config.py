@@ -123,6 +123,9 @@ class TrainerSettings(BaseSettings):
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 leaves torch's default."""
+    device: str = "auto"
+    """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
+    "cuda" or "cuda:N"."""
     max_jobs_per_step: int = Field(default=8, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""

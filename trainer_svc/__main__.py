@@ -22,6 +22,7 @@ def main() -> int:
         return MultiAdapterPolicy(
             resolve_base_model(shared.base_model, shared.cache_dir),
             torch_threads=settings.torch_threads, compute_dtype=settings.compute_dtype,
+            device=settings.device,
         )  # fmt: skip
 
     # The model loads inside start(), so /healthz answers (and /readyz says 503) meanwhile.

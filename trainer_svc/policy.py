@@ -76,12 +76,14 @@ class MultiAdapterPolicy:
         micro_batch_tokens: int = 2048,
         torch_threads: int = 0,
         compute_dtype: ComputeDtype = "float32",
+        device: str = "cpu",
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
         `compute_dtype` "bfloat16" runs a training step's forward and backward under CPU
         autocast (bf16 matmuls on AVX-512-bf16/AMX); weights, LoRA masters, optimizer state
-        and the loss stay float32."""
+        and the loss stay float32. `device`: "cpu", "cuda", "cuda:N" or "auto" (CUDA when
+        present)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -90,8 +92,9 @@ class MultiAdapterPolicy:
         self.base_model_dir = Path(base_model_dir)
         self.micro_batch_tokens = micro_batch_tokens
         self.compute_dtype = compute_dtype
+        self.device = resolve_device(device)
         self._base = AutoModelForCausalLM.from_pretrained(
-            self.base_model_dir, dtype=torch.float32
+            self.base_model_dir, dtype=torch.float32, device_map=self.device
         ).eval()
         for param in self._base.parameters():
             param.requires_grad_(False)
@@ -176,15 +179,19 @@ class MultiAdapterPolicy:
         sums = {job_id: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0) for job_id in jobs}
         for indices in self._micro_batches([len(row[1].token_ids) for row in rows]):
             owners = [rows[i][0] for i in indices]
-            token_ids_BT, attention_BT, mask_BT, behaviour_BT = _pad([rows[i][1] for i in indices])
+            token_ids_BT, attention_BT, mask_BT, behaviour_BT = (
+                tensor.to(self.device) for tensor in _pad([rows[i][1] for i in indices])
+            )
             logprobs_BT = self._loss_logprobs(
                 token_ids_BT, attention_BT, mask_BT, [jobs[o].adapter_name for o in owners]
             )
-            advantages_B = torch.tensor([rows[i][2] for i in indices], dtype=torch.float32)
+            advantages_B = torch.tensor(
+                [rows[i][2] for i in indices], dtype=torch.float32, device=self.device
+            )
             objective: torch.Tensor | None = None
             for job_id in dict.fromkeys(owners):
                 rl = jobs[job_id].rl
-                own_B = torch.tensor([owner == job_id for owner in owners])
+                own_B = torch.tensor([owner == job_id for owner in owners], device=self.device)
                 loss, metrics = policy_loss(
                     logprobs_BT[own_B],
                     behaviour_BT[own_B],
@@ -226,7 +233,7 @@ class MultiAdapterPolicy:
         """Logprob of each token given the ones before (position 0 gets 0); None = base model."""
         import torch
 
-        token_ids_BT = torch.tensor([list(token_ids)], dtype=torch.long)
+        token_ids_BT = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         with torch.no_grad():
             if job_id is None:
                 if self._peft is None:
@@ -245,7 +252,7 @@ class MultiAdapterPolicy:
 
         job = self._job(job_id)
         state = get_peft_model_state_dict(self._peft_model(), adapter_name=job.adapter_name)
-        return {key: tensor.detach().clone().contiguous() for key, tensor in state.items()}
+        return {key: tensor.detach().cpu().clone().contiguous() for key, tensor in state.items()}
 
     def save_adapter(self, job_id: str, out_dir: Path) -> Path:
         """Write a standard PEFT adapter directory (config + safetensors) atomically.
@@ -317,7 +324,9 @@ class MultiAdapterPolicy:
         unexpected: list[str] = result.unexpected_keys  # type: ignore[attr-defined]
         if unexpected:
             raise ValueError(f"unexpected adapter tensors: {unexpected[:5]}")
-        job.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_STATE, weights_only=True))
+        job.optimizer.load_state_dict(
+            torch.load(ckpt_dir / OPTIMIZER_STATE, weights_only=True, map_location=self.device)
+        )
         state = json.loads((ckpt_dir / TRAINER_STATE).read_text())
         return int(state["step"]), int(state["version"])
 
@@ -386,7 +395,9 @@ class MultiAdapterPolicy:
             routing = hooks(adapter_names=list(adapter_names_B))
         with (
             routing,
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"),
+            torch.autocast(
+                self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"
+            ),
         ):
             hidden_BTH = model.get_decoder()(
                 input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
@@ -408,6 +419,18 @@ class MultiAdapterPolicy:
             else:
                 batches.append([index])
         return batches
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto" is CUDA when torch sees a GPU, else the CPU; anything else as torch names it."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"trainer device {device!r}: torch sees no CUDA device")
+    return resolved
 
 
 def _pad(

@@ -305,3 +305,14 @@ def test_a_batched_step_gives_each_job_its_solo_update(
             policies["batched"].adapter_state(job_id), policies["solo"].adapter_state(job_id), 5e-5
         )
         assert any(t.abs().sum() > 0 for t in policies["batched"].adapter_state(job_id).values())
+
+
+def test_the_device_setting_resolves_or_says_why_not() -> None:
+    from trainer_svc.policy import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            resolve_device("cuda:0")
