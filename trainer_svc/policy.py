@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import masked_token_logprobs, policy_loss, token_logprobs
+from trainer_svc.packing import PackRow, plan_packs
 
 if TYPE_CHECKING:
     import torch
@@ -77,13 +78,15 @@ class MultiAdapterPolicy:
         torch_threads: int = 0,
         compute_dtype: ComputeDtype = "float32",
         device: str = "cpu",
+        share_prefixes: bool = True,
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
         `compute_dtype` "bfloat16" runs a training step's forward and backward under CPU
         autocast (bf16 matmuls on AVX-512-bf16/AMX); weights, LoRA masters, optimizer state
         and the loss stay float32. `device`: "cpu", "cuda", "cuda:N" or "auto" (CUDA when
-        present)."""
+        present). `share_prefixes`: run each group's common prompt once, not once per
+        sample (trainer_svc/packing.py)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -92,6 +95,7 @@ class MultiAdapterPolicy:
         self.base_model_dir = Path(base_model_dir)
         self.micro_batch_tokens = micro_batch_tokens
         self.compute_dtype = compute_dtype
+        self.share_prefixes = share_prefixes
         self.device = resolve_device(device)
         self._base = AutoModelForCausalLM.from_pretrained(
             self.base_model_dir, dtype=torch.float32, device_map=self.device
@@ -177,13 +181,34 @@ class MultiAdapterPolicy:
             total_tokens[job_id] = sum(sum(t.loss_mask[1:]) for t in trajectories)
         self._train_only(jobs.values())
         sums = {job_id: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0) for job_id in jobs}
-        for indices in self._micro_batches([len(row[1].token_ids) for row in rows]):
+        pack_rows = [
+            PackRow((job_id, t.group_id), t.token_ids, t.loss_mask) for job_id, t, _ in rows
+        ]
+        packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
+        for pack in packs:
+            indices = pack.rows
             owners = [rows[i][0] for i in indices]
+            # In a pack everything is in suffix coordinates: position 0 is `prefix_len`.
             token_ids_BT, attention_BT, mask_BT, behaviour_BT = (
-                tensor.to(self.device) for tensor in _pad([rows[i][1] for i in indices])
+                tensor.to(self.device)
+                for tensor in _pad([rows[i][1] for i in indices], start=pack.prefix_len)
             )
+            prefix = None
+            if pack.prefix_len:
+                prefix = SharedPrefix(
+                    token_ids_GP=torch.tensor(
+                        [rows[r][1].token_ids[: pack.prefix_len] for r in pack.prefix_rows],
+                        device=self.device,
+                    ),
+                    adapter_names_G=[jobs[rows[r][0]].adapter_name for r in pack.prefix_rows],
+                    group_of_row_B=torch.tensor(pack.prefix_of_row, device=self.device),
+                )
             logprobs_BT = self._loss_logprobs(
-                token_ids_BT, attention_BT, mask_BT, [jobs[o].adapter_name for o in owners]
+                token_ids_BT,
+                attention_BT,
+                mask_BT,
+                [jobs[o].adapter_name for o in owners],
+                prefix,
             )
             advantages_B = torch.tensor(
                 [rows[i][2] for i in indices], dtype=torch.float32, device=self.device
@@ -377,48 +402,53 @@ class MultiAdapterPolicy:
         attention_BT: torch.Tensor,
         mask_BT: torch.Tensor,
         adapter_names_B: Sequence[str],
+        prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """Trainer logprobs at the loss positions (0 elsewhere), with the gradient; row b
-        goes through adapter `adapter_names_B[b]`."""
+        goes through adapter `adapter_names_B[b]`. With `prefix`, the rows continue the
+        prefix rows' tokens (computed once per group, trainer_svc/packing.py): the tensors
+        hold only what follows them."""
         import torch
 
-        peft = self._peft_model()
         # The causal LM with the LoRA layers injected (typed loosely in peft's stubs).
-        model: Any = peft.get_base_model()
-        routing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if set(adapter_names_B) != {peft.active_adapter}:
-            # peft's mixed-adapter batch: each LoRA layer adds each row's own adapter. The
-            # hooks are what PeftModel.forward installs for `adapter_names`; we call the
-            # decoder directly (logits only at the loss positions), so install them here.
-            # (set_adapter instead would freeze the other jobs of this step.)
-            hooks: Any = peft._enable_peft_forward_hooks
-            routing = hooks(adapter_names=list(adapter_names_B))
-        with (
-            routing,
-            torch.autocast(
-                self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"
-            ),
+        model: Any = self._peft_model().get_base_model()
+        decoder = model.get_decoder()
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"
         ):
-            hidden_BTH = model.get_decoder()(
-                input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
-            ).last_hidden_state
+            past = None
+            if prefix is not None:
+                with self._routing(prefix.adapter_names_G):
+                    past = decoder(input_ids=prefix.token_ids_GP, use_cache=True).past_key_values
+                # Each row attends to its group's keys and values; the gradient of every
+                # row's loss flows back through this copy into the one prefix pass.
+                past.reorder_cache(prefix.group_of_row_B)
+                prefix_attention_BP = attention_BT.new_ones(
+                    (attention_BT.shape[0], prefix.token_ids_GP.shape[1])
+                )
+                attention_BT = torch.cat([prefix_attention_BP, attention_BT], dim=1)
+            with self._routing(adapter_names_B):
+                hidden_BTH = decoder(
+                    input_ids=token_ids_BT,
+                    attention_mask=attention_BT,
+                    past_key_values=past,
+                    use_cache=past is not None,
+                ).last_hidden_state
             return masked_token_logprobs(
                 hidden_BTH, model.get_output_embeddings(), token_ids_BT, mask_BT
             )
 
-    def _micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Group sequence indices, longest first, so that count x longest <= the token budget."""
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        batches: list[list[int]] = []
-        for index in order:
-            # Longest first: the first member of a batch sets its padded length.
-            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= (
-                self.micro_batch_tokens
-            ):
-                batches[-1].append(index)
-            else:
-                batches.append([index])
-        return batches
+    def _routing(self, adapter_names_B: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
+        """Route row b of the next forward pass through adapter `adapter_names_B[b]`."""
+        peft = self._peft_model()
+        if set(adapter_names_B) == {peft.active_adapter}:
+            return contextlib.nullcontext()
+        # peft's mixed-adapter batch: each LoRA layer adds each row's own adapter. The hooks
+        # are what PeftModel.forward installs for `adapter_names`; we call the decoder
+        # directly (logits only at the loss positions), so install them here. (set_adapter
+        # instead would freeze the other jobs of this step.)
+        hooks: Any = peft._enable_peft_forward_hooks
+        return hooks(adapter_names=list(adapter_names_B))  # type: ignore[no-any-return]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -433,13 +463,24 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+@dataclass
+class SharedPrefix:
+    """Prefixes a pack computes once per group (trainer_svc/packing.py)."""
+
+    token_ids_GP: torch.Tensor
+    adapter_names_G: list[str]
+    group_of_row_B: torch.Tensor
+    """Each row's index into the prefixes."""
+
+
 def _pad(
-    batch: Sequence[Trajectory],
+    batch: Sequence[Trajectory], start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sequence; padding is out of the attention and the loss."""
+    """Right-pad to the longest sequence from position `start` on; padding is out of the
+    attention and the loss."""
     import torch
 
-    length = max(len(t.token_ids) for t in batch)
+    length = max(len(t.token_ids) for t in batch) - start
     token_ids_BT = torch.zeros((len(batch), length), dtype=torch.long)
     attention_BT = torch.zeros((len(batch), length), dtype=torch.long)
     mask_BT = torch.zeros((len(batch), length), dtype=torch.float32)
@@ -448,9 +489,11 @@ def _pad(
         n = len(trajectory.token_ids)
         if len(trajectory.loss_mask) != n or len(trajectory.behaviour_logprobs) != n:
             raise ValueError(f"episode {trajectory.episode_id}: misaligned mask or logprobs")
-        token_ids_BT[row, :n] = torch.tensor(trajectory.token_ids)
-        attention_BT[row, :n] = 1
-        mask_BT[row, :n] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
-        behaviour_BT[row, :n] = torch.tensor(trajectory.behaviour_logprobs)
-    mask_BT[:, 0] = 0.0  # no logprob at position 0
+        token_ids_BT[row, : n - start] = torch.tensor(trajectory.token_ids[start:])
+        attention_BT[row, : n - start] = 1
+        mask_BT[row, : n - start] = torch.tensor(trajectory.loss_mask[start:], dtype=torch.float32)
+        behaviour_BT[row, : n - start] = torch.tensor(trajectory.behaviour_logprobs[start:])
+    # No logprob at position 0, nor at a suffix's first position (its logits are the
+    # prefix's, and packing never cuts before a loss position).
+    mask_BT[:, 0] = 0.0
     return token_ids_BT, attention_BT, mask_BT, behaviour_BT

@@ -137,7 +137,9 @@ async def test_each_request_in_a_batch_gets_its_own_adapter(
     assert [r.adapter_version for r in batched] == [0, 1, 1]
     assert len({tuple(base_out), tuple(a_out), tuple(b_out)}) == 3
     # Alone, each gives the same; the base request is the one vLLM 0.32's CPU kernels got
-    # wrong (it picked up a neighbour's adapter) before the engine's null-adapter work-around.
+    # wrong (it picked up a neighbour's adapter). Here it carries no adapter at all: the
+    # stacked CPU LoRA plugin (rollout_svc/cpu_lora.py) masks its rows.
+    assert engine._null_lora is None
     for adapter, out in ((None, base_out), (a, a_out), (b, b_out)):
         assert (await engine.generate(request(), adapter)).completion_token_ids == out
     # The batched logprobs are those of the adapter each request named, not its neighbours'.

