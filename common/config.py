@@ -122,11 +122,15 @@ class TrainerSettings(BaseSettings):
     consumer_group: str = "marlaas-trainer"
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
-    """torch intra-op threads; 0 leaves torch's default."""
+    """torch intra-op threads; 0: one per core the trainer may use."""
+    cpu_cores: str = ""
+    """CPU cores the trainer runs on, as "1" or "4-7,12" (Linux); empty: every core. The
+    embedded stack gives the trainer the cores the rollout engine's threads are not bound to
+    (common/cores.py says why)."""
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""
-    max_jobs_per_step: int = Field(default=8, ge=1)
+    max_jobs_per_step: int = Field(default=1, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -31,6 +32,7 @@ from common.config import (
     SharedSettings,
     stack_env_file,
 )
+from common.cores import engine_trainer_split, format_cores
 from common.lifecycle import SERVICES
 from common.store import RedisStore
 from console.topics import ensure_topics
@@ -192,10 +194,15 @@ async def wait_ready(
 
 
 def start_service(
-    module: str, settings: SharedSettings, kafka_bootstrap: str, redis_url: str, log_path: Path
+    module: str,
+    settings: SharedSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
 ) -> ChildServer:
     """Run `python -m <module>` pointed at this stack (and the same state dir and cache)."""
-    env = dict(os.environ)
+    env = dict(os.environ) | dict(extra_env or {})
     env.update(
         MARLAAS_KAFKA_BOOTSTRAP=kafka_bootstrap,
         MARLAAS_REDIS_URL=redis_url,
@@ -223,13 +230,33 @@ def start_services(
     modules: tuple[str, ...], settings: SharedSettings, kafka_bootstrap: str, redis_url: str
 ) -> list[ChildServer]:
     """Start service processes with logs under `<state dir>/logs/<module>.log`."""
+    placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
     return [
         start_service(
             module, settings, kafka_bootstrap, redis_url,
-            settings.state_dir / "logs" / f"{module}.log",
+            settings.state_dir / "logs" / f"{module}.log", placement.get(module),
         )
         for module in modules
     ]  # fmt: skip
+
+
+def core_placement(
+    modules: tuple[str, ...], cores: set[int], environ: Mapping[str, str]
+) -> dict[str, dict[str, str]]:
+    """On one machine, the rollout engine's threads on half the cores and the trainer on the
+    other half (common/cores.py has the measurements), unless `environ` already says where
+    either goes. Per module, the variables to add to its environment."""
+    split = engine_trainer_split(cores)
+    if split is None or not {"rollout_svc", "trainer_svc"} <= set(modules):
+        return {}
+    if {"VLLM_CPU_OMP_THREADS_BIND", "TRAINER_CPU_CORES"} & environ.keys():
+        return {}
+    engine, trainer = split
+    log.info("cores: rollout engine %s, trainer %s", format_cores(engine), format_cores(trainer))
+    return {
+        "rollout_svc": {"VLLM_CPU_OMP_THREADS_BIND": format_cores(engine)},
+        "trainer_svc": {"TRAINER_CPU_CORES": format_cores(trainer)},
+    }
 
 
 def stop_services(services: list[ChildServer], timeout_s: float = 60.0) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from common.config import SharedSettings, TrainerSettings, load
+from common.cores import parse_cores
 from common.logs import setup_logging
 from common.service import log_settings, run_service
 
@@ -14,6 +16,9 @@ def main() -> int:
     shared, settings = load(SharedSettings), load(TrainerSettings)
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
+    if settings.cpu_cores:  # before torch starts its threads, which inherit it
+        os.sched_setaffinity(0, parse_cores(settings.cpu_cores))
+    threads = settings.torch_threads or len(os.sched_getaffinity(0))
     from common.models import resolve_base_model
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
@@ -21,7 +26,7 @@ def main() -> int:
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
             resolve_base_model(shared.base_model, shared.cache_dir),
-            torch_threads=settings.torch_threads, compute_dtype=settings.compute_dtype,
+            torch_threads=threads, compute_dtype=settings.compute_dtype,
             device=settings.device,
         )  # fmt: skip
 
