@@ -244,12 +244,9 @@ class MultiAdapterPolicy:
                 "grad_norm": float(grad_norm),
                 "tokens": float(total_tokens[job_id]),
             }
-        elapsed = time.monotonic() - started
-        all_tokens = max(sum(total_tokens.values()), 1)
+        elapsed, all_tokens = time.monotonic() - started, sum(total_tokens.values())
         for job_id, metrics in results.items():
-            share = (
-                total_tokens[job_id] / all_tokens if sum(total_tokens.values()) else 1 / len(jobs)
-            )
+            share = total_tokens[job_id] / all_tokens if all_tokens else 1 / len(jobs)
             metrics["step_s"] = elapsed * share
             metrics["jobs_in_step"] = float(len(jobs))
         return results
