@@ -1,6 +1,6 @@
 """Multi-task speed-up: N jobs one after another vs the same N jobs at once, on one stack.
 
-    .venv/bin/python bench/multitask.py --jobs 4 --steps 6 --out bench/results/multitask.json
+    .venv/bin/python bench/multitask.py --jobs 8 --steps 4   # or make bench-multitask
 
 Both phases run on the same embedded stack and services (one rollout engine, one trainer),
 after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
@@ -230,13 +230,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per job")
     parser.add_argument("--envs", default="", help="only these demo environments, e.g. arithmetic")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
-    parser.add_argument("--out", type=Path, required=True, help="where the JSON goes")
+    parser.add_argument("--machine", default=f"cpu{_cpus()}")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default results/multitask-<date>-<machine>.json"
+    )
     args = parser.parse_args()
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"multitask-{args.run_id}"
     result = asyncio.run(bench(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    date = args.run_id.split("-")[0]
+    out = args.out or Path(__file__).parent / "results" / f"multitask-{date}-{args.machine}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     console.print_json(
         json.dumps({k: result[k] for k in ("speedup", "time_saved", "rollout_busy_gain")})
     )

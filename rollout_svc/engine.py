@@ -159,7 +159,8 @@ class RolloutEngine:
         self._engine: AsyncLLM | None = None
         self._null_adapter_dir: Path | None = None
         self._null_lora: LoRARequest | None = None
-        """What base-model requests carry: the null adapter on CPU, None elsewhere."""
+        """What base-model requests carry: the null adapter on CPU when the stacked LoRA plugin
+        is left out, None otherwise."""
         self._adapters: dict[tuple[str, int], _LoadedAdapter] = {}
         self._lora_ids = itertools.count(1)  # vLLM rejects id 0
         self._request_seq = itertools.count()
