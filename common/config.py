@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.cores import parse_cores
 from common.logs import LogFormat
 
 
@@ -127,6 +128,14 @@ class TrainerSettings(BaseSettings):
     """CPU cores the trainer runs on, as "1" or "4-7,12" (Linux); empty: every core. The
     embedded stack gives the trainer the cores the rollout engine's threads are not bound to
     (common/cores.py says why)."""
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _core_list(cls, value: str) -> str:
+        if value:
+            parse_cores(value)  # raises with the reason
+        return value
+
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""

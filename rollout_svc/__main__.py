@@ -20,12 +20,10 @@ def main() -> int:
 
     engine = RolloutEngine(
         resolve_base_model(shared.base_model, shared.cache_dir),
-        max_loras=shared.max_loras,
-        max_lora_rank=shared.max_lora_rank,
+        max_loras=shared.max_loras, max_lora_rank=shared.max_lora_rank,
         lora_target_modules=shared.lora_target_modules,
-        max_model_len=settings.max_model_len,
-        kv_cache_gib=settings.kv_cache_gib,
-    )
+        max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
+    )  # fmt: skip
     service = RolloutService(shared, settings, engine)
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)

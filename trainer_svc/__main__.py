@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 
 from common.config import SharedSettings, TrainerSettings, load
-from common.cores import parse_cores
+from common.cores import pin_to_cores
 from common.logs import setup_logging
 from common.service import log_settings, run_service
 
@@ -16,22 +15,18 @@ def main() -> int:
     shared, settings = load(SharedSettings), load(TrainerSettings)
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
-    if settings.cpu_cores:  # before torch starts its threads, which inherit it
-        os.sched_setaffinity(0, parse_cores(settings.cpu_cores))
-    threads = settings.torch_threads or len(os.sched_getaffinity(0))
+    threads = pin_to_cores(settings.cpu_cores, settings.torch_threads)
     from common.models import resolve_base_model
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
 
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
-            resolve_base_model(shared.base_model, shared.cache_dir),
-            torch_threads=threads, compute_dtype=settings.compute_dtype,
-            device=settings.device,
+            resolve_base_model(shared.base_model, shared.cache_dir), torch_threads=threads,
+            compute_dtype=settings.compute_dtype, device=settings.device,
         )  # fmt: skip
 
-    # The model loads inside start(), so /healthz answers (and /readyz says 503) meanwhile.
-    service = TrainerService(shared, settings, load_policy)
+    service = TrainerService(shared, settings, load_policy)  # loads the model in start()
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.cores import engine_trainer_split, format_cores, parse_cores
+from common.cores import engine_trainer_split, format_cores, parse_cores, pin_to_cores
 from console.stack import core_placement
 
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
@@ -43,3 +43,16 @@ def test_the_stack_places_engine_and_trainer_unless_told_otherwise() -> None:
     assert core_placement(SERVICES, {0, 1}, {"TRAINER_CPU_CORES": "0-1"}) == {}
     assert core_placement(("env_svc", "trainer_svc"), {0, 1}, {}) == {}
     assert core_placement(SERVICES, {0}, {}) == {}
+
+
+def test_pinning_binds_the_process_and_counts_threads() -> None:
+    import os
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    try:
+        assert pin_to_cores(str(core)) == 1
+        assert os.sched_getaffinity(0) == {core}
+        assert pin_to_cores("", threads=3) == 3
+    finally:
+        os.sched_setaffinity(0, before)
