@@ -57,7 +57,7 @@ def engine_trainer_split(cores: Iterable[int]) -> tuple[list[int], list[int]] | 
 
 def pin_to_cores(spec: str, threads: int = 0) -> int:
     """Bind this process to the cores of `spec` (empty: leave it), before it starts threads
-    (they inherit it); returns the threads to run: `threads`, or 0 for one per such core."""
+    (they inherit it); returns the threads to run: `threads`, or when 0 one per such core."""
     if spec:
         os.sched_setaffinity(0, parse_cores(spec))
     return threads or len(os.sched_getaffinity(0))
