@@ -116,9 +116,15 @@ def _wrapper_class() -> type:
             buffer: tuple[torch.Tensor, ...] | None = None,
             **kwargs: Any,
         ) -> None:
+            x_TI = x.view(-1, x.shape[-1])
+            if x_TI.shape[0] != self._onehot_TU.shape[0]:
+                raise RuntimeError(
+                    f"LoRA mapping covers {self._onehot_TU.shape[0]} tokens, the layer got "
+                    f"{x_TI.shape[0]}: vLLM's batch layout is not what this wrapper expects"
+                )
             stacked_lora_linear(
                 y.view(-1, y.shape[-1]),
-                x.view(-1, x.shape[-1]),
+                x_TI,
                 lora_a_stacked,
                 lora_b_stacked,
                 output_slices,
