@@ -39,10 +39,8 @@ SPLITS: dict[str, dict[str, Any]] = {
 
 
 def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
-    import statistics
-
     import torch
-    from trainer import LORA, RL, batch  # bench/trainer.py
+    from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
     from common.models import resolve_base_model
     from trainer_svc.policy import MultiAdapterPolicy
@@ -56,13 +54,9 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     policy.add_job("job", LORA, RL)
     trajectories = batch(policy._base.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
-    policy.train_step("job", trajectories, advantages)  # warm-up
-    times = []
-    for _ in range(config["steps"]):
-        started = time.perf_counter()
-        policy.train_step("job", trajectories, advantages)
-        times.append(time.perf_counter() - started)
-    return {"step_s": statistics.median(times), "threads": torch.get_num_threads()}
+    step_s = timed(lambda: policy.train_step("job", trajectories, advantages), config["steps"],
+                   policy.device)  # fmt: skip
+    return {"step_s": step_s, "threads": torch.get_num_threads()}
 
 
 def run_trainer(config: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +99,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             index += 1
 
     workers = [asyncio.create_task(generate_forever(slot)) for slot in range(64)]
-    engine_core = _engine_core(all_cores)
+    engine_core = _engine_core()
     free = [c for c in all_cores if c != engine_core] or all_cores
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -147,7 +141,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"engine_core": engine_core, "cores": all_cores, "phases": results}
 
 
-def _engine_core(cores: list[int]) -> int | None:
+def _engine_core() -> int | None:
     """The core vLLM's worker bound its OpenMP thread to, read from its process' affinity."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():

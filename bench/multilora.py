@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-PAGED_PATHS = {
+LORA_PATHS = {
     "vllm": {"VLLM_PLUGINS": ""},  # vLLM's own CPU LoRA ops, slots on every layer
     "stacked": {},  # our plugin, slots on q/k/v/o only
 }
@@ -58,8 +58,7 @@ def write_adapter(model_dir: Path, out_dir: Path, seed: int, zero: bool = False)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for name, out_size in out_sizes.items():
-            part = "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
             a = torch.randn(RANK, hidden, generator=generator) / hidden**0.5
             b = torch.randn(out_size, RANK, generator=generator) * 0.02
             if zero:
@@ -174,7 +173,7 @@ async def measure_one(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(config: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, **PAGED_PATHS[config["path"]]}
+    env = {**os.environ, **LORA_PATHS[config["path"]]}
     completed = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(config)],
         env=env,

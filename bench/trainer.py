@@ -70,7 +70,7 @@ def _sync(device: torch.device) -> None:
 
 
 def batch(vocab: int, seed: int) -> list[Trajectory]:
-    """GROUPS groups of G samples; a group's samples share their prompt, as in a real step."""
+    """Groups of GROUP_SIZE samples; a group's samples share their prompt, as in a real step."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for index in range(TRAJECTORIES):
