@@ -21,6 +21,9 @@ import asyncio
 import json
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from cpu_account import Snapshot  # bench/cpu_account.py
 from rich.console import Console
 
 from common.config import SharedSettings, load
@@ -49,6 +53,7 @@ class Phase:
     trainer_busy_s: float = 0.0
     trainer_tokens: float = 0.0
     jobs: list[dict[str, Any]] = field(default_factory=list)
+    cpu: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         rollout_busy = self.rollout.get("busy_s", 0.0)
@@ -64,6 +69,7 @@ class Phase:
             # Trained completion tokens; equal to the generated ones when nothing was dropped.
             "trainer_tokens": self.trainer_tokens,
             "trainer_tokens_per_wall_s": _share(self.trainer_tokens, self.wall_s),
+            "cpu": self.cpu,
             "jobs": self.jobs,
         }
 
@@ -124,16 +130,35 @@ async def run_jobs(
     return jobs, steps
 
 
+def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """Sample a process's Python stacks (and its native frames) until stopped, into `out`."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--py-spy needs py-spy on PATH (pip install py-spy)")
+    argv = [exe, "record", "--pid", str(pid), "--rate", "20", "--format", "raw", "--nonblocking"]
+    return subprocess.Popen([*argv, "--output", str(out)], stdout=subprocess.DEVNULL)
+
+
 async def measure(
-    client: MarlaasClient, bootstrap: str, name: str, batches: list[list[JobSpec]], timeout_s: float
+    client: MarlaasClient,
+    stack: LocalStack,
+    name: str,
+    batches: list[list[JobSpec]],
+    timeout_s: float,
+    py_spy: Path | None = None,
 ) -> Phase:
-    """Run the batches one after another (each batch's jobs at once) and measure the whole."""
+    """Run the batches one after another (each batch's jobs at once) and measure the whole:
+    the engine's counters, the trainer's steps, and the CPU time of every core and process."""
     phase = Phase(name)
+    roots = {child.name: child.process.pid for child in stack.children} | {"bench": os.getpid()}
     before = await rollout_totals(client)
+    cpu_before = Snapshot.take(roots)
+    trainer = roots.get("trainer_svc")
+    spy = start_py_spy(trainer, py_spy / f"trainer-{name}.txt") if py_spy and trainer else None
     started = time.time()
     for batch in batches:
         console.print(f"[bold]{name}[/]: {', '.join(spec.job_id for spec in batch)}")
-        jobs, steps = await run_jobs(client, bootstrap, batch, timeout_s)
+        jobs, steps = await run_jobs(client, stack.kafka_bootstrap, batch, timeout_s)
         for event in {e.event_id: e for e in steps}.values():
             metrics = event.metrics
             # step_s is each job's share of a step it may have shared with others, so the
@@ -142,6 +167,10 @@ async def measure(
             phase.trainer_tokens += float(metrics.get("tokens", 0.0))
         phase.jobs += [job.summary(REWARD_WINDOW) for job in jobs.values()]
     phase.wall_s = time.time() - started
+    phase.cpu = Snapshot.take(roots).since(cpu_before, phase.wall_s)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(60)
     after = await rollout_totals(client)
     phase.rollout = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     console.print(f"{name}: {phase.wall_s:.0f} s")
@@ -163,17 +192,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
         )
         async with MarlaasClient(stack_settings) as client:
-            await measure(client, stack.kafka_bootstrap, "warm-up", [warmup], args.timeout_s)
+            await measure(client, stack, "warm-up", [warmup], args.timeout_s)
             phases = [
                 await measure(
                     client,
-                    stack.kafka_bootstrap,
+                    stack,
                     "sequential",
                     [[spec] for spec in sequential],
                     args.timeout_s,
+                    args.py_spy,
                 ),
                 await measure(
-                    client, stack.kafka_bootstrap, "concurrent", [concurrent], args.timeout_s
+                    client, stack, "concurrent", [concurrent], args.timeout_s, args.py_spy
                 ),
             ]
     seq, conc = (phase.to_json() for phase in phases)
@@ -232,11 +262,19 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
     parser.add_argument("--machine", default=f"cpu{_cpus()}")
     parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="write py-spy samples of the trainer per phase into this folder",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="default results/multitask-<date>-<machine>.json"
     )
     args = parser.parse_args()
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"multitask-{args.run_id}"
+    if args.py_spy:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(bench(args))
     date = args.run_id.split("-")[0]
     out = args.out or Path(__file__).parent / "results" / f"multitask-{date}-{args.machine}.json"

@@ -12,13 +12,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.cores import parse_cores
 from common.logs import LogFormat
+
+
+def _core_list(value: str) -> str:
+    if value:
+        parse_cores(value)  # raises with the reason
+    return value
+
+
+CoreList = Annotated[str, AfterValidator(_core_list)]
+"""CPU cores as "1" or "4-7,12" (Linux); empty: every core."""
 
 
 def default_state_dir() -> Path:
@@ -94,6 +104,12 @@ class EnvServiceSettings(BaseSettings):
     """Kafka consumer group shared by all env_svc replicas."""
     tokenizer_dir: Path | None = None
     """Directory with the base model's tokenizer; default: the resolved base model's."""
+    env_call_timeout_s: float = Field(default=60.0, gt=0)
+    """Time limit of one environment or reward call (a turn's tool reply, an episode's
+    reward); past it the episode ends with an error."""
+    env_workers: int = Field(default=4, ge=1)
+    """Threads running environment and reward code; a replica whose every worker hangs in a
+    timed-out call exits, to be restarted with fresh ones."""
     metrics_port: int = Field(default=9101, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
@@ -113,6 +129,11 @@ class RolloutSettings(BaseSettings):
     """KV cache size on CPU (vLLM's CPU backend cannot size it from free memory)."""
     metrics_port: int = Field(default=9102, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
+    cpu_cores: CoreList = ""
+    """CPU cores the whole rollout service runs on (its Python, vLLM's engine process and
+    its OpenMP threads, which vLLM binds there unless `VLLM_CPU_OMP_THREADS_BIND` says
+    otherwise); empty: every core. The embedded stack splits the cores between the rollout
+    service and the trainer (common/cores.py says why)."""
 
 
 class TrainerSettings(BaseSettings):
@@ -124,18 +145,9 @@ class TrainerSettings(BaseSettings):
     """Kafka consumer group; trajectories are keyed by job, so a job lives on one replica."""
     torch_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0: one per core the trainer may use."""
-    cpu_cores: str = ""
-    """CPU cores the trainer runs on, as "1" or "4-7,12" (Linux); empty: every core. The
-    embedded stack gives the trainer the cores the rollout engine's threads are not bound to
-    (common/cores.py says why)."""
-
-    @field_validator("cpu_cores")
-    @classmethod
-    def _core_list(cls, value: str) -> str:
-        if value:
-            parse_cores(value)  # raises with the reason
-        return value
-
+    cpu_cores: CoreList = ""
+    """CPU cores the trainer runs on; empty: every core. The embedded stack gives the trainer
+    the cores the rollout service is not on (common/cores.py says why)."""
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""

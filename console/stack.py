@@ -243,18 +243,19 @@ def start_services(
 def core_placement(
     modules: tuple[str, ...], cores: set[int], environ: Mapping[str, str]
 ) -> dict[str, dict[str, str]]:
-    """On one machine, the rollout engine's threads on half the cores and the trainer on the
-    other half (common/cores.py has the measurements), unless `environ` already says where
-    either goes. Per module, the variables to add to its environment."""
+    """On one machine, the rollout service (its Python and vLLM's threads) on half the cores
+    and the trainer on the other half (common/cores.py has the measurements), unless
+    `environ` already says where either goes. Per module, the variables to add to its
+    environment."""
     split = engine_trainer_split(cores)
     if split is None or not {"rollout_svc", "trainer_svc"} <= set(modules):
         return {}
-    if {"VLLM_CPU_OMP_THREADS_BIND", "TRAINER_CPU_CORES"} & environ.keys():
+    if {"VLLM_CPU_OMP_THREADS_BIND", "ROLLOUT_CPU_CORES", "TRAINER_CPU_CORES"} & environ.keys():
         return {}
     engine, trainer = split
     log.info("cores: rollout engine %s, trainer %s", format_cores(engine), format_cores(trainer))
     return {
-        "rollout_svc": {"VLLM_CPU_OMP_THREADS_BIND": format_cores(engine)},
+        "rollout_svc": {"ROLLOUT_CPU_CORES": format_cores(engine)},
         "trainer_svc": {"TRAINER_CPU_CORES": format_cores(trainer)},
     }
 

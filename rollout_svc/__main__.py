@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from common.config import RolloutSettings, SharedSettings, load
+from common.cores import pin_to_cores
 from common.logs import setup_logging
 from common.service import log_settings, run_service
 
@@ -14,6 +16,9 @@ def main() -> int:
     shared, settings = load(SharedSettings), load(RolloutSettings)
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
+    if settings.cpu_cores:  # before vLLM starts its threads and engine process: they inherit it
+        pin_to_cores(settings.cpu_cores)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", settings.cpu_cores)
     from common.models import resolve_base_model
     from rollout_svc.engine import RolloutEngine
     from rollout_svc.service import RolloutService

@@ -37,7 +37,7 @@ def test_engine_gets_the_first_half_trainer_the_rest() -> None:
 
 def test_the_stack_places_engine_and_trainer_unless_told_otherwise() -> None:
     assert core_placement(SERVICES, {0, 1}, {}) == {
-        "rollout_svc": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        "rollout_svc": {"ROLLOUT_CPU_CORES": "0"},
         "trainer_svc": {"TRAINER_CPU_CORES": "1"},
     }
     assert core_placement(SERVICES, {0, 1}, {"TRAINER_CPU_CORES": "0-1"}) == {}
@@ -56,3 +56,17 @@ def test_pinning_binds_the_process_and_counts_threads() -> None:
         assert pin_to_cores("", threads=3) == 3
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("prefix", ["ROLLOUT", "TRAINER"])
+def test_a_service_refuses_a_bad_core_setting(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from common.config import RolloutSettings, TrainerSettings
+
+    settings = {"ROLLOUT": RolloutSettings, "TRAINER": TrainerSettings}[prefix]
+    monkeypatch.setenv(f"{prefix}_CPU_CORES", "2-1")
+    with pytest.raises(ValidationError, match="bad CPU core list"):
+        settings()
+    monkeypatch.setenv(f"{prefix}_CPU_CORES", "0-1,3")
+    assert settings().cpu_cores == "0-1,3"

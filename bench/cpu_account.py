@@ -1,0 +1,82 @@
+"""Where a phase's CPU time went: per core (/proc/stat) and per process tree (/proc/<pid>/stat).
+
+Linux only. A process's figure includes its live descendants (vLLM's engine core runs in a
+child process), read at both ends of the phase; a descendant that started and ended inside
+the phase is missed, which the per-core totals still catch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+PROC = Path("/proc")
+
+
+def core_busy_s() -> dict[int, float]:
+    """Busy seconds (everything but idle and iowait) since boot, per core in this affinity."""
+    mine = os.sched_getaffinity(0)
+    busy: dict[int, float] = {}
+    for line in (PROC / "stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        core = int(name[3:])
+        if core in mine:
+            ticks = [int(value) for value in fields]
+            busy[core] = (sum(ticks[:8]) - ticks[3] - ticks[4]) / TICK  # minus idle, iowait
+    return busy
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system seconds) of one live process."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
+    """User + system seconds of each named process and its live descendants that are not
+    themselves named (so this process can be one root and the servers it started others)."""
+    pids = [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+    stats = {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    named = set(roots.values())
+    totals: dict[str, float] = {}
+    for name, root in roots.items():
+        todo, total = [root], 0.0
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                total += stats[pid][1]
+            todo += [child for child in children.get(pid, []) if child not in named]
+        totals[name] = total
+    return totals
+
+
+@dataclass
+class Snapshot:
+    cores: dict[int, float]
+    processes: dict[str, float]
+
+    @classmethod
+    def take(cls, roots: dict[str, int]) -> Snapshot:
+        return cls(core_busy_s(), tree_cpu_s(roots))
+
+    def since(self, before: Snapshot, wall_s: float) -> dict[str, object]:
+        """Busy share of each core and CPU seconds of each process between two snapshots."""
+        processes = {k: v - before.processes.get(k, 0.0) for k, v in self.processes.items()}
+        cores = {k: v - before.cores.get(k, 0.0) for k, v in self.cores.items()}
+        return {
+            "core_busy_share": {str(k): round(v / wall_s, 3) for k, v in sorted(cores.items())},
+            "process_cpu_s": {k: round(v, 1) for k, v in processes.items()},
+            "process_cpu_share": {k: round(v / wall_s, 3) for k, v in processes.items()},
+            "unaccounted_cpu_s": round(sum(cores.values()) - sum(processes.values()), 1),
+        }
