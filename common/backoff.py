@@ -1,16 +1,107 @@
-"""Connecting to a server that may not be up yet: retry with back-off, one clear line each time."""
+"""Failures worth another try, and how long to wait before it.
+
+- `is_transient`: the errors of a dependency that is briefly away (Redis restarting or still
+  loading its data, a broker or partition leader not reachable yet), as the clients raise
+  them: redis-py's and aiokafka's errors are not subclasses of the built-in
+  `ConnectionError`/`TimeoutError`.
+- `Backoff`: growing, jittered delays, so replicas that failed together do not retry together.
+- `connect_with_backoff`: connecting to a server that may not be up yet, one line per retry.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from aiokafka.errors import KafkaError, KafkaTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, TryAgainError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RetryableError(Exception):
+    """A failure that a later attempt may not hit (a dependency briefly away), raised by our
+    own code where no client error says so."""
+
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    RetryableError,
+    ConnectionError,  # built-in, with OSError's connection family
+    TimeoutError,  # also asyncio.TimeoutError
+    RedisConnectionError,  # BusyLoadingError (Redis loading its data after a restart) is one
+    RedisTimeoutError,
+    ReadOnlyError,  # a replica promoted while we still talk to it
+    TryAgainError,
+    KafkaTimeoutError,  # aiokafka's own timeouts, not marked retriable
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` comes from a dependency that is briefly away: retry, do not give up."""
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return True
+    # aiokafka marks its connection, leader, coordinator and timeout errors retriable.
+    return isinstance(exc, KafkaError) and bool(exc.retriable)
+
+
+class Backoff:
+    """Delays of first_s, 2*first_s, ... up to max_s, each scaled by a random factor in
+    [1 - jitter, 1]; `reset()` after a success starts again from first_s."""
+
+    def __init__(
+        self,
+        first_s: float = 0.25,
+        max_s: float = 10.0,
+        *,
+        jitter: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"need 0 < first_s <= max_s, got {first_s}, {max_s}")
+        if not 0 <= jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.first_s, self.max_s, self.jitter = first_s, max_s, jitter
+        self.failures = 0
+        self._rng = rng or random.Random()
+
+    def next_delay(self) -> float:
+        """The delay before the next attempt; counts one more failure."""
+        ceiling = min(self.max_s, self.first_s * 2 ** min(self.failures, 32))
+        self.failures += 1
+        return ceiling * (1 - self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+async def retry_transient(
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    backoff: Backoff | None = None,
+    logger: logging.Logger = log,
+) -> T:
+    """`call()` until it returns, waiting out transient failures (`is_transient`) with
+    back-off; any other exception is raised at once. For work that must not be dropped
+    while a dependency is away (sending a result, reading a pointer)."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            delay = backoff.next_delay()
+            logger.warning("%s failed (%r); retry %d in %.1fs", what, exc, backoff.failures, delay)
+            await asyncio.sleep(delay)
 
 
 class ServerUnreachable(ConnectionError):
@@ -39,13 +130,13 @@ async def connect_with_backoff(
     `connect` must build a fresh client per attempt and clean it up when it fails.
     """
     deadline = time.monotonic() + timeout_s
-    delay = first_delay_s
-    attempt = 1
+    backoff = Backoff(first_delay_s, max_delay_s)
     while True:
         try:
             return await connect()
         except retry_on as exc:
             last_error = str(exc) or type(exc).__name__
+            delay = backoff.next_delay()
             if time.monotonic() + delay > deadline:
                 raise ServerUnreachable(what, address, timeout_s, last_error) from None
             log.warning(
@@ -53,9 +144,7 @@ async def connect_with_backoff(
                 what,
                 address,
                 last_error,
-                attempt,
+                backoff.failures,
                 delay,
             )
         await asyncio.sleep(delay)
-        delay = min(delay * 2, max_delay_s)
-        attempt += 1

@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from common.backoff import retry_transient
 from common.bus import start_client
 from common.messages import Message, MessageDecodeError, decode
 
@@ -75,7 +76,17 @@ class BroadcastReader(Generic[M]):
                     except MessageDecodeError as exc:
                         log.error("%s: skipping %s", self.service, exc)
                         continue
-                    await self._handler(message)  # type: ignore[arg-type]
+                    await self._handle(message, record.offset)  # type: ignore[arg-type]
+
+    async def _handle(self, message: M, offset: int) -> None:
+        """Hand over one record; transient failures are waited out, others skip the record
+        (logged): no other record depends on it, and readers fall back on Redis' snapshot."""
+        try:
+            await retry_transient(
+                f"{self.service}: {self.topic}@{offset}", lambda: self._handler(message), logger=log
+            )
+        except Exception:
+            log.exception("%s: %s@%d skipped: its handler failed", self.service, self.topic, offset)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -4,8 +4,9 @@ Topic creation and outside lag reads are the operator's (console/topics.py); fan
 is common/broadcast.py. Delivery contract (docs/architecture.md, "Delivery guarantees"):
 offsets are committed only after the handler succeeded (or explicitly after held work became
 durable); a record that cannot be decoded, or whose handler fails for good, goes to
-`marlaas.dlq` and the loop goes on; a retryable failure re-reads the same record after a
-back-off. No Kafka transactions and no idempotent producer: the embedded broker lacks
+`marlaas.dlq` and the loop goes on; a transient failure (common/backoff.py: Redis or the
+broker briefly away, whichever client raised it) re-reads the same record after a growing,
+jittered back-off. No Kafka transactions and no idempotent producer: the embedded broker lacks
 InitProducerId, so consumers de-duplicate by message id instead.
 """
 
@@ -25,7 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
 from aiokafka.structs import TopicPartition
 
-from common.backoff import connect_with_backoff
+from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
 from common.messages import (
     DeadLetter,
     Message,
@@ -45,16 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (KafkaConnectionError, OSError, asyncio.TimeoutError)
-
-
-class RetryableError(Exception):
-    """A handler failure that a later attempt may not hit (a dependency briefly away).
-
-    The record is not dead-lettered: the loop backs off and hands it over again.
-    """
-
-
-DEFAULT_RETRYABLE: tuple[type[BaseException], ...] = (RetryableError, ConnectionError, TimeoutError)
 
 
 # --- clients ------------------------------------------------------------------------
@@ -179,8 +170,9 @@ class ConsumerLoop(Generic[M]):
 
     Commits each partition up to its processed (and not held) records after every
     batch and before partitions are revoked. Undecodable records and handler
-    failures that are not `retryable` become `DeadLetter`s; retryable failures
-    re-read the record after `retry_backoff_s`. Every record moves the `marlaas_*` consumer
+    failures that are not `transient` become `DeadLetter`s; transient failures
+    re-read the record after a back-off from `retry_backoff_s`, doubling per failure in a
+    row up to `max_retry_backoff_s`. Every record moves the `marlaas_*` consumer
     metrics of `service` (common/metrics.py); while `run()` runs, the lag gauges are
     refreshed every `lag_interval_s`.
     """
@@ -194,10 +186,11 @@ class ConsumerLoop(Generic[M]):
         handler: Handler[M],
         dead_letters: Sender,
         service: str,
-        retryable: tuple[type[BaseException], ...] = DEFAULT_RETRYABLE,
+        transient: Callable[[BaseException], bool] = is_transient,
         max_records: int = 100,
         poll_timeout_ms: int = 200,
-        retry_backoff_s: float = 1.0,
+        retry_backoff_s: float = 0.5,
+        max_retry_backoff_s: float = 10.0,
         lag_interval_s: float = 5.0,
         on_assigned: PartitionsCallback | None = None,
         on_revoked: PartitionsCallback | None = None,
@@ -208,10 +201,11 @@ class ConsumerLoop(Generic[M]):
         self.service = service
         self._handler = handler
         self._dead_letters = dead_letters
-        self._retryable = retryable
+        self._transient = transient
         self._max_records = max_records
         self._poll_timeout_ms = poll_timeout_ms
-        self._retry_backoff_s = retry_backoff_s
+        self._retry_delays = (retry_backoff_s, max(retry_backoff_s, max_retry_backoff_s))
+        self._backoffs: dict[TopicPartition, Backoff] = {}
         self._lag_interval_s = lag_interval_s
         self._metrics = {str(topic): consumer_metrics(service, str(topic)) for topic in self.topics}
         self._on_assigned = on_assigned
@@ -296,6 +290,12 @@ class ConsumerLoop(Generic[M]):
             # The group rebalanced under us; the new owner re-reads from the last commit.
             log.warning("commit of %s failed (%s); records will be redelivered", offsets, exc)
             return
+        except KafkaError as exc:
+            if not is_transient(exc):
+                raise
+            # The coordinator is away: the positions stay due and go with the next commit.
+            log.warning("%s: commit failed (%r); retried after the next batch", self.service, exc)
+            return
         for tp, offset in offsets.items():
             self._trackers[tp].committed(offset)
 
@@ -359,22 +359,28 @@ class ConsumerLoop(Generic[M]):
         tracker = self._trackers.get(tp)
         if tracker is None:  # revoked while the batch was in flight
             return
+        backoff = self._backoffs.setdefault(tp, Backoff(*self._retry_delays))
         for record in records:
             try:
                 await self._handle_record(record, tracker)
-            except self._retryable as exc:
+            except Exception as exc:
+                if not self._transient(exc):
+                    raise
+                delay = backoff.next_delay()
                 log.warning(
-                    "%s: retryable failure on %s[%d]@%d (%s); retrying in %.1fs",
+                    "%s: transient failure on %s[%d]@%d (%r); retry %d in %.1fs",
                     self.service,
                     tp.topic,
                     tp.partition,
                     record.offset,
                     exc,
-                    self._retry_backoff_s,
+                    backoff.failures,
+                    delay,
                 )
                 self._require_consumer().seek(tp, record.offset)
-                await asyncio.sleep(self._retry_backoff_s)
+                await asyncio.sleep(delay)
                 return
+            backoff.reset()
             tracker.processed(record.offset)
             self.processed_count += 1
 
@@ -395,11 +401,10 @@ class ConsumerLoop(Generic[M]):
                 await self._handler(message, delivery)  # type: ignore[arg-type]
             finally:
                 metrics.handler_seconds.observe(time.perf_counter() - started)
-        except self._retryable:
-            metrics.failed.inc()
-            raise
         except Exception as exc:
             metrics.failed.inc()
+            if self._transient(exc):
+                raise
             log.exception(
                 "%s: handler failed on %s[%d]@%d; dead-lettering",
                 self.service,
@@ -444,6 +449,7 @@ class ConsumerLoop(Generic[M]):
             await self.commit()
         for tp in revoked:
             self._trackers.pop(tp, None)
+            self._backoffs.pop(tp, None)
         log.info("%s: partitions revoked: %s", self.service, _describe(revoked))
         if self._on_revoked is not None:
             await self._on_revoked(revoked)

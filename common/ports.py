@@ -7,6 +7,7 @@ in-memory bus and a store over fakeredis (tests/fakes.py): the same scenarios ru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from common.flow import IssuedGroup
@@ -29,7 +30,9 @@ class StateStore(Protocol):
     async def close(self) -> None: ...
 
     # adapter pointers
-    async def publish_adapter(self, job_id: str, version: int, uri: str, step: int) -> bool: ...
+    async def publish_adapter(
+        self, job_id: str, version: int, uri: str, step: int, trained_groups: Sequence[str] = ()
+    ) -> bool: ...
 
     async def adapter(self, job_id: str) -> AdapterPointer | None: ...
 

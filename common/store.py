@@ -16,7 +16,7 @@ Every read-modify-write is one Lua script, so concurrent replicas cannot interle
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,8 @@ from common.flow import (
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
 from common.messages import JobSpec
 
+TRAINED = "trained"
+"""De-dup scope of the groups a published version trained."""
 _STATS = "stats:rollout:"
 _STATS_HISTORY = "stats-history:rollout:"
 STATS_HISTORY_SAMPLES = 20_000
@@ -45,13 +47,16 @@ STATS_HISTORY_TTL_S = 7 * 24 * 3600
 """A stopped replica's history outlives it by a week, for reports of past runs."""
 
 
-# KEYS[1] adapter key; ARGV version, uri, step, updated_at -> {moved 0/1, version now stored}
+# KEYS[1] adapter key, KEYS[2] the job's trained-groups set; ARGV version, uri, step,
+# updated_at, group ids... -> {moved 0/1, version now stored}. The pointer and the groups it
+# trained move together: a crash cannot leave a version published with its groups unmarked.
 _SET_ADAPTER = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local proposed = tonumber(ARGV[1])
 if proposed <= current then return {0, current} end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'step', ARGV[3],
            'updated_at', ARGV[4])
+for i = 5, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
 return {1, proposed}
 """
 
@@ -152,13 +157,17 @@ class RedisStore:
 
     # --- adapter pointers -----------------------------------------------------------
 
-    async def publish_adapter(self, job_id: str, version: int, uri: str, step: int) -> bool:
-        """Point `adapter:{job}` at `version` unless it already holds that or a newer one.
+    async def publish_adapter(
+        self, job_id: str, version: int, uri: str, step: int, trained_groups: Sequence[str] = ()
+    ) -> bool:
+        """Point `adapter:{job}` at `version` unless it already holds that or a newer one, and
+        in the same atomic step mark `trained_groups` as trained (`seen("trained", ...)`).
 
         Returns whether the pointer moved; an older writer never overwrites a newer version.
         """
         moved, _ = await self._set_adapter(
-            keys=[_adapter_key(job_id)], args=[version, uri, step, time.time()]
+            keys=[_adapter_key(job_id), _dedup_key(TRAINED, job_id)],
+            args=[version, uri, step, time.time(), *trained_groups],
         )
         return bool(moved)
 
@@ -288,18 +297,22 @@ class RedisStore:
 
     async def mark_seen(self, scope: str, job_id: str, item_id: str) -> bool:
         """Record `item_id` as handled; True the first time, False for a duplicate."""
-        return bool(await self._redis.sadd(f"dedup:{scope}:{job_id}", item_id))
+        return bool(await self._redis.sadd(_dedup_key(scope, job_id), item_id))
 
     async def seen(self, scope: str, job_id: str, item_id: str) -> bool:
-        return bool(await self._redis.sismember(f"dedup:{scope}:{job_id}", item_id))
+        return bool(await self._redis.sismember(_dedup_key(scope, job_id), item_id))
 
     async def forget_seen(self, scope: str, job_id: str, item_id: str) -> None:
         """Undo `mark_seen` when the work it guarded failed before becoming durable."""
-        await self._redis.srem(f"dedup:{scope}:{job_id}", item_id)
+        await self._redis.srem(_dedup_key(scope, job_id), item_id)
 
 
 def _numbers(fields: Mapping[Any, Any]) -> dict[str, float]:
     return {_text(k): float(v) for k, v in fields.items()}
+
+
+def _dedup_key(scope: str, job_id: str) -> str:
+    return f"dedup:{scope}:{job_id}"
 
 
 def _adapter_key(job_id: str) -> str:

@@ -272,15 +272,38 @@ def failed_trajectory(job: JobSpec, result: GenerationResult, error: str) -> Tra
     It still completes its group, so the group's other samples are trained (or the group is
     dropped as invalid and replaced) instead of waiting forever for the missing sample.
     """
+    return _failed(
+        job, result.episode_id, result.group_id, result.sample_index,
+        list(result.context_token_ids), error,
+    )  # fmt: skip
+
+
+def unstarted_trajectory(
+    job: JobSpec, *, group_id: str, group_index: int, sample_index: int, error: str
+) -> Trajectory:
+    """An episode whose first request could not be made (the environment raised): it ends
+    at once with its error, so its group still completes (and is dropped and replaced)."""
+    episode_id = episode_id_for(job.job_id, group_index, sample_index)
+    return _failed(job, episode_id, group_id, sample_index, [], error)
+
+
+def _failed(
+    job: JobSpec,
+    episode_id: str,
+    group_id: str,
+    sample_index: int,
+    token_ids: list[int],
+    error: str,
+) -> Trajectory:
     return Trajectory(
-        episode_id=result.episode_id,
-        job_id=result.job_id,
-        group_id=result.group_id,
-        sample_index=result.sample_index,
+        episode_id=episode_id,
+        job_id=job.job_id,
+        group_id=group_id,
+        sample_index=sample_index,
         group_size=job.rl.group_size,
-        token_ids=list(result.context_token_ids),
-        loss_mask=[0] * len(result.context_token_ids),
-        behaviour_logprobs=[0.0] * len(result.context_token_ids),
+        token_ids=token_ids,
+        loss_mask=[0] * len(token_ids),
+        behaviour_logprobs=[0.0] * len(token_ids),
         reward=0.0,
         error=error,
         finished_at=time.time(),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 import msgspec
 
+from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
 from common.health import redis_ready
@@ -32,13 +34,14 @@ from common.messages import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
-from common.store import JobRecord
+from env_svc.calls import EnvCalls
 from env_svc.episodes import (
     ChatTokenizer,
     EpisodeError,
     advance_episode,
     failed_trajectory,
     start_episode,
+    unstarted_trajectory,
 )
 from env_svc.protocol import Environment, EnvSpecError, environment_for
 
@@ -69,6 +72,7 @@ class EnvService(Service):
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
+        self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
 
     async def start(self) -> None:
         await self.io.open()
@@ -93,6 +97,7 @@ class EnvService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
+        self.calls.close()
         await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:
@@ -128,22 +133,26 @@ class EnvService(Service):
                 lora_target_modules=self.shared.lora_target_modules,
             )
             # A first episode proves the environment, its params and the prompt length.
-            start_episode(
-                environment_for(spec.env), self.tokenizer, spec, group_id="probe",
-                group_index=0, sample_index=0,
-            )  # fmt: skip
-        except (JobSpecError, EnvSpecError, EpisodeError, ContextTooLongError) as exc:
-            job_log.warning("job rejected: %s", exc)
-            await self.producer.send(
-                job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=str(exc))
+            await self.calls.run(f"job {spec.job_id}: first episode", partial(self._probe, spec))
+        except Exception as exc:  # whatever the spec or its environment raised: rejected
+            if is_transient(exc):
+                raise
+            reason = _reason(exc)
+            job_log.warning("job rejected: %s", reason)
+            await self._send(
+                job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=reason)
             )
             return
         if await store.register_job(spec, status=STATE_AFTER["accepted"]):
             job_log.info("job accepted: env %s", spec.env.name)
-            await self.producer.send(
-                job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant)
-            )
+            await self._send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
+
+    def _probe(self, spec: JobSpec) -> None:
+        start_episode(
+            environment_for(spec.env), self.tokenizer, spec, group_id="probe",
+            group_index=0, sample_index=0,
+        )  # fmt: skip
 
     async def on_command(self, command: JobCommand) -> None:
         store = self.io.require_store()
@@ -156,9 +165,7 @@ class EnvService(Service):
         kind = COMMAND_EVENT[command.action]
         if not await store.set_job_status(command.job_id, STATE_AFTER[kind]):
             return  # already finished: a late command changes nothing
-        await self.producer.send(
-            job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant)
-        )
+        await self._send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))
         job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)
         if command.action == "resume":
             await self.issue_groups(command.job_id)
@@ -169,7 +176,7 @@ class EnvService(Service):
         record = await store.job(job_id)
         if record is None or record.status != "running":
             return
-        spec, env = self._job(record)
+        spec = record.spec
         rl = spec.rl
         while (
             group := await store.try_issue_group(
@@ -179,17 +186,39 @@ class EnvService(Service):
                 max_groups=rl.max_steps * rl.groups_per_step,
             )
         ) is not None:
-            group_id = f"{job_id}/g{group.index}"
             for sample_index in range(rl.group_size):
-                request = start_episode(
-                    env, self.tokenizer, spec, group_id=group_id, group_index=group.index,
-                    sample_index=sample_index,
-                )  # fmt: skip
                 # Sample with at least the version training had reached when it was issued.
-                await self.producer.send(
-                    msgspec.structs.replace(request, min_adapter_version=group.trained_version)
-                )
+                first = await self._first_request(spec, group.index, sample_index)
+                if isinstance(first, GenerationRequest):
+                    first = msgspec.structs.replace(
+                        first, min_adapter_version=group.trained_version
+                    )
+                await self._send(first)
             job_logger(log, job_id, spec.tenant).debug("issued group %d", group.index)
+
+    async def _first_request(
+        self, spec: JobSpec, group_index: int, sample_index: int
+    ) -> GenerationRequest | Trajectory:
+        """An episode's first request, or, when the environment raises, its failed end."""
+        group_id = f"{spec.job_id}/g{group_index}"
+        try:
+            env = self._env(spec)
+            return await self.calls.run(
+                f"{spec.job_id}: start of group {group_index}",
+                partial(
+                    start_episode, env, self.tokenizer, spec, group_id=group_id,
+                    group_index=group_index, sample_index=sample_index,
+                ),
+            )  # fmt: skip
+        except Exception as exc:
+            error = _reason(exc)
+            job_logger(log, spec.job_id, spec.tenant).warning(
+                "group %d sample %d cannot start: %s", group_index, sample_index, error
+            )
+            return unstarted_trajectory(
+                spec, group_id=group_id, group_index=group_index, sample_index=sample_index,
+                error=error,
+            )  # fmt: skip
 
     # --- episodes -------------------------------------------------------------------
 
@@ -200,22 +229,43 @@ class EnvService(Service):
         record = await store.job(result.job_id)
         if record is None or record.status in ("cancelled", "completed", "failed"):
             return
-        spec, env = self._job(record)
+        spec = record.spec
         follow_up: GenerationRequest | Trajectory
         try:
-            follow_up = advance_episode(env, self.tokenizer, spec, result)
-        except EpisodeError as exc:
-            job_logger(log, spec.job_id, spec.tenant).warning(
-                "episode %s failed: %s", result.episode_id, exc
+            env = self._env(spec)
+            follow_up = await self.calls.run(
+                f"episode {result.episode_id} turn {result.turn}",
+                partial(advance_episode, env, self.tokenizer, spec, result),
             )
-            follow_up = failed_trajectory(spec, result, str(exc))
-        await self.producer.send(follow_up)
+            await self.producer.send(follow_up)
+        except Exception as exc:  # environment, reward or encoding: the episode ends here
+            if is_transient(exc):
+                raise
+            error = _reason(exc)
+            job_logger(log, spec.job_id, spec.tenant).warning(
+                "episode %s failed: %s", result.episode_id, error
+            )
+            await self._send(failed_trajectory(spec, result, error))
         await store.mark_seen("results", result.job_id, result.request_id)
 
     # --- helpers --------------------------------------------------------------------
 
-    def _job(self, record: JobRecord) -> tuple[JobSpec, Environment[Any]]:
-        job_id = record.spec.job_id
-        if job_id not in self._envs:
-            self._envs[job_id] = environment_for(record.spec.env)
-        return record.spec, self._envs[job_id]
+    def _env(self, spec: JobSpec) -> Environment[Any]:
+        """The job's environment (stateless after construction, so built once per job)."""
+        if spec.job_id not in self._envs:
+            self._envs[spec.job_id] = environment_for(spec.env)
+        return self._envs[spec.job_id]
+
+    async def _send(self, message: Message) -> None:
+        """Send, waiting out the broker's absences: a claimed group's requests, a job's
+        events and episodes' ends are not dropped because Kafka was briefly away."""
+        await retry_transient(
+            f"sending {type(message).__name__}", lambda: self.producer.send(message), logger=log
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    """Our own errors say what is wrong; anything else also names its type."""
+    if isinstance(exc, JobSpecError | EnvSpecError | EpisodeError | ContextTooLongError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from common.artifacts import adapter_path
+from common.backoff import is_transient, retry_transient
 from common.broadcast import BroadcastReader
 from common.bus import ConsumerLoop, Delivery
 from common.config import RolloutSettings, SharedSettings
@@ -191,21 +192,43 @@ class RolloutService(Service):
     async def _generate(
         self, request: GenerationRequest, release_commit: Callable[[], None]
     ) -> None:
+        """Sample, send the result, and only then let the request's offset be committed: a
+        result that never reached the broker leaves its request to be read again."""
         try:
-            try:
-                result = await self.engine.generate(request, await self._adapter_for(request))
-            except Exception as exc:
-                (await self._job_log(request.job_id)).exception(
-                    "request %s failed", request.request_id
-                )
-                await self.producer.send(self._dead_letter(request, exc))
-                DEAD_LETTERS.labels(SERVICE, Topic.PROMPTS).inc()
-                result = aborted(request)  # the episode ends with an error instead of hanging
+            result = await self._sample(request)
             ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
-            await self.producer.send(result)
-        finally:
+            try:
+                await self._send(result)
+            except Exception as exc:  # the broker refuses it (e.g. too large): end the episode
+                await self._give_up(request, exc)
+                await self._send(aborted(request))
             release_commit()
+        finally:
             self._slots.release()
+
+    async def _sample(self, request: GenerationRequest) -> GenerationResult:
+        adapter = await retry_transient(
+            f"adapter of {request.job_id}", lambda: self._adapter_for(request), logger=log
+        )
+        try:
+            return await self.engine.generate(request, adapter)
+        except Exception as exc:
+            await self._give_up(request, exc)
+            return aborted(request)  # the episode ends with an error instead of hanging
+
+    async def _give_up(self, request: GenerationRequest, exc: Exception) -> None:
+        """Dead-letter a request that cannot be served (the episode ends with an error)."""
+        (await self._job_log(request.job_id)).error(
+            "request %s failed: %s", request.request_id, exc, exc_info=exc
+        )
+        await self._send(self._dead_letter(request, exc))
+        DEAD_LETTERS.labels(SERVICE, Topic.PROMPTS).inc()
+
+    async def _send(self, message: GenerationResult | DeadLetter) -> None:
+        """Send, waiting out the broker's absences (back-off, no limit: nothing is dropped)."""
+        await retry_transient(
+            f"sending {type(message).__name__}", lambda: self.producer.send(message), logger=log
+        )
 
     @staticmethod
     def _dead_letter(request: GenerationRequest, exc: Exception) -> DeadLetter:
@@ -277,7 +300,14 @@ class RolloutService(Service):
                 tokens_per_s=recent_tokens_per_s,
                 in_flight=float(engine.in_flight),
             )
-            await store.put_replica_stats(self.replica, stats, ttl_s=60)
+            try:
+                await store.put_replica_stats(self.replica, stats, ttl_s=60)
+            except Exception as exc:  # telemetry: a Redis restart skips a report, no more
+                if not is_transient(exc):
+                    raise
+                log.warning(
+                    "rollout stats not published (%r); next try in %.0fs", exc, STATS_INTERVAL_S
+                )
             try:
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:

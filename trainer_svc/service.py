@@ -12,12 +12,14 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from aiokafka.structs import TopicPartition
 
+from common.backoff import retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
 from common.health import redis_ready
@@ -34,6 +36,7 @@ from common.messages import (
     DropKind,
     GroupDropped,
     JobSpec,
+    Message,
     Topic,
     Trajectory,
     job_event,
@@ -47,6 +50,7 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
+from common.store import TRAINED
 from trainer_svc.checkpoints import CheckpointStore
 from trainer_svc.groups import Group, verdict
 from trainer_svc.grpo import group_advantages_of
@@ -55,6 +59,14 @@ from trainer_svc.policy import MultiAdapterPolicy
 log = logging.getLogger(__name__)
 
 SERVICE: ServiceName = "trainer_svc"
+
+T = TypeVar("T")
+
+
+async def durably(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """An effect of a trained step, retried while Redis or Kafka is briefly away: a step
+    that was trained must be published, not lost to a restart of either."""
+    return await retry_transient(what, call, logger=log)
 
 
 @dataclass
@@ -152,7 +164,7 @@ class TrainerService(Service):
         job = self.jobs.get(trajectory.job_id) or await self._own(trajectory.job_id, delivery)
         if job is None:
             return
-        if await store.seen("trained", job.spec.job_id, trajectory.group_id):
+        if await store.seen(TRAINED, job.spec.job_id, trajectory.group_id):
             return  # redelivered after its group was trained: never train it twice
         group = job.filling.setdefault(trajectory.group_id, Group(trajectory.group_id))
         if trajectory.episode_id in group.trajectories:
@@ -182,7 +194,7 @@ class TrainerService(Service):
             version = checkpoint.version
             # A crash may have come between the checkpoint and marking its groups trained.
             for group_id in checkpoint.group_ids:
-                await self.io.require_store().mark_seen("trained", job_id, group_id)
+                await self.io.require_store().mark_seen(TRAINED, job_id, group_id)
             job_logger(log, job_id, spec.tenant).info(
                 "resumed from %s at v%d", checkpoint.path, version
             )
@@ -260,15 +272,15 @@ class TrainerService(Service):
 
     async def _drop(self, job: OwnedJob, group: Group, kind: DropKind, reason: str) -> None:
         """Count the group out of the job's window, have env_svc replace it, tell dashboards."""
-        job_id = job.spec.job_id
-        await self.io.require_store().record_dropped_group(job_id)
-        await self.producer.send(
+        job_id, store = job.spec.job_id, self.io.require_store()
+        await durably("counting a dropped group", lambda: store.record_dropped_group(job_id))
+        await self._send(
             GroupDropped(
                 job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
                 dropped_at=time.time(),
             )
         )  # fmt: skip
-        await self.producer.send(
+        await self._send(
             job_event(
                 job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,
                 reason=f"group {group.group_id}: {reason}",
@@ -284,8 +296,10 @@ class TrainerService(Service):
         """Train B groups of each job in one shared step; then save, publish and report each
         job's new version."""
         live: list[OwnedJob] = []
+        store = self.io.require_store()
         for job in jobs:
-            record = await self.io.require_store().job(job.spec.job_id)
+            job_id = job.spec.job_id
+            record = await durably(f"reading job {job_id}", partial(store.job, job_id))
             if record is None or record.status in TERMINAL_STATES:
                 self._release_all(job)
                 self._disown(job.spec.job_id)
@@ -342,14 +356,16 @@ class TrainerService(Service):
     async def _publish(
         self, job: OwnedJob, version: int, uri: str, groups: list[Group], metrics: StepMetrics
     ) -> None:
-        """Move the pointer (the job's trained version), mark the groups trained, release
-        their commits and announce the version to rollout_svc and env_svc."""
+        """Move the pointer (the job's trained version) and mark the groups trained in one
+        atomic step, announce the version to rollout_svc and env_svc, release the commits."""
         store, job_id = self.io.require_store(), job.spec.job_id
-        await store.publish_adapter(job_id, version, uri, version)
-        for group in groups:
-            await store.mark_seen("trained", job_id, group.group_id)
+        group_ids = [group.group_id for group in groups]
+        await durably(
+            f"publishing {job_id} v{version}",
+            lambda: store.publish_adapter(job_id, version, uri, version, group_ids),
+        )
         job.version = version
-        await self.producer.send(
+        await self._send(
             AdapterUpdate(
                 job_id=job_id,
                 version=version,
@@ -365,7 +381,7 @@ class TrainerService(Service):
     async def _report(self, job: OwnedJob, metrics: StepMetrics) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""
         spec, version = job.spec, job.version
-        await self.producer.send(
+        await self._send(
             job_event(
                 spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version,
                 metrics=metrics.as_map(),
@@ -382,13 +398,20 @@ class TrainerService(Service):
             metrics.staleness_max or 0, metrics.wall_step_s or 0.0,
         )  # fmt: skip
         if version >= spec.rl.max_steps:
-            await self.io.require_store().set_job_status(spec.job_id, STATE_AFTER["completed"])
-            await self.producer.send(
+            store = self.io.require_store()
+            await durably(
+                f"completing {spec.job_id}",
+                lambda: store.set_job_status(spec.job_id, STATE_AFTER["completed"]),
+            )
+            await self._send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
             )
             job_log.info("completed after %d steps", version)
             self._release_all(job)
             self._disown(spec.job_id)
+
+    async def _send(self, message: Message) -> None:
+        await durably(f"sending {type(message).__name__}", lambda: self.producer.send(message))
 
     def _release_all(self, job: OwnedJob) -> None:
         for group in [*job.ready, *job.filling.values()]:

@@ -16,13 +16,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from prometheus_client import REGISTRY
 
-from common.backoff import ServerUnreachable
-from common.bus import (
-    ConsumerLoop,
-    Delivery,
-    Producer,
-    RetryableError,
-)
+from common.backoff import RetryableError, ServerUnreachable
+from common.bus import ConsumerLoop, Delivery, Producer
 from common.messages import DeadLetter, Event, Topic, decode, new_id
 from console.stack import free_port
 from console.topics import ensure_topics, group_lag

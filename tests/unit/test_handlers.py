@@ -9,96 +9,36 @@ real counterpart is tested in tests/integration/test_rollout_engine.py and the p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import pytest
-
-from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
+from common.config import RolloutSettings, SharedSettings, TrainerSettings
 from common.flow import issue_limit
 from common.messages import (
     AdapterUpdate,
-    EnvSettings,
-    Event,
     GenerationRequest,
-    GenerationResult,
     GroupDropped,
     JobCommand,
-    JobSpec,
-    RLSettings,
-    SamplingSettings,
     Topic,
     Trajectory,
     new_id,
     result_for,
 )
-from common.models import tiny_model
 from env_svc.episodes import ChatTokenizer
-from env_svc.service import EnvService
-from rollout_svc.engine import AdapterRef
 from rollout_svc.service import RolloutService
-from tests.fakes import Backend, Inbox, kafka_backend, memory_backend
+from tests.fakes import Backend, Inbox
+from tests.handler_kit import (
+    GatedEngine,
+    adapter_update,
+    env_service,
+    events,
+    job_spec,
+    request_for,
+    trajectory,
+)
 from trainer_svc.policy import MultiAdapterPolicy
 from trainer_svc.service import TrainerService
 
-BASE_MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def servers(request: pytest.FixtureRequest) -> tuple[str, str] | None:
-    """None for the in-memory backend; the real broker's and Redis' addresses otherwise."""
-    if request.param == "memory":
-        return None
-    stack = request.getfixturevalue("local_stack")
-    return stack.kafka_bootstrap, stack.redis_url
-
-
-@pytest.fixture
-async def backend(servers: tuple[str, str] | None) -> AsyncIterator[Backend]:
-    if servers is None:
-        async with memory_backend() as found:
-            yield found
-    else:
-        async with kafka_backend(*servers) as found:
-            yield found
-
-
-def job_spec(
-    name: str, *, env: str = "arithmetic", group_size: int, groups_per_step: int,
-    max_staleness: int, max_steps: int,
-) -> JobSpec:  # fmt: skip
-    return JobSpec(
-        job_id=f"{name}-{new_id()[:8]}", tenant="acme", base_model=BASE_MODEL,
-        env=EnvSettings(name=env, params={"max_operand": 9}),
-        rl=RLSettings(
-            group_size=group_size, groups_per_step=groups_per_step, max_steps=max_steps,
-            max_staleness=max_staleness, max_context_tokens=128,
-            sampling=SamplingSettings(max_new_tokens=8),
-        ),
-    )  # fmt: skip
-
-
-def events(messages: Sequence[object], kind: str) -> list[Event]:
-    return [m for m in messages if isinstance(m, Event) and m.event == kind]
-
-
-def adapter_update(job_id: str, version: int) -> AdapterUpdate:
-    return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
-
-
 # --- env_svc ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> ChatTokenizer:
-    return ChatTokenizer.from_dir(smollm2_dir)
-
-
-def env_service(backend: Backend, tokenizer: ChatTokenizer) -> EnvService:
-    return EnvService(
-        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(), tokenizer,
-        producer=backend.producer, store=backend.store,
-    )  # fmt: skip
 
 
 async def test_env_svc_issues_exactly_the_groups_the_window_allows(
@@ -194,21 +134,6 @@ async def test_env_svc_turns_a_result_into_a_trajectory_once(
 # --- trainer_svc ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dir() -> Path:
-    return tiny_model()
-
-
-def trajectory(spec: JobSpec, group: int, sample: int, reward: float, version: int) -> Trajectory:
-    return Trajectory(
-        episode_id=f"{spec.job_id}/{group}/{sample}", job_id=spec.job_id,
-        group_id=f"{spec.job_id}/g{group}", sample_index=sample,
-        group_size=spec.rl.group_size, token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1],
-        behaviour_logprobs=[0.0, 0.0, -2.0, -2.0, -2.0], reward=reward,
-        adapter_versions=[version],
-    )  # fmt: skip
-
-
 async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_once(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -296,52 +221,6 @@ async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
 
 
 # --- rollout_svc ------------------------------------------------------------------------
-
-
-class GatedEngine:
-    """A deterministic engine whose generations finish when the test opens the gate."""
-
-    ready = True
-    loaded_adapters = 0
-    busy_seconds = 0.0
-
-    def __init__(self) -> None:
-        self.gate = asyncio.Event()
-        self.in_flight = 0
-        self.generated_tokens = 0
-        self.loaded: list[AdapterRef] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(
-        self, request: GenerationRequest, adapter: AdapterRef | None = None
-    ) -> GenerationResult:
-        self.in_flight += 1
-        await self.gate.wait()
-        self.in_flight -= 1
-        self.generated_tokens += 2
-        return result_for(
-            request, completion_token_ids=[7, 8], logprobs=[-0.5, -0.5],
-            adapter_version=adapter.version if adapter else 0, finish_reason="stop",
-        )  # fmt: skip
-
-    async def load(self, adapter: AdapterRef) -> None:
-        self.loaded.append(adapter)
-
-    async def retire(self, job_id: str, version: int) -> None:
-        pass
-
-
-def request_for(job_id: str, index: int, min_adapter_version: int) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=f"{job_id}/{index}/0/t0", job_id=job_id, episode_id=f"{job_id}/{index}/0",
-        group_id=f"{job_id}/g{index}", sample_index=0, turn=0, context_token_ids=[1, 2, 3],
-        sampling=SamplingSettings(), min_adapter_version=min_adapter_version,
-    )  # fmt: skip
 
 
 async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(

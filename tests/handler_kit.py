@@ -1,0 +1,114 @@
+"""Building blocks of the handler tests: job specs, trajectories, requests, services on a
+backend, and a deterministic rollout engine (tests/unit/conftest.py has the fixtures)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from common.config import EnvServiceSettings, SharedSettings
+from common.messages import (
+    AdapterUpdate,
+    EnvSettings,
+    Event,
+    GenerationRequest,
+    GenerationResult,
+    JobSpec,
+    RLSettings,
+    SamplingSettings,
+    Trajectory,
+    new_id,
+    result_for,
+)
+from env_svc.episodes import ChatTokenizer
+from env_svc.service import EnvService
+from rollout_svc.engine import AdapterRef
+from tests.fakes import Backend
+
+BASE_MODEL = "smollm2-135m-instruct"
+
+
+def job_spec(
+    name: str, *, env: str = "arithmetic", group_size: int, groups_per_step: int,
+    max_staleness: int, max_steps: int,
+) -> JobSpec:  # fmt: skip
+    return JobSpec(
+        job_id=f"{name}-{new_id()[:8]}", tenant="acme", base_model=BASE_MODEL,
+        env=EnvSettings(name=env, params={"max_operand": 9}),
+        rl=RLSettings(
+            group_size=group_size, groups_per_step=groups_per_step, max_steps=max_steps,
+            max_staleness=max_staleness, max_context_tokens=128,
+            sampling=SamplingSettings(max_new_tokens=8),
+        ),
+    )  # fmt: skip
+
+
+def events(messages: Sequence[object], kind: str) -> list[Event]:
+    return [m for m in messages if isinstance(m, Event) and m.event == kind]
+
+
+def adapter_update(job_id: str, version: int) -> AdapterUpdate:
+    return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
+
+
+def env_service(backend: Backend, tokenizer: ChatTokenizer) -> EnvService:
+    return EnvService(
+        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(), tokenizer,
+        producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+
+
+def trajectory(spec: JobSpec, group: int, sample: int, reward: float, version: int) -> Trajectory:
+    return Trajectory(
+        episode_id=f"{spec.job_id}/{group}/{sample}", job_id=spec.job_id,
+        group_id=f"{spec.job_id}/g{group}", sample_index=sample,
+        group_size=spec.rl.group_size, token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1],
+        behaviour_logprobs=[0.0, 0.0, -2.0, -2.0, -2.0], reward=reward,
+        adapter_versions=[version],
+    )  # fmt: skip
+
+
+class GatedEngine:
+    """A deterministic engine whose generations finish when the test opens the gate."""
+
+    ready = True
+    loaded_adapters = 0
+    busy_seconds = 0.0
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.in_flight = 0
+        self.generated_tokens = 0
+        self.loaded: list[AdapterRef] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(
+        self, request: GenerationRequest, adapter: AdapterRef | None = None
+    ) -> GenerationResult:
+        self.in_flight += 1
+        await self.gate.wait()
+        self.in_flight -= 1
+        self.generated_tokens += 2
+        return result_for(
+            request, completion_token_ids=[7, 8], logprobs=[-0.5, -0.5],
+            adapter_version=adapter.version if adapter else 0, finish_reason="stop",
+        )  # fmt: skip
+
+    async def load(self, adapter: AdapterRef) -> None:
+        self.loaded.append(adapter)
+
+    async def retire(self, job_id: str, version: int) -> None:
+        pass
+
+
+def request_for(job_id: str, index: int, min_adapter_version: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{job_id}/{index}/0/t0", job_id=job_id, episode_id=f"{job_id}/{index}/0",
+        group_id=f"{job_id}/g{index}", sample_index=0, turn=0, context_token_ids=[1, 2, 3],
+        sampling=SamplingSettings(), min_adapter_version=min_adapter_version,
+    )  # fmt: skip

@@ -1,0 +1,264 @@
+"""Faults the services must survive without losing work (issue 11's regression tests).
+
+Handler scenarios like tests/unit/test_handlers.py, on the in-memory bus and store and on the
+real broker and Valkey: environment code that raises or hangs, a broker that refuses a send
+for a while, Redis that drops the connection in the middle of a trained step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
+from common.messages import (
+    EnvSettings,
+    GenerationRequest,
+    GenerationResult,
+    JobSpec,
+    Message,
+    Topic,
+    Trajectory,
+    new_id,
+    result_for,
+)
+from common.store import TRAINED
+from env_svc import protocol
+from env_svc.episodes import ChatTokenizer
+from env_svc.service import EnvService
+from rollout_svc.service import RolloutService
+from tests.fakes import Backend, Inbox
+from tests.handler_kit import (
+    BASE_MODEL,
+    GatedEngine,
+    events,
+    job_spec,
+    request_for,
+    trajectory,
+)
+from trainer_svc.policy import MultiAdapterPolicy
+from trainer_svc.service import TrainerService
+
+
+@pytest.fixture(autouse=True)
+def chaos_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(protocol.BUILTIN_ENVIRONMENTS, "chaos", "tests.chaos_env:ChaosEnv")
+    yield
+
+
+def chaos_job(
+    fail: str, *, group_size: int = 2, groups_per_step: int = 1, **params: Any
+) -> JobSpec:
+    spec = job_spec(f"chaos-{fail}", group_size=group_size, groups_per_step=groups_per_step,
+                    max_staleness=0, max_steps=2)  # fmt: skip
+    return msgspec.structs.replace(
+        spec, env=EnvSettings(name="chaos", params={"fail": fail, **params})
+    )
+
+
+def env_service(backend: Backend, tokenizer: ChatTokenizer, timeout_s: float = 60) -> EnvService:
+    return EnvService(
+        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(env_call_timeout_s=timeout_s),
+        tokenizer, producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+
+
+def answer(request: GenerationRequest, tokenizer: ChatTokenizer) -> GenerationResult:
+    completion = [*tokenizer.encode("1"), tokenizer.eos_token_id]
+    return result_for(
+        request, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
+        adapter_version=0, finish_reason="stop",
+    )  # fmt: skip
+
+
+# --- env_svc: any exception from environment code ends an episode, never a group ------------
+
+
+async def test_a_job_whose_environment_raises_anything_is_rejected_with_the_reason(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    spec = chaos_job("reject")
+    await Inbox(Topic.JOBS).hand(env_service(backend, tokenizer).handle, spec)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
+    assert rejected.reason == "RuntimeError: chaos: a bug in the environment's constructor"
+    assert await backend.store.job(spec.job_id) is None
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"),
+    [
+        ("respond", "RuntimeError: chaos: the tool crashed"),
+        ("recursion", "RecursionError: maximum recursion depth exceeded"),
+        ("hang", "no answer after 0.3s"),
+    ],
+)
+async def test_an_environment_that_raises_or_hangs_ends_its_episode_with_the_error(
+    backend: Backend, tokenizer: ChatTokenizer, fail: str, error: str
+) -> None:
+    service = env_service(backend, tokenizer, timeout_s=0.3)
+    spec = chaos_job(fail, hang_s=1.0)
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    first, second = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
+    assert isinstance(first, GenerationRequest) and isinstance(second, GenerationRequest)
+    results = Inbox(Topic.ROLLOUTS)
+    for request in (first, second):
+        await results.hand(service.handle, answer(request, tokenizer))
+    assert results.committable == 2  # handled, not left for a retry or a dead letter
+    ended = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=2)
+    assert all(isinstance(t, Trajectory) and error in t.error for t in ended)
+    assert {t.episode_id for t in ended} == {first.episode_id, second.episode_id}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"),
+    [("start", "RuntimeError: chaos: no task 1"), ("overflow", "OverflowError")],
+)
+async def test_a_group_whose_episodes_cannot_start_still_completes(
+    backend: Backend, tokenizer: ChatTokenizer, fail: str, error: str
+) -> None:
+    """Group 1's task raises: its G episodes end at once with the error (the trainer drops
+    the group and env_svc replaces it) instead of the claimed index being lost."""
+    G = 3
+    spec = chaos_job(fail, group_size=G, groups_per_step=2, bad_groups=[1])
+    await Inbox(Topic.JOBS).hand(env_service(backend, tokenizer).handle, spec)
+    requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=G)
+    assert {r.group_id for r in requests} == {f"{spec.job_id}/g0"}  # type: ignore[union-attr]
+    ended = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=G)
+    assert sorted(t.episode_id for t in ended) == [  # type: ignore[union-attr]
+        f"{spec.job_id}/1/{i}" for i in range(G)
+    ]
+    assert all(isinstance(t, Trajectory) and error in t.error for t in ended)
+    assert all(t.group_id == f"{spec.job_id}/g1" for t in ended)  # type: ignore[union-attr]
+
+
+# --- rollout_svc: a result is durable before its request is committed -------------------
+
+
+class BrokenSends:
+    """The backend's producer, refusing to send `kind` messages while `error` is set."""
+
+    def __init__(self, producer: Any, kind: type[Message]) -> None:
+        self._producer = producer
+        self._kind = kind
+        self.error: Exception | None = None
+        self.refused = 0
+        self._refusal = asyncio.Event()
+
+    async def send(self, message: Message) -> None:
+        if isinstance(message, self._kind) and self.error is not None:
+            self.refused += 1
+            self._refusal.set()
+            raise self.error
+        await self._producer.send(message)
+
+    async def until_refused(self, times: int, timeout_s: float = 10) -> None:
+        async def wait() -> None:
+            while self.refused < times:
+                self._refusal.clear()
+                await self._refusal.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+
+async def test_rollout_keeps_a_request_uncommitted_until_its_result_reaches_the_broker(
+    backend: Backend,
+) -> None:
+    engine, sends = GatedEngine(), BrokenSends(backend.producer, GenerationResult)
+    service = RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=sends, store=backend.store
+    )
+    job_id = f"rollout-{new_id()[:8]}"
+    prompts = Inbox(Topic.PROMPTS)
+    sends.error = KafkaConnectionError("broker away")
+    await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
+    engine.gate.set()
+    await sends.until_refused(2)  # retried with back-off, not given up
+    assert prompts.committable == 0
+    sends.error = None
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    assert prompts.committable == 1
+    (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
+    assert isinstance(result, GenerationResult) and result.finish_reason == "stop"
+
+
+async def test_rollout_dead_letters_a_result_the_broker_refuses_and_ends_the_episode(
+    backend: Backend,
+) -> None:
+    engine, sends = GatedEngine(), BrokenSends(backend.producer, GenerationResult)
+    service = RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=sends, store=backend.store
+    )
+    job_id = f"rollout-{new_id()[:8]}"
+    prompts = Inbox(Topic.PROMPTS)
+    sends.error = MessageSizeTooLargeError("too large")
+    await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
+    engine.gate.set()
+    await sends.until_refused(1)
+    sends.error = None  # the small "abort" result goes through
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    assert prompts.committable == 1
+    (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
+    assert isinstance(result, GenerationResult) and result.finish_reason == "abort"
+
+
+# --- trainer_svc: a trained step is published even when Redis blips ----------------------
+
+
+class FlakyStore:
+    """The backend's store; `method` raises a Redis connection error its first `times` calls."""
+
+    def __init__(self, store: Any, method: str, times: int) -> None:
+        self._store, self._method, self.left = store, method, times
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._store, name)
+        if name != self._method:
+            return real
+
+        async def flaky(*args: Any, **kwargs: Any) -> Any:
+            if self.left > 0:
+                self.left -= 1
+                raise RedisConnectionError("Connection closed by server.")
+            return await real(*args, **kwargs)
+
+        return flaky
+
+
+async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    spec = job_spec("blip", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    store = FlakyStore(backend.store, "publish_adapter", times=2)
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
+        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=store,  # type: ignore[arg-type]
+    )  # fmt: skip
+    await service.load_model()
+    await backend.store.register_job(spec, status="running")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample, reward in enumerate((0.0, 1.0)):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
+    assert await service.train_once()
+    assert store.left == 0 and inbox.committable == 2
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.version == 1
+    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    (update,) = await backend.sent(Topic.ADAPTERS, spec.job_id, expect=1)
+    assert update.version == 1  # type: ignore[union-attr]
+
+
+async def test_the_pointer_and_its_trained_groups_move_in_one_step(backend: Backend) -> None:
+    job_id = f"atomic-{new_id()[:8]}"
+    store = backend.store
+    assert await store.publish_adapter(job_id, 1, "/a/v1", 1, [f"{job_id}/g0", f"{job_id}/g1"])
+    assert await store.seen(TRAINED, job_id, f"{job_id}/g1")
+    # A replayed or older publish moves nothing and marks nothing.
+    assert not await store.publish_adapter(job_id, 1, "/a/v1", 1, [f"{job_id}/g9"])
+    assert not await store.seen(TRAINED, job_id, f"{job_id}/g9")
