@@ -28,10 +28,11 @@ from aiokafka.structs import TopicPartition
 
 from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
 from common.messages import (
-    DeadLetter,
+    MAX_RECORD_BYTES,
     Message,
     MessageDecodeError,
     Topic,
+    dead_letter,
     decode,
     encode,
     key_bytes,
@@ -90,7 +91,7 @@ class Producer:
                 acks="all",
                 enable_idempotence=False,
                 linger_ms=5,
-                max_request_size=16 * 1024 * 1024,
+                max_request_size=MAX_RECORD_BYTES,
             ),
             self.bootstrap,
             timeout_s,
@@ -418,7 +419,7 @@ class ConsumerLoop(Generic[M]):
         metrics.processed.inc()
 
     async def _dead_letter(self, record: ConsumerRecord, error: str) -> None:
-        letter = DeadLetter(
+        letter = dead_letter(
             source_topic=record.topic,
             source_partition=record.partition,
             source_offset=record.offset,
@@ -426,12 +427,19 @@ class ConsumerLoop(Generic[M]):
             raw_value=record.value or b"",
             error=error,
             service=self.service,
-            at=time.time(),
         )
         try:
             await self._dead_letters.send(letter)
-        except KafkaError as exc:
-            raise RetryableError(f"cannot write dead letter: {exc}") from exc
+        except Exception as exc:
+            if is_transient(exc):
+                raise RetryableError(f"cannot write dead letter: {exc}") from exc
+            # Never retried forever: that would stop the partition. The record stays in its
+            # topic at this offset, and this line says where.
+            log.error(
+                "%s: %s[%d]@%d failed (%s) and its dead letter was refused (%r); skipped",
+                self.service, record.topic, record.partition, record.offset, error, exc,
+            )  # fmt: skip
+            return
         self.dead_letter_count += 1
         self._metrics_for(record.topic).dead_letters.inc()
         log.error(

@@ -107,6 +107,11 @@ class EnvServiceSettings(BaseSettings):
     env_call_timeout_s: float = Field(default=60.0, gt=0)
     """Time limit of one environment or reward call (a turn's tool reply, an episode's
     reward); past it the episode ends with an error."""
+    claim_timeout_s: float = Field(default=60.0, gt=0)
+    """A claimed group whose first requests are not all sent after this long (its replica
+    died, or Kafka was away) is sent again by whichever replica's sweep finds it."""
+    claim_sweep_s: float = Field(default=10.0, gt=0)
+    """How often each replica looks for such claims."""
     env_workers: int = Field(default=4, ge=1)
     """Threads running environment and reward code; a replica whose every worker hangs in a
     timed-out call exits, to be restarted with fresh ones."""
@@ -151,6 +156,12 @@ class TrainerSettings(BaseSettings):
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""
+    max_failed_groups: int = Field(default=8, ge=1)
+    """Groups in a row dropped as invalid (no usable rewards: every episode failed, or the
+    step raised) before the job fails with the last reason, instead of running forever."""
+    sweep_interval_s: float = Field(default=5.0, gt=0)
+    """How often owned jobs' status is checked, to release the held groups of jobs that
+    ended elsewhere (cancelled)."""
     max_jobs_per_step: int = Field(default=1, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 ISSUED_GROUPS = "issued_groups"
 """Group indices claimed so far (env_svc); index n is the job's n-th task."""
 DROPPED_GROUPS = "dropped_groups"
-"""Groups the trainer will never train (stale or invalid); each frees a slot for a new one."""
+"""Groups the trainer will never train (stale or invalid); each frees a slot for a new one.
+Counted once per group id, however often a drop is replayed."""
+FAILED_IN_A_ROW = "failed_in_a_row"
+"""Groups dropped as invalid (no usable rewards) since the job's last trained step; a job
+that reaches the trainer's limit fails instead of being re-issued forever."""
 
 
 def flow_key(job_id: str) -> str:
@@ -37,6 +41,7 @@ class FlowState:
     issued_groups: int
     dropped_groups: int
     trained_version: int
+    failed_in_a_row: int = 0
 
     @property
     def live_groups(self) -> int:
@@ -48,6 +53,14 @@ class FlowState:
 
 
 @dataclass(frozen=True)
+class DroppedGroup:
+    counted: bool
+    """False when this group's drop was already counted (a replay after a crash)."""
+    dropped_groups: int
+    failed_in_a_row: int
+
+
+@dataclass(frozen=True)
 class IssuedGroup:
     index: int
     """The group's index in the job's task stream."""
@@ -55,9 +68,15 @@ class IssuedGroup:
     """The job's trained version when the group was claimed: its samples wait for it."""
 
 
+def claims_key(job_id: str) -> str:
+    """Hash of the job's claimed group indices whose first requests are not all sent yet,
+    index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
+    return f"claims:{job_id}"
+
+
 TRY_ISSUE_GROUP = """
--- KEYS[1] flow:{job}, KEYS[2] adapter:{job}; ARGV max_staleness, groups_per_step, max_groups
--- -> {claimed index or -1, trained version}
+-- KEYS[1] flow:{job}, KEYS[2] adapter:{job}, KEYS[3] claims:{job};
+-- ARGV max_staleness, groups_per_step, max_groups, now -> {claimed index or -1, trained version}
 local issued = tonumber(redis.call('HGET', KEYS[1], 'issued_groups') or '0')
 local dropped = tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')
 local trained = tonumber(redis.call('HGET', KEYS[2], 'version') or '0')
@@ -66,5 +85,34 @@ if issued - dropped >= limit or issued - dropped >= tonumber(ARGV[3]) then
   return {-1, trained}
 end
 redis.call('HSET', KEYS[1], 'issued_groups', issued + 1)
+redis.call('HSET', KEYS[3], issued, ARGV[4] .. ':' .. trained)
 return {issued, trained}
+"""
+
+TAKE_STALE_CLAIMS = """
+-- KEYS[1] claims:{job}; ARGV cutoff, now -> {index, trained version, ...} of the claims
+-- older than cutoff, each re-armed to now so that one sweeper re-sends it, not every replica
+local taken = {}
+local claims = redis.call('HGETALL', KEYS[1])
+for i = 1, #claims, 2 do
+  local at, trained = string.match(claims[i + 1], '([^:]+):(.+)')
+  if tonumber(at) < tonumber(ARGV[1]) then
+    redis.call('HSET', KEYS[1], claims[i], ARGV[2] .. ':' .. trained)
+    table.insert(taken, tonumber(claims[i]))
+    table.insert(taken, tonumber(trained))
+  end
+end
+return taken
+"""
+
+RECORD_DROP = """
+-- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set; ARGV group id, invalid 0/1
+-- -> {counted 0/1, dropped_groups, failed_in_a_row}
+local counted = redis.call('SADD', KEYS[2], ARGV[1])
+if counted == 1 then
+  redis.call('HINCRBY', KEYS[1], 'dropped_groups', 1)
+  if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[1], 'failed_in_a_row', 1) end
+end
+return {counted, tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0'),
+        tonumber(redis.call('HGET', KEYS[1], 'failed_in_a_row') or '0')}
 """

@@ -37,12 +37,13 @@ def validate_job(
     base_model: str | None = None,
     max_lora_rank: int | None = None,
     lora_target_modules: Sequence[str] | None = None,
+    max_model_len: int | None = None,
 ) -> None:
     """Raise JobSpecError for the first problem found (all of them, joined by '; ').
 
-    `base_model`, `max_lora_rank` and `lora_target_modules` are what the deployment serves
-    (None: not checked)."""
-    problems = list(_problems(spec, base_model, max_lora_rank, lora_target_modules))
+    `base_model`, `max_lora_rank`, `lora_target_modules` and `max_model_len` (the rollout
+    engine's longest context) are what the deployment serves (None: not checked)."""
+    problems = list(_problems(spec, base_model, max_lora_rank, lora_target_modules, max_model_len))
     if problems:
         raise JobSpecError("; ".join(problems))
 
@@ -52,6 +53,7 @@ def _problems(
     base_model: str | None,
     max_lora_rank: int | None,
     lora_target_modules: Sequence[str] | None,
+    max_model_len: int | None,
 ) -> list[str]:
     rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
     checks: list[tuple[str, bool, str]] = [
@@ -113,6 +115,15 @@ def _problems(
                 not unserved,
                 f"{unserved} not served by the rollout engine, which has LoRA slots on "
                 f"{sorted(lora_target_modules)} (MARLAAS_LORA_TARGET_MODULES)",
+            )
+        )
+    if max_model_len is not None:
+        checks.append(
+            (
+                "rl.max_context_tokens",
+                rl.max_context_tokens <= max_model_len,
+                f"{rl.max_context_tokens} exceeds the rollout engine's max_model_len "
+                f"{max_model_len} (ROLLOUT_MAX_MODEL_LEN): no episode could finish",
             )
         )
     if base_model is not None:

@@ -158,6 +158,8 @@ class RolloutReplicaStats(_Numbers):
     """Generated tokens per second over the last report interval."""
     in_flight: float | None = None
     """Requests in the engine when reported."""
+    max_model_len: float | None = None
+    """The engine's longest context (prompt + completion) in tokens."""
     at: float | None = None
     """When reported (unix s); set on samples read from the history."""
 

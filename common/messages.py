@@ -412,6 +412,39 @@ class DeadLetter(_Wire, tag="dead_letter"):
         return self.source_key
 
 
+MAX_RECORD_BYTES = 1_048_576
+"""The largest record a producer sends: Kafka's default broker limit (`message.max.bytes`),
+so an oversized message fails at once in the sender, as a non-retriable error."""
+MAX_DEAD_LETTER_RAW_BYTES = 512 * 1024
+"""A dead letter keeps at most this much of the record it reports, so the letter itself
+always fits under MAX_RECORD_BYTES: a letter that could never be written would stop its
+partition."""
+
+
+def dead_letter(
+    *,
+    source_topic: str,
+    source_partition: int,
+    source_offset: int,
+    source_key: bytes | None,
+    raw_value: bytes,
+    error: str,
+    service: str,
+) -> DeadLetter:
+    """A DeadLetter whose raw value (and error text) are cut to a size the broker takes;
+    the error says when the value was cut, and from how many bytes."""
+    if len(raw_value) > MAX_DEAD_LETTER_RAW_BYTES:
+        error = (
+            f"{error} [raw value cut from {len(raw_value)} to {MAX_DEAD_LETTER_RAW_BYTES} bytes]"
+        )
+        raw_value = raw_value[:MAX_DEAD_LETTER_RAW_BYTES]
+    return DeadLetter(
+        source_topic=source_topic, source_partition=source_partition,
+        source_offset=source_offset, source_key=source_key, raw_value=raw_value,
+        error=error[-16_384:], service=service, at=time.time(),
+    )  # fmt: skip
+
+
 Message = (
     JobSpec
     | JobCommand

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from common.flow import IssuedGroup
+from common.flow import DroppedGroup, IssuedGroup
 from common.lifecycle import JobState, RolloutReplicaStats
 from common.messages import JobSpec, Message
 from common.store import AdapterPointer, JobRecord
@@ -50,12 +50,22 @@ class StateStore(Protocol):
         self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
     ) -> IssuedGroup | None: ...
 
-    async def record_dropped_group(self, job_id: str) -> int: ...
+    async def finish_claim(self, job_id: str, index: int) -> None: ...
+
+    async def take_stale_claims(self, job_id: str, older_than_s: float) -> list[IssuedGroup]: ...
+
+    async def job_ids(self) -> list[str]: ...
+
+    async def record_dropped_group(
+        self, job_id: str, group_id: str, *, invalid: bool
+    ) -> DroppedGroup: ...
 
     # replica stats
     async def put_replica_stats(
         self, replica: str, stats: RolloutReplicaStats, *, ttl_s: int
     ) -> None: ...
+
+    async def replica_stats(self) -> dict[str, RolloutReplicaStats]: ...
 
     # de-duplication
     async def mark_seen(self, scope: str, job_id: str, item_id: str) -> bool: ...

@@ -6,6 +6,7 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `job:{job}`       hash spec (msgpack JobSpec), tenant, status, reason, created_at, updated_at
 - `jobs`            set of every registered job id
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
+- `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
 - `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
   `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
@@ -28,10 +29,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common.backoff import connect_with_backoff
 from common.flow import (
     DROPPED_GROUPS,
+    FAILED_IN_A_ROW,
     ISSUED_GROUPS,
+    RECORD_DROP,
+    TAKE_STALE_CLAIMS,
     TRY_ISSUE_GROUP,
+    DroppedGroup,
     FlowState,
     IssuedGroup,
+    claims_key,
     flow_key,
 )
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
@@ -39,6 +45,8 @@ from common.messages import JobSpec
 
 TRAINED = "trained"
 """De-dup scope of the groups a published version trained."""
+DROPPED = "dropped"
+"""De-dup scope of the groups counted as dropped."""
 _STATS = "stats:rollout:"
 _STATS_HISTORY = "stats-history:rollout:"
 STATS_HISTORY_SAMPLES = 20_000
@@ -47,9 +55,10 @@ STATS_HISTORY_TTL_S = 7 * 24 * 3600
 """A stopped replica's history outlives it by a week, for reports of past runs."""
 
 
-# KEYS[1] adapter key, KEYS[2] the job's trained-groups set; ARGV version, uri, step,
-# updated_at, group ids... -> {moved 0/1, version now stored}. The pointer and the groups it
-# trained move together: a crash cannot leave a version published with its groups unmarked.
+# KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key; ARGV version,
+# uri, step, updated_at, group ids... -> {moved 0/1, version now stored}. The pointer and the
+# groups it trained move together: a crash cannot leave a version published with its groups
+# unmarked. A trained step also ends a run of failed groups.
 _SET_ADAPTER = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local proposed = tonumber(ARGV[1])
@@ -57,6 +66,7 @@ if proposed <= current then return {0, current} end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'step', ARGV[3],
            'updated_at', ARGV[4])
 for i = 5, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+redis.call('HSET', KEYS[3], 'failed_in_a_row', 0)
 return {1, proposed}
 """
 
@@ -125,6 +135,8 @@ class RedisStore:
         self._register_job = client.register_script(_REGISTER_JOB)
         self._set_status = client.register_script(_SET_STATUS)
         self._try_issue_group = client.register_script(TRY_ISSUE_GROUP)
+        self._record_drop = client.register_script(RECORD_DROP)
+        self._take_stale_claims = client.register_script(TAKE_STALE_CLAIMS)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
@@ -166,7 +178,7 @@ class RedisStore:
         Returns whether the pointer moved; an older writer never overwrites a newer version.
         """
         moved, _ = await self._set_adapter(
-            keys=[_adapter_key(job_id), _dedup_key(TRAINED, job_id)],
+            keys=[_adapter_key(job_id), _dedup_key(TRAINED, job_id), flow_key(job_id)],
             args=[version, uri, step, time.time(), *trained_groups],
         )
         return bool(moved)
@@ -231,14 +243,33 @@ class RedisStore:
         `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
         """
         index, trained_version = await self._try_issue_group(
-            keys=[flow_key(job_id), _adapter_key(job_id)],
-            args=[max_staleness, groups_per_step, max_groups],
+            keys=[flow_key(job_id), _adapter_key(job_id), claims_key(job_id)],
+            args=[max_staleness, groups_per_step, max_groups, time.time()],
         )
         return None if int(index) < 0 else IssuedGroup(int(index), int(trained_version))
 
-    async def record_dropped_group(self, job_id: str) -> int:
-        """Count a group out of the job's window (it is replaced); returns the new count."""
-        return int(await self._redis.hincrby(flow_key(job_id), DROPPED_GROUPS, 1))
+    async def finish_claim(self, job_id: str, index: int) -> None:
+        """Every first request of claimed group `index` is on the bus: nothing to re-send."""
+        await self._redis.hdel(claims_key(job_id), str(index))
+
+    async def take_stale_claims(self, job_id: str, older_than_s: float) -> list[IssuedGroup]:
+        """Claims not finished for `older_than_s` (their replica died or failed mid-group),
+        each handed to one caller per `older_than_s`: the caller re-sends the group."""
+        now = time.time()
+        flat = await self._take_stale_claims(
+            keys=[claims_key(job_id)], args=[now - older_than_s, now]
+        )
+        return [IssuedGroup(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    async def record_dropped_group(
+        self, job_id: str, group_id: str, *, invalid: bool
+    ) -> DroppedGroup:
+        """Count a group out of the job's window (it is replaced), once per group id; an
+        `invalid` one (no usable rewards) also extends the job's run of failed groups."""
+        counted, dropped, failed = await self._record_drop(
+            keys=[flow_key(job_id), _dedup_key(DROPPED, job_id)], args=[group_id, int(invalid)]
+        )
+        return DroppedGroup(bool(counted), int(dropped), int(failed))
 
     async def flow(self, job_id: str) -> FlowState:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -250,6 +281,7 @@ class RedisStore:
             issued_groups=values.get(ISSUED_GROUPS, 0),
             dropped_groups=values.get(DROPPED_GROUPS, 0),
             trained_version=int(version or 0),
+            failed_in_a_row=values.get(FAILED_IN_A_ROW, 0),
         )
 
     # --- rollout replica stats -----------------------------------------------------

@@ -6,6 +6,7 @@ counters and the job registry live in Redis, so any replica can handle any recor
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Coroutine
 from functools import partial
@@ -16,9 +17,16 @@ import msgspec
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
+from common.flow import IssuedGroup
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
-from common.lifecycle import COMMAND_EVENT, CONSUMED_TOPICS, STATE_AFTER, ServiceName
+from common.lifecycle import (
+    COMMAND_EVENT,
+    CONSUMED_TOPICS,
+    STATE_AFTER,
+    TERMINAL_STATES,
+    ServiceName,
+)
 from common.logs import job_logger
 from common.messages import (
     AdapterUpdate,
@@ -88,7 +96,7 @@ class EnvService(Service):
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
-        return {"env-consume": self.consumer.run()}
+        return {"env-consume": self.consumer.run(), "env-claims": self._sweep_loop()}
 
     def request_stop(self) -> None:
         if self.consumer is not None:
@@ -131,6 +139,7 @@ class EnvService(Service):
                 base_model=self.shared.base_model,
                 max_lora_rank=self.shared.max_lora_rank,
                 lora_target_modules=self.shared.lora_target_modules,
+                max_model_len=await self._engine_context(),
             )
             # A first episode proves the environment, its params and the prompt length.
             await self.calls.run(f"job {spec.job_id}: first episode", partial(self._probe, spec))
@@ -147,6 +156,12 @@ class EnvService(Service):
             job_log.info("job accepted: env %s", spec.env.name)
             await self._send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
+
+    async def _engine_context(self) -> int | None:
+        """The shortest `max_model_len` of the live rollout replicas (None: none reports)."""
+        stats = await self.io.require_store().replica_stats()
+        limits = [int(s.max_model_len) for s in stats.values() if s.max_model_len]
+        return min(limits, default=None)
 
     def _probe(self, spec: JobSpec) -> None:
         start_episode(
@@ -186,15 +201,50 @@ class EnvService(Service):
                 max_groups=rl.max_steps * rl.groups_per_step,
             )
         ) is not None:
-            for sample_index in range(rl.group_size):
-                # Sample with at least the version training had reached when it was issued.
-                first = await self._first_request(spec, group.index, sample_index)
-                if isinstance(first, GenerationRequest):
-                    first = msgspec.structs.replace(
-                        first, min_adapter_version=group.trained_version
-                    )
-                await self._send(first)
+            await self._send_group(spec, group)
             job_logger(log, job_id, spec.tenant).debug("issued group %d", group.index)
+
+    async def _send_group(self, spec: JobSpec, group: IssuedGroup) -> None:
+        """The first request of each of the group's G episodes, then the claim is done.
+        Episode ids are deterministic, so sending a group again only makes duplicates that
+        env_svc (results by request id) and the trainer (episodes by id) de-duplicate."""
+        for sample_index in range(spec.rl.group_size):
+            # Sample with at least the version training had reached when it was issued.
+            first = await self._first_request(spec, group.index, sample_index)
+            if isinstance(first, GenerationRequest):
+                first = msgspec.structs.replace(first, min_adapter_version=group.trained_version)
+            await self._send(first)
+        await self.io.require_store().finish_claim(spec.job_id, group.index)
+
+    async def sweep_claims(self) -> int:
+        """Send again every group claimed more than `claim_timeout_s` ago and never finished
+        (its replica died or lost Kafka mid-group); returns how many."""
+        store, resent = self.io.require_store(), 0
+        for job_id in await store.job_ids():
+            record = await store.job(job_id)
+            if record is None:
+                continue
+            for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):
+                if record.status in TERMINAL_STATES:
+                    await store.finish_claim(job_id, group.index)
+                    continue
+                job_logger(log, job_id, record.spec.tenant).warning(
+                    "group %d was claimed but not all sent; sending it again", group.index
+                )
+                await self._send_group(record.spec, group)
+                resent += 1
+        return resent
+
+    async def _sweep_loop(self) -> None:
+        interval = self.settings.claim_sweep_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep_claims()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("claim sweep skipped (%r); next in %.0fs", exc, interval)
 
     async def _first_request(
         self, spec: JobSpec, group_index: int, sample_index: int

@@ -29,6 +29,7 @@ from common.messages import (
     GenerationRequest,
     GenerationResult,
     Topic,
+    dead_letter,
     encode,
     result_for,
 )
@@ -232,10 +233,10 @@ class RolloutService(Service):
 
     @staticmethod
     def _dead_letter(request: GenerationRequest, exc: Exception) -> DeadLetter:
-        return DeadLetter(
+        return dead_letter(
             source_topic=Topic.PROMPTS, source_partition=-1, source_offset=-1,
             source_key=request.episode_id.encode(), raw_value=encode(request),
-            error=f"{type(exc).__name__}: {exc}", service=SERVICE, at=time.time(),
+            error=f"{type(exc).__name__}: {exc}", service=SERVICE,
         )  # fmt: skip
 
     async def _adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
@@ -299,6 +300,7 @@ class RolloutService(Service):
                 generated_tokens=float(tokens),
                 tokens_per_s=recent_tokens_per_s,
                 in_flight=float(engine.in_flight),
+                max_model_len=float(self.settings.max_model_len),
             )
             try:
                 await store.put_replica_stats(self.replica, stats, ttl_s=60)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.messages import DropKind, Trajectory
+import msgspec
+
+from common.messages import DropKind, JobSpec, Trajectory
 
 Verdict = Literal["train"] | DropKind
 """Train the group, or drop it (and why: the drop kinds of `GroupDropped`)."""
@@ -57,3 +60,42 @@ def verdict(group: Group, *, trained_version: int, max_staleness: int) -> tuple[
         errors = sorted({t.error for t in group.trajectories.values() if t.error})
         return "dropped_invalid", f"{len(group.valid)} rewarded trajectories; " + "; ".join(errors)
     return "train", f"{lag} versions behind"
+
+
+def not_of_job(t: Trajectory, spec: JobSpec) -> str | None:
+    """Why a trajectory cannot belong to one of the job's groups (it is then not held at
+    all), or None."""
+    if not t.group_id.startswith(f"{spec.job_id}/g"):
+        return f"group {t.group_id!r} is not one of job {spec.job_id!r}"
+    if not 0 <= t.sample_index < spec.rl.group_size:
+        return f"sample_index {t.sample_index} outside the job's group of {spec.rl.group_size}"
+    return None
+
+
+def checked(trajectory: Trajectory, spec: JobSpec, vocab_size: int) -> Trajectory:
+    """The trajectory as it arrived, or, when its content does not fit its job (a forged or
+    corrupt record: misaligned lists, token ids the model does not have), a copy that
+    carries why in `error`: it still completes its group but is never trained on."""
+    problem = _problem(trajectory, spec, vocab_size)
+    if problem is None:
+        return trajectory
+    return msgspec.structs.replace(trajectory, error=f"invalid trajectory: {problem}")
+
+
+def _problem(t: Trajectory, spec: JobSpec, vocab_size: int) -> str | None:
+    if t.error:
+        return None  # already failed: nothing of it is trained
+    if not len(t.token_ids) == len(t.loss_mask) == len(t.behaviour_logprobs):
+        return (
+            f"{len(t.token_ids)} tokens, {len(t.loss_mask)} mask entries and "
+            f"{len(t.behaviour_logprobs)} logprobs"
+        )
+    if len(t.token_ids) > spec.rl.max_context_tokens:
+        return f"{len(t.token_ids)} tokens > max_context_tokens {spec.rl.max_context_tokens}"
+    if any(not 0 <= token < vocab_size for token in t.token_ids):
+        return f"token ids outside the vocabulary of {vocab_size}"
+    if any(bit not in (0, 1) for bit in t.loss_mask) or 1 not in t.loss_mask:
+        return "the loss mask must be 0/1 with at least one sampled token"
+    if not math.isfinite(t.reward) or not all(map(math.isfinite, t.behaviour_logprobs)):
+        return "non-finite reward or logprobs"
+    return None

@@ -110,6 +110,11 @@ class MultiAdapterPolicy:
     def jobs(self) -> list[str]:
         return list(self._jobs)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: a token id at or past it cannot be trained on."""
+        return int(self._base.get_input_embeddings().weight.shape[0])
+
     def add_job(self, job_id: str, lora: LoraSettings, rl: RLSettings, seed: int = 0) -> None:
         """Attach a fresh adapter (identity: LoRA B starts at zero) and its optimizer."""
         import torch

@@ -12,14 +12,14 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 from aiokafka.structs import TopicPartition
 
-from common.backoff import retry_transient
+from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
 from common.health import redis_ready
@@ -50,9 +50,9 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
-from common.store import TRAINED
+from common.store import DROPPED, TRAINED
 from trainer_svc.checkpoints import CheckpointStore
-from trainer_svc.groups import Group, verdict
+from trainer_svc.groups import Group, checked, not_of_job, verdict
 from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -78,6 +78,9 @@ class OwnedJob:
     version: int
     filling: dict[str, Group] = field(default_factory=dict)
     ready: deque[Group] = field(default_factory=deque)
+    closed: set[str] = field(default_factory=set)
+    """Groups that left `filling` here (ready, trained or dropped): late copies of their
+    trajectories are not held, so they cannot pin the partition's commits."""
 
 
 class TrainerService(Service):
@@ -164,14 +167,21 @@ class TrainerService(Service):
         job = self.jobs.get(trajectory.job_id) or await self._own(trajectory.job_id, delivery)
         if job is None:
             return
-        if await store.seen(TRAINED, job.spec.job_id, trajectory.group_id):
+        job_id, group_id = job.spec.job_id, trajectory.group_id
+        if (foreign := not_of_job(trajectory, job.spec)) is not None:
+            job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", foreign)
+            return
+        if group_id in job.closed or await store.seen(TRAINED, job_id, group_id):
             return  # redelivered after its group was trained: never train it twice
-        group = job.filling.setdefault(trajectory.group_id, Group(trajectory.group_id))
+        if await store.seen(DROPPED, job_id, group_id):
+            return  # its group was dropped and replaced
+        group = job.filling.setdefault(group_id, Group(group_id))
         if trajectory.episode_id in group.trajectories:
             return  # a duplicate of one we hold; the first copy's commit covers it
-        group.add(trajectory, delivery.hold_commit())
-        if group.complete(trajectory.group_size):
-            job.ready.append(job.filling.pop(group.group_id))
+        group.add(checked(trajectory, job.spec, self.policy.vocab_size), delivery.hold_commit())
+        if group.complete(job.spec.rl.group_size):
+            job.closed.add(group_id)
+            job.ready.append(job.filling.pop(group_id))
             self._wake.set()
 
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
@@ -189,18 +199,40 @@ class TrainerService(Service):
             # Not owned after all: the next trajectory tries again from a fresh adapter.
             self.policy.remove_job(job_id)
             raise
-        version = 0
-        if checkpoint is not None:
-            version = checkpoint.version
-            # A crash may have come between the checkpoint and marking its groups trained.
-            for group_id in checkpoint.group_ids:
-                await self.io.require_store().mark_seen(TRAINED, job_id, group_id)
-            job_logger(log, job_id, spec.tenant).info(
-                "resumed from %s at v%d", checkpoint.path, version
-            )
-        job = OwnedJob(spec=spec, partition=delivery.partition, version=version)
+        job = OwnedJob(spec=spec, partition=delivery.partition, version=0)
         self.jobs[job_id] = job
-        return job
+        if checkpoint is not None:
+            job.version = checkpoint.version
+            job_logger(log, job_id, spec.tenant).info(
+                "resumed from %s at v%d", checkpoint.path, job.version
+            )
+            await self._reconcile(job, checkpoint.group_ids)
+        return self.jobs.get(job_id)
+
+    async def _reconcile(self, job: OwnedJob, group_ids: Sequence[str]) -> None:
+        """Finish what a crash may have cut short after the checkpoint of `job.version`: move
+        the pointer (with its groups) if it is behind, announce the version again (readers
+        ignore versions they have), and complete a job whose last step was saved."""
+        store, job_id, version = self.io.require_store(), job.spec.job_id, job.version
+        uri = self.checkpoints.adapter_dir(job_id, version).resolve().as_uri()
+        pointer = await durably(f"reading {job_id}'s pointer", partial(store.adapter, job_id))
+        if pointer is None or pointer.version < version:
+            job_logger(log, job_id, job.spec.tenant).warning(
+                "v%d was saved but not published; publishing it", version
+            )
+            await durably(
+                f"publishing {job_id} v{version}",
+                lambda: store.publish_adapter(job_id, version, uri, version, group_ids),
+            )
+        if pointer is None or pointer.version <= version:
+            await self._send(
+                AdapterUpdate(
+                    job_id=job_id, version=version, uri=uri, step=version,
+                    published_at=time.time(),
+                )
+            )  # fmt: skip
+        if version >= job.spec.rl.max_steps:
+            await self._complete(job)
 
     async def on_revoked(self, partitions: set[TopicPartition]) -> None:
         lost = {tp.partition for tp in partitions if tp.topic == Topic.TRAJECTORIES}
@@ -221,7 +253,11 @@ class TrainerService(Service):
     # --- training -------------------------------------------------------------------
 
     async def train_loop(self) -> None:
+        swept_at = time.monotonic()
         while not self._stopping.is_set():
+            if time.monotonic() - swept_at > self.settings.sweep_interval_s:
+                await self.sweep_finished()
+                swept_at = time.monotonic()
             if await self.train_once():
                 continue
             self._wake.clear()
@@ -242,6 +278,26 @@ class TrainerService(Service):
         await self._step(jobs)
         return True
 
+    async def sweep_finished(self) -> None:
+        """Let go of jobs that ended elsewhere (cancelled, failed): their groups' commits
+        would otherwise be held forever, stopping commits of the whole partition."""
+        store = self.io.require_store()
+        for job in list(self.jobs.values()):
+            job_id = job.spec.job_id
+            try:
+                record = await store.job(job_id)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("job status not checked (%r); next sweep retries", exc)
+                return
+            if record is None or record.status in TERMINAL_STATES:
+                self._release_all(job)
+                self._disown(job_id)
+                job_logger(log, job_id, job.spec.tenant).info(
+                    "job %s: its held groups released", record.status if record else "gone"
+                )
+
     async def _ready_jobs(self) -> list[OwnedJob]:
         """Jobs with B usable groups, round-robin from a moving start: no tenant waits
         behind another when there are more ready jobs than one step takes."""
@@ -259,6 +315,19 @@ class TrainerService(Service):
         return ready
 
     async def _drop_unusable(self, job: OwnedJob) -> None:
+        """Drop ready groups that cannot be trained, and filling ones already too stale to
+        ever be (their late samples then find the group closed)."""
+        for group in list(job.filling.values()):
+            if (
+                group.trajectories
+                and job.version - group.oldest_version > job.spec.rl.max_staleness
+            ):
+                del job.filling[group.group_id]
+                job.closed.add(group.group_id)
+                lag = job.version - group.oldest_version
+                await self._drop(job, group, "dropped_stale", f"{lag} versions behind, unfinished")
+            if job.spec.job_id not in self.jobs:
+                return  # the drop failed the job
         keep: deque[Group] = deque()
         for group in job.ready:
             kind, reason = verdict(
@@ -268,12 +337,20 @@ class TrainerService(Service):
                 keep.append(group)
             else:
                 await self._drop(job, group, kind, reason)
+            if job.spec.job_id not in self.jobs:
+                return  # the drop failed the job
         job.ready = keep
 
     async def _drop(self, job: OwnedJob, group: Group, kind: DropKind, reason: str) -> None:
-        """Count the group out of the job's window, have env_svc replace it, tell dashboards."""
+        """Count the group out of the job's window (it is replaced), have env_svc replace it,
+        tell dashboards; fail the job after too many unusable groups in a row."""
         job_id, store = job.spec.job_id, self.io.require_store()
-        await durably("counting a dropped group", lambda: store.record_dropped_group(job_id))
+        counted = await durably(
+            "counting a dropped group",
+            lambda: store.record_dropped_group(
+                job_id, group.group_id, invalid=kind == "dropped_invalid"
+            ),
+        )
         await self._send(
             GroupDropped(
                 job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
@@ -291,6 +368,28 @@ class TrainerService(Service):
             "%s group %s (%s)", kind, group.group_id, reason
         )
         group.release()
+        if counted.failed_in_a_row >= self.settings.max_failed_groups:
+            await self._fail(
+                job, f"{counted.failed_in_a_row} groups in a row had no usable rewards; "
+                f"the last: {reason}",
+            )  # fmt: skip
+
+    async def _fail(self, job: OwnedJob, reason: str) -> None:
+        """End a job that cannot make progress, with the reason (instead of re-issuing its
+        groups forever)."""
+        spec, store = job.spec, self.io.require_store()
+        changed = await durably(
+            f"failing {spec.job_id}",
+            lambda: store.set_job_status(spec.job_id, STATE_AFTER["failed"], reason),
+        )
+        if changed:
+            await self._send(
+                job_event(spec.job_id, "failed", SERVICE, tenant=spec.tenant, step=job.version,
+                          reason=reason)
+            )  # fmt: skip
+            job_logger(log, spec.job_id, spec.tenant).error("job failed: %s", reason)
+        self._release_all(job)
+        self._disown(spec.job_id)
 
     async def _step(self, jobs: list[OwnedJob]) -> None:
         """Train B groups of each job in one shared step; then save, publish and report each
@@ -312,7 +411,11 @@ class TrainerService(Service):
             job.spec.job_id: [job.ready.popleft() for _ in range(job.spec.rl.groups_per_step)]
             for job in live
         }
-        metrics = await self._train(live, taken)
+        try:
+            metrics = await self._train(live, taken)
+        except Exception as exc:  # a bad batch or a full disk must not stop other tenants
+            await self._untrainable(live, taken, exc)
+            return
         for job in live:
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
@@ -322,6 +425,25 @@ class TrainerService(Service):
             metrics[job_id].wall_step_s = time.monotonic() - started
             await self._publish(job, version, uri, groups, metrics[job_id])
             await self._report(job, metrics[job_id])
+
+    async def _untrainable(
+        self, jobs: list[OwnedJob], taken: dict[str, list[Group]], exc: Exception
+    ) -> None:
+        """A step that raised: with several jobs, each is tried again alone (so one job's
+        bad batch does not cost the others their step); a job alone drops its groups with
+        the error, which counts towards failing the job."""
+        if len(jobs) > 1:
+            log.warning("shared step of %d jobs failed (%r); training each alone", len(jobs), exc)
+            for job in jobs:
+                job.ready.extendleft(reversed(taken[job.spec.job_id]))
+                await self._step([job])
+            return
+        (job,) = jobs
+        reason = f"training failed: {type(exc).__name__}: {exc}"
+        job_logger(log, job.spec.job_id, job.spec.tenant).error("%s", reason, exc_info=exc)
+        for group in taken[job.spec.job_id]:
+            if job.spec.job_id in self.jobs:
+                await self._drop(job, group, "dropped_invalid", reason)
 
     async def _train(
         self, jobs: list[OwnedJob], taken: dict[str, list[Group]]
@@ -398,17 +520,21 @@ class TrainerService(Service):
             metrics.staleness_max or 0, metrics.wall_step_s or 0.0,
         )  # fmt: skip
         if version >= spec.rl.max_steps:
-            store = self.io.require_store()
-            await durably(
-                f"completing {spec.job_id}",
-                lambda: store.set_job_status(spec.job_id, STATE_AFTER["completed"]),
-            )
+            await self._complete(job)
+
+    async def _complete(self, job: OwnedJob) -> None:
+        spec, store = job.spec, self.io.require_store()
+        changed = await durably(
+            f"completing {spec.job_id}",
+            lambda: store.set_job_status(spec.job_id, STATE_AFTER["completed"]),
+        )
+        if changed:
             await self._send(
-                job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=version)
+                job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=job.version)
             )
-            job_log.info("completed after %d steps", version)
-            self._release_all(job)
-            self._disown(spec.job_id)
+            job_logger(log, spec.job_id, spec.tenant).info("completed after %d steps", job.version)
+        self._release_all(job)
+        self._disown(spec.job_id)
 
     async def _send(self, message: Message) -> None:
         await durably(f"sending {type(message).__name__}", lambda: self.producer.send(message))

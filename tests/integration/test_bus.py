@@ -10,16 +10,21 @@ import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaConnectionError, NodeNotReadyError
 from prometheus_client import REGISTRY
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.backoff import RetryableError, ServerUnreachable
 from common.bus import ConsumerLoop, Delivery, Producer
 from common.messages import DeadLetter, Event, Topic, decode, new_id
-from console.stack import free_port
+from common.store import RedisStore
+from console.stack import free_port, start_valkey
 from console.topics import ensure_topics, group_lag
 
 pytestmark = pytest.mark.kafka
@@ -256,7 +261,21 @@ async def test_garbage_and_failing_messages_go_to_the_dlq_and_the_loop_goes_on(
     assert lag[garbage.source_partition].lag == 0
 
 
-async def test_a_retryable_failure_is_redelivered_not_dead_lettered(kafka_bootstrap: str) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [
+        RetryableError("ours"),
+        RedisConnectionError("Connection closed by server."),
+        BusyLoadingError("Redis is loading the dataset in memory"),
+        KafkaConnectionError("No connection to node with id 0"),
+        NodeNotReadyError("node 0 not ready"),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+async def test_a_transient_failure_is_redelivered_not_dead_lettered(
+    kafka_bootstrap: str, error: Exception
+) -> None:
+    """The clients' own errors, not only built-in ones: a Redis restart must not dead-letter."""
     job_id, group = f"retry-{new_id()}", f"group-{new_id()}"
     attempts: list[int] = []
     received: list[Event] = []
@@ -264,7 +283,7 @@ async def test_a_retryable_failure_is_redelivered_not_dead_lettered(kafka_bootst
     async def flaky(message: Event) -> None:
         attempts.append(message.step)
         if len(attempts) < 3:
-            raise RetryableError("redis is restarting")
+            raise error
 
     async with producer(kafka_bootstrap) as prod:
         await prod.send(event(job_id, step=7))
@@ -277,6 +296,44 @@ async def test_a_retryable_failure_is_redelivered_not_dead_lettered(kafka_bootst
             await wait_for(lambda: len(received) == 1, what="success after retries")
     # Handed over again after each failure: a dead-lettered record would not be retried.
     assert attempts == [7, 7, 7]
+
+
+async def test_handlers_ride_out_a_valkey_restart(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A real Valkey stopped and started again while records arrive: every record is
+    handled once Redis is back, none dead-lettered."""
+    port = free_port()
+    valkey = start_valkey(port, tmp_path / "valkey", tmp_path / "valkey.log")
+    store = await RedisStore.connect(f"redis://127.0.0.1:{port}/0", timeout_s=30)
+    job_id, group = f"restart-{new_id()}", f"group-{new_id()}"
+    received: list[Event] = []
+
+    async def record(message: Event) -> None:
+        await store.mark_seen("restart-test", job_id, str(message.step))
+
+    try:
+        async with producer(kafka_bootstrap) as prod:
+            loop = ConsumerLoop[Event](
+                bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+                handler=collecting(job_id, received, before=record), dead_letters=prod,
+                service="restart-test", retry_backoff_s=0.1, max_retry_backoff_s=0.5,
+            )  # fmt: skip
+            async with running(loop):
+                await prod.send(event(job_id, step=0))
+                await wait_for(lambda: len(received) == 1, what="a record before the restart")
+                valkey.stop()
+                for step in (1, 2, 3):
+                    await prod.send(event(job_id, step=step))
+                await asyncio.sleep(1.5)  # handlers fail against the stopped server meanwhile
+                assert len(received) == 1
+                valkey = start_valkey(port, tmp_path / "valkey", tmp_path / "valkey.log")
+                await wait_for(lambda: len(received) == 4, what="the records after the restart")
+        # A dead-lettered record would never have reached `received`.
+        assert sorted(m.step for m in received) == [0, 1, 2, 3]
+        for step in (1, 2, 3):
+            assert await store.seen("restart-test", job_id, str(step))
+    finally:
+        await store.close()
+        valkey.stop()
 
 
 async def test_a_held_commit_keeps_lag_until_released(kafka_bootstrap: str) -> None:

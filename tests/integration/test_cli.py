@@ -89,7 +89,7 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
             assert await registry.try_issue_group(
                 job.job_id, max_staleness=9, groups_per_step=B, max_groups=100
             )
-        await registry.record_dropped_group(job.job_id)
+        await registry.record_dropped_group(job.job_id, f"{job.job_id}/g0", invalid=False)
         producer = Producer(kafka_bootstrap, client_id="test-history")
         await producer.start()
         events = [job_event(job.job_id, "accepted", "env_svc", tenant=job.tenant)]

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from common.backoff import ServerUnreachable
-from common.flow import FlowState, issue_limit
+from common.flow import DroppedGroup, FlowState, issue_limit
 from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.store import RedisStore, UnknownJobError
@@ -173,14 +173,19 @@ async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
         return await claim_index(registry, job_id, max_staleness=0, groups_per_step=2, max_groups=4)
 
     assert [await claim(), await claim(), await claim()] == [0, 1, None]
-    assert await registry.record_dropped_group(job_id) == 1  # the trainer dropped one
+    dropped = await registry.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
+    assert dropped == DroppedGroup(counted=True, dropped_groups=1, failed_in_a_row=1)
+    # Replayed after a crash: counted once, so the window is not widened twice.
+    replayed = await registry.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
+    assert replayed == DroppedGroup(counted=False, dropped_groups=1, failed_in_a_row=1)
     assert [await claim(), await claim()] == [2, None]  # one replacement, no more
     await trained(registry, job_id, 1)
     assert [await claim(), await claim(), await claim()] == [3, 4, None]  # 4 live groups: cap
     await trained(registry, job_id, 5)
     assert await claim() is None
+    # A trained step ended the run of failed groups.
     assert await registry.flow(job_id) == FlowState(
-        issued_groups=5, dropped_groups=1, trained_version=5
+        issued_groups=5, dropped_groups=1, trained_version=5, failed_in_a_row=0
     )
 
 

@@ -94,7 +94,7 @@ async def test_env_calls_answer_raise_time_out_and_give_up_when_every_worker_han
         with pytest.raises(ZeroDivisionError):
             await calls.run("divide", lambda: 1 / 0)
         for hung in range(2):
-            with pytest.raises(EnvCallTimeout, match="no answer after 0.2s"):
+            with pytest.raises(EnvCallTimeout, match=r"no answer after 0\.2s"):
                 await calls.run(f"hang {hung}", release.wait)
         assert calls.abandoned == 2
         with pytest.raises(WorkersExhausted):

@@ -18,6 +18,7 @@ from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
+from common.lifecycle import RolloutReplicaStats
 from common.messages import (
     EnvSettings,
     GenerationRequest,
@@ -63,10 +64,10 @@ def chaos_job(
     )
 
 
-def env_service(backend: Backend, tokenizer: ChatTokenizer, timeout_s: float = 60) -> EnvService:
+def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:
     return EnvService(
-        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(env_call_timeout_s=timeout_s),
-        tokenizer, producer=backend.producer, store=backend.store,
+        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(**settings), tokenizer,
+        producer=backend.producer, store=backend.store,
     )  # fmt: skip
 
 
@@ -102,7 +103,7 @@ async def test_a_job_whose_environment_raises_anything_is_rejected_with_the_reas
 async def test_an_environment_that_raises_or_hangs_ends_its_episode_with_the_error(
     backend: Backend, tokenizer: ChatTokenizer, fail: str, error: str
 ) -> None:
-    service = env_service(backend, tokenizer, timeout_s=0.3)
+    service = env_service(backend, tokenizer, env_call_timeout_s=0.3)
     spec = chaos_job(fail, hang_s=1.0)
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     first, second = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
@@ -262,3 +263,183 @@ async def test_the_pointer_and_its_trained_groups_move_in_one_step(backend: Back
     # A replayed or older publish moves nothing and marks nothing.
     assert not await store.publish_adapter(job_id, 1, "/a/v1", 1, [f"{job_id}/g9"])
     assert not await store.seen(TRAINED, job_id, f"{job_id}/g9")
+
+
+# --- trainer_svc: bad records, bad steps and finished jobs never wedge a partition --------
+
+
+def trainer_service(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, **settings: Any
+) -> TrainerService:
+    return TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(**settings), lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer, store=backend.store,
+    )  # fmt: skip
+
+
+async def running_job(backend: Backend, name: str) -> JobSpec:
+    spec = job_spec(name, group_size=2, groups_per_step=1, max_staleness=0, max_steps=3)
+    await backend.store.register_job(spec, status="running")
+    return spec
+
+
+async def test_a_job_whose_groups_keep_failing_fails_with_the_reason(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    service = trainer_service(backend, tiny_dir, tmp_path, max_failed_groups=2)
+    await service.load_model()
+    spec = await running_job(backend, "doomed")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for group in range(3):
+        for sample in range(2):
+            failed = msgspec.structs.replace(
+                trajectory(spec, group, sample, 0.0, 0), error="tool server unreachable"
+            )
+            await inbox.hand(service.on_trajectory, failed)
+        assert not await service.train_once()  # dropped, not trained
+    record = await backend.store.job(spec.job_id)
+    assert record is not None and record.status == "failed"
+    assert "2 groups in a row had no usable rewards" in record.reason
+    assert "tool server unreachable" in record.reason
+    (failed_event,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=3), "failed")
+    assert failed_event.reason == record.reason
+    assert inbox.committable == 6  # nothing of the failed job stays held
+
+
+async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "late")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    # Group 0 is complete and waits to be trained; a redelivered copy must not open it again.
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 1.0, 0))
+    assert service.jobs[spec.job_id].filling == {}
+    assert await service.train_once()
+    assert inbox.committable == 3
+
+    await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, 1))  # half a group
+    assert inbox.committable == 3
+    await backend.store.set_job_status(spec.job_id, "cancelled")
+    await service.sweep_finished()
+    assert inbox.committable == 4 and spec.job_id not in service.jobs
+
+
+async def test_records_that_do_not_fit_their_job_are_never_trained(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "forged")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    vocab = service.policy.vocab_size
+    out_of_vocab = msgspec.structs.replace(
+        trajectory(spec, 0, 0, 1.0, 0), token_ids=[1, 2, vocab + 5, 4, 5]
+    )
+    misaligned = msgspec.structs.replace(trajectory(spec, 0, 1, 0.0, 0), loss_mask=[0, 1])
+    foreign = msgspec.structs.replace(trajectory(spec, 0, 1, 0.0, 0), group_id="other/g0")
+    for record in (out_of_vocab, misaligned, foreign):
+        await inbox.hand(service.on_trajectory, record)
+    assert not await service.train_once()  # dropped as invalid instead of crashing the step
+    (dropped,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+    assert dropped.verdict == "dropped_invalid"  # type: ignore[union-attr]
+    assert f"outside the vocabulary of {vocab}" in dropped.reason  # type: ignore[union-attr]
+    assert "5 tokens, 2 mask entries" in dropped.reason  # type: ignore[union-attr]
+    assert inbox.committable == 3
+
+
+async def test_a_step_that_raises_costs_only_its_own_job(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = trainer_service(backend, tiny_dir, tmp_path, max_jobs_per_step=2)
+    await service.load_model()
+    good, bad = await running_job(backend, "good"), await running_job(backend, "bad")
+    train_steps = service.policy.train_steps
+
+    def fragile(batches: Any) -> Any:
+        if bad.job_id in batches:
+            raise RuntimeError("CPU out of memory")
+        return train_steps(batches)
+
+    monkeypatch.setattr(service.policy, "train_steps", fragile)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for spec in (good, bad):
+        for sample in range(2):
+            await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    assert await service.train_once()  # the shared step fails; each job is tried alone
+    pointer = await backend.store.adapter(good.job_id)
+    assert pointer is not None and pointer.version == 1
+    assert await backend.store.adapter(bad.job_id) is None
+    (dropped,) = await backend.sent(Topic.CONTROL, bad.job_id, expect=1)
+    assert "training failed: RuntimeError: CPU out of memory" in dropped.reason  # type: ignore[union-attr]
+    assert inbox.committable == 4
+
+
+async def test_env_svc_rejects_a_context_longer_than_the_engine_serves(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    await backend.store.put_replica_stats(
+        "rollout-1", RolloutReplicaStats(max_model_len=1024.0), ttl_s=60
+    )
+    spec = job_spec("long", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
+    spec = msgspec.structs.replace(
+        spec, rl=msgspec.structs.replace(spec.rl, max_context_tokens=4096)
+    )
+    await Inbox(Topic.JOBS).hand(env_service(backend, tokenizer).handle, spec)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
+    assert "exceeds the rollout engine's max_model_len 1024" in rejected.reason
+
+
+async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer, claim_timeout_s=0.05)
+    spec = job_spec("orphan", group_size=2, groups_per_step=1, max_staleness=1, max_steps=2)
+    await backend.store.register_job(spec, status="running")
+    # Another replica claimed group 0, then died before sending its requests.
+    claimed = await backend.store.try_issue_group(
+        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=2
+    )
+    assert claimed is not None and claimed.index == 0
+    assert await service.sweep_claims() == 0  # not old enough yet
+    await asyncio.sleep(0.1)
+    assert await service.sweep_claims() == 1
+    requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
+    assert sorted(r.episode_id for r in requests) == [  # type: ignore[union-attr]
+        f"{spec.job_id}/0/0", f"{spec.job_id}/0/1",
+    ]  # fmt: skip
+    await asyncio.sleep(0.1)
+    assert await service.sweep_claims() == 0  # sent in full: the claim is done
+
+    # Groups this replica issues itself finish their claims as they go.
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    assert len(await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)) == 4  # group 1
+    await asyncio.sleep(0.1)
+    assert await service.sweep_claims() == 0
+
+
+async def test_a_new_owner_publishes_a_step_that_was_saved_but_never_announced(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The previous owner saved v1 (checkpoint and `latest`) and died before moving the
+    pointer: env_svc would wait for v1 forever. The next owner publishes and announces it."""
+    spec = await running_job(backend, "orphaned-step")
+    crashed = trainer_service(backend, tiny_dir, tmp_path)
+    await crashed.load_model()
+    crashed.policy.add_job(spec.job_id, spec.lora, spec.rl)
+    crashed.checkpoints.save(crashed.policy, spec.job_id, 1, [f"{spec.job_id}/g0"])
+
+    owner = trainer_service(backend, tiny_dir, tmp_path)
+    await owner.load_model()
+    inbox = Inbox(Topic.TRAJECTORIES)
+    await inbox.hand(owner.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))  # redelivered
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.version == 1
+    (update,) = await backend.sent(Topic.ADAPTERS, spec.job_id, expect=1)
+    assert update.version == 1  # type: ignore[union-attr]
+    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    assert inbox.committable == 1  # its group was trained: not held

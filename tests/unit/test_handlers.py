@@ -75,7 +75,7 @@ async def test_env_svc_issues_exactly_the_groups_the_window_allows(
     assert {r.min_adapter_version for r in issued[4 * G :]} == {1}
 
     # A dropped group is counted out of the window and replaced, once.
-    await backend.store.record_dropped_group(job_id)
+    await backend.store.record_dropped_group(job_id, f"{job_id}/g0", invalid=False)
     await rollouts.hand(
         service.handle,
         GroupDropped(job_id=job_id, group_id=f"{job_id}/g0", verdict="dropped_stale"),

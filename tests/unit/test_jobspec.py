@@ -74,3 +74,9 @@ def test_all_problems_are_reported_at_once() -> None:
     with pytest.raises(JobSpecError) as info:
         validate_job(bad)
     assert "rl.group_size" in str(info.value) and "rl.max_steps" in str(info.value)
+
+
+def test_a_context_longer_than_the_engine_serves_is_rejected() -> None:
+    validate_job(spec(), max_model_len=1024)
+    with pytest.raises(JobSpecError, match="exceeds the rollout engine's max_model_len 256"):
+        validate_job(spec(), max_model_len=256)

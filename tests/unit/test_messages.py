@@ -158,3 +158,21 @@ def test_defaults_are_omitted_on_the_wire() -> None:
     bare = AdapterUpdate(job_id="j1", version=1, uri="u", step=1)
     with_metrics = AdapterUpdate(job_id="j1", version=1, uri="u", step=1, metrics={"loss": 0.5})
     assert len(encode(bare)) < len(encode(with_metrics))
+
+
+def test_a_dead_letter_always_fits_under_the_record_limit() -> None:
+    from common.messages import MAX_RECORD_BYTES, dead_letter, encode
+
+    huge = b"x" * (2 * MAX_RECORD_BYTES)
+    letter = dead_letter(
+        source_topic="marlaas.jobs", source_partition=3, source_offset=7, source_key=b"k",
+        raw_value=huge, error="boom " * 10_000, service="env_svc",
+    )  # fmt: skip
+    assert len(encode(letter)) < MAX_RECORD_BYTES
+    assert letter.raw_value == huge[: len(letter.raw_value)]
+    assert f"raw value cut from {len(huge)} to" in letter.error
+    small = dead_letter(
+        source_topic="marlaas.jobs", source_partition=0, source_offset=0, source_key=None,
+        raw_value=b"abc", error="bad", service="env_svc",
+    )  # fmt: skip
+    assert (small.raw_value, small.error) == (b"abc", "bad")
