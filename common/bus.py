@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
 from aiokafka.structs import TopicPartition
 
@@ -195,6 +197,7 @@ class ConsumerLoop(Generic[M]):
         lag_interval_s: float = 5.0,
         on_assigned: PartitionsCallback | None = None,
         on_revoked: PartitionsCallback | None = None,
+        sticky: bool = False,
     ) -> None:
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -211,6 +214,9 @@ class ConsumerLoop(Generic[M]):
         self._metrics = {str(topic): consumer_metrics(service, str(topic)) for topic in self.topics}
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
+        # Sticky: a rebalance moves as few partitions as it can (a trainer's partitions carry
+        # its jobs' adapters and optimizers, expensive to hand over).
+        self._assignors = (StickyPartitionAssignor,) if sticky else (RoundRobinPartitionAssignor,)
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._stopping = asyncio.Event()
@@ -231,6 +237,7 @@ class ConsumerLoop(Generic[M]):
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
                 max_poll_records=self._max_records,
+                partition_assignment_strategy=self._assignors,
             ),
             self.bootstrap,
             timeout_s,

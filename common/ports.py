@@ -31,8 +31,19 @@ class StateStore(Protocol):
 
     # adapter pointers
     async def publish_adapter(
-        self, job_id: str, version: int, uri: str, step: int, trained_groups: Sequence[str] = ()
+        self,
+        job_id: str,
+        version: int,
+        uri: str,
+        step: int,
+        trained_groups: Sequence[str] = (),
+        *,
+        epoch: int = 0,
     ) -> bool: ...
+
+    async def take_over(self, job_id: str) -> int: ...
+
+    async def published_uri(self, job_id: str, version: int) -> str | None: ...
 
     async def adapter(self, job_id: str) -> AdapterPointer | None: ...
 

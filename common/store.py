@@ -7,6 +7,8 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `jobs`            set of every registered job id
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
+- `fence:{job}`     the job's fencing epoch: incremented by each trainer taking it over
+- `adapter-versions:{job}` hash version -> uri of every published version
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
 - `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
   `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
@@ -55,17 +57,24 @@ STATS_HISTORY_TTL_S = 7 * 24 * 3600
 """A stopped replica's history outlives it by a week, for reports of past runs."""
 
 
-# KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key; ARGV version,
-# uri, step, updated_at, group ids... -> {moved 0/1, version now stored}. The pointer and the
-# groups it trained move together: a crash cannot leave a version published with its groups
-# unmarked. A trained step also ends a run of failed groups.
+# KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key, KEYS[4] fence
+# key, KEYS[5] the job's published versions (version -> uri); ARGV version, uri, step,
+# updated_at, epoch, group ids... -> {moved 1 / not newer 0 / fenced -1, version now stored}.
+# The pointer and the groups it trained move together: a crash cannot leave a version
+# published with its groups unmarked. Only the owner of the job's current fencing epoch may
+# publish (epoch 0: unfenced). A trained step also ends a run of failed groups.
 _SET_ADAPTER = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+local epoch = tonumber(ARGV[5])
+if epoch > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') ~= epoch then
+  return {-1, current}
+end
 local proposed = tonumber(ARGV[1])
 if proposed <= current then return {0, current} end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'step', ARGV[3],
            'updated_at', ARGV[4])
-for i = 5, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[2])
+for i = 6, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
 redis.call('HSET', KEYS[3], 'failed_in_a_row', 0)
 return {1, proposed}
 """
@@ -89,6 +98,16 @@ end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
 return {1, ARGV[1]}
 """
+
+
+class FencedError(RuntimeError):
+    """A publish by a trainer that no longer owns the job: another replica took it over
+    (a newer fencing epoch) after this one's partition moved or it stalled."""
+
+    def __init__(self, job_id: str, epoch: int) -> None:
+        super().__init__(f"job {job_id!r}: epoch {epoch} was fenced off by a newer owner")
+        self.job_id = job_id
+        self.epoch = epoch
 
 
 class UnknownJobError(KeyError):
@@ -170,18 +189,42 @@ class RedisStore:
     # --- adapter pointers -----------------------------------------------------------
 
     async def publish_adapter(
-        self, job_id: str, version: int, uri: str, step: int, trained_groups: Sequence[str] = ()
+        self,
+        job_id: str,
+        version: int,
+        uri: str,
+        step: int,
+        trained_groups: Sequence[str] = (),
+        *,
+        epoch: int = 0,
     ) -> bool:
         """Point `adapter:{job}` at `version` unless it already holds that or a newer one, and
         in the same atomic step mark `trained_groups` as trained (`seen("trained", ...)`).
 
         Returns whether the pointer moved; an older writer never overwrites a newer version.
+        With an `epoch` (from `take_over`), raises FencedError unless it is still the job's
+        newest: a replica that lost the job cannot publish.
         """
         moved, _ = await self._set_adapter(
-            keys=[_adapter_key(job_id), _dedup_key(TRAINED, job_id), flow_key(job_id)],
-            args=[version, uri, step, time.time(), *trained_groups],
-        )
+            keys=[
+                _adapter_key(job_id), _dedup_key(TRAINED, job_id), flow_key(job_id),
+                _fence_key(job_id), _versions_key(job_id),
+            ],
+            args=[version, uri, step, time.time(), epoch, *trained_groups],
+        )  # fmt: skip
+        if int(moved) < 0:
+            raise FencedError(job_id, epoch)
         return bool(moved)
+
+    async def published_uri(self, job_id: str, version: int) -> str | None:
+        """Where version `version` of the job's adapter was published (None: never, or
+        published before versions were recorded)."""
+        uri = await self._redis.hget(_versions_key(job_id), str(version))
+        return None if uri is None else _text(uri)
+
+    async def take_over(self, job_id: str) -> int:
+        """A new fencing epoch for a trainer taking the job on; every older one is fenced."""
+        return int(await self._redis.incr(_fence_key(job_id)))
 
     async def adapter(self, job_id: str) -> AdapterPointer | None:
         fields = await self._redis.hgetall(_adapter_key(job_id))
@@ -341,6 +384,14 @@ class RedisStore:
 
 def _numbers(fields: Mapping[Any, Any]) -> dict[str, float]:
     return {_text(k): float(v) for k, v in fields.items()}
+
+
+def _versions_key(job_id: str) -> str:
+    return f"adapter-versions:{job_id}"
+
+
+def _fence_key(job_id: str) -> str:
+    return f"fence:{job_id}"
 
 
 def _dedup_key(scope: str, job_id: str) -> str:

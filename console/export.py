@@ -98,7 +98,9 @@ async def export_adapter(
     wanted = pointer.version if version is None else version
     if not 1 <= wanted <= pointer.version:
         raise ExportError(f"job {job_id!r} has adapter versions 1..{pointer.version}, not {wanted}")
-    source = adapter_path(pointer.uri).parent / f"v{wanted}"
+    uri = pointer.uri if wanted == pointer.version else await store.published_uri(job_id, wanted)
+    # Versions published before their URIs were recorded sit beside the latest as v<n>.
+    source = adapter_path(uri) if uri else adapter_path(pointer.uri).parent / f"v{wanted}"
     if not source.is_dir():
         raise ExportError(
             f"adapter v{wanted} of job {job_id!r} is not at {source}: run export where the "

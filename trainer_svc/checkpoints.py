@@ -2,12 +2,19 @@
 
 Layout under the artifact dir (MARLAAS_ARTIFACT_DIR):
 
-    adapters/<job>/v<n>/        the PEFT adapter of version n; rollout_svc loads it by URI and
-                                `marlaas export` copies it out. Every version is kept.
-    checkpoints/<job>/v<n>/     adapter + optimizer + trainer_state.json (MultiAdapterPolicy's
+    adapters/<job>/v<n>.e<e>/   the PEFT adapter of version n written by the owner of fencing
+                                epoch e; rollout_svc loads it by URI and `marlaas export`
+                                copies it out. Every version is kept.
+    checkpoints/<job>/v<n>.e<e>/ adapter + optimizer + trainer_state.json (MultiAdapterPolicy's
                                 checkpoint) + groups.json: the ids of the groups version n
                                 was trained on. Only the newest `keep` (2) are kept.
-    checkpoints/<job>/latest    text `v<n>`: the newest complete checkpoint.
+    checkpoints/<job>/latest    text `v<n>.e<e>`: the newest complete checkpoint.
+
+Each owner of a job writes under its own epoch (trainer_svc takes a new one from Redis when it
+takes a job over), so two replicas that both believe they own a job never write the same
+directory: a published version's bytes never change. `latest` only moves to an epoch at least
+as new as the one it names, so a replica that lost the job cannot move it back. (`v<n>` with
+no epoch, from before fencing or without it, still reads as epoch 0.)
 
 A save writes the adapter, then the whole checkpoint directory (groups.json included) in one
 atomic rename, then moves `latest`, then prunes. A crash at any point leaves `latest` naming a
@@ -36,7 +43,7 @@ from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
 KEEP_CHECKPOINTS = 2
 LATEST = "latest"
 GROUPS_FILE = "groups.json"
-_VERSION_DIR = re.compile(r"v(\d+)")
+_VERSION_DIR = re.compile(r"v(\d+)(?:\.e(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Checkpoint:
     path: Path
     version: int
     group_ids: tuple[str, ...]
+    epoch: int = 0
 
 
 class CheckpointStore:
@@ -57,28 +65,47 @@ class CheckpointStore:
         self.artifacts = Path(artifacts)
         self.keep = keep
 
-    def adapter_dir(self, job_id: str, version: int) -> Path:
-        return self.artifacts / "adapters" / _checked(job_id) / f"v{version}"
+    def adapter_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
+        return self.artifacts / "adapters" / _checked(job_id) / _name(version, epoch)
 
-    def checkpoint_dir(self, job_id: str, version: int) -> Path:
-        return self._root(job_id) / f"v{version}"
+    def checkpoint_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
+        return self._root(job_id) / _name(version, epoch)
 
     def save(
-        self, policy: MultiAdapterPolicy, job_id: str, version: int, group_ids: Sequence[str]
+        self,
+        policy: MultiAdapterPolicy,
+        job_id: str,
+        version: int,
+        group_ids: Sequence[str],
+        epoch: int = 0,
     ) -> str:
-        """Publishable adapter + checkpoint of `version`, trained on `group_ids`; then `latest`
-        moves to it and older checkpoints are pruned. Returns the adapter's `file://` URI."""
-        adapter_dir = policy.save_adapter(job_id, self.adapter_dir(job_id, version))
+        """Publishable adapter + checkpoint of `version`, trained on `group_ids` by the owner
+        of `epoch`; then `latest` moves to it (unless a newer epoch's checkpoint is there)
+        and older checkpoints are pruned. Returns the adapter's `file://` URI."""
+        adapter_dir = policy.save_adapter(job_id, self.adapter_dir(job_id, version, epoch))
         policy.save_checkpoint(
             job_id,
-            self.checkpoint_dir(job_id, version),
+            self.checkpoint_dir(job_id, version, epoch),
             step=version,
             version=version,
             extra_files={GROUPS_FILE: json.dumps(list(group_ids))},
         )
-        atomic_write_text(self._root(job_id) / LATEST, f"v{version}")
-        self._prune(job_id, version)
+        current = self._latest_name(job_id)
+        if current is None or _epoch_of(current) <= epoch:
+            atomic_write_text(self._root(job_id) / LATEST, _name(version, epoch))
+            self._prune(job_id, version)
         return adapter_dir.resolve().as_uri()
+
+    def adapter_uri(self, checkpoint: Checkpoint, job_id: str) -> str:
+        """The published adapter that was saved with `checkpoint`."""
+        path = self.adapter_dir(job_id, checkpoint.version, checkpoint.epoch)
+        return path.resolve().as_uri()
+
+    def _latest_name(self, job_id: str) -> str | None:
+        try:
+            return (self._root(job_id) / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return None
 
     def latest(self, job_id: str) -> Checkpoint | None:
         """The checkpoint `latest` names; None when the job has none (no `latest` file).
@@ -87,9 +114,8 @@ class CheckpointStore:
         ValueError when it holds something other than `v<n>`.
         """
         pointer = self._root(job_id) / LATEST
-        try:
-            name = pointer.read_text().strip()
-        except FileNotFoundError:
+        name = self._latest_name(job_id)
+        if name is None:
             return None
         match = _VERSION_DIR.fullmatch(name)
         if match is None:
@@ -102,7 +128,9 @@ class CheckpointStore:
                 " not restarting the job from scratch"
             )
         group_ids = json.loads((path / GROUPS_FILE).read_text())
-        return Checkpoint(path=path, version=int(match[1]), group_ids=tuple(group_ids))
+        return Checkpoint(
+            path=path, version=int(match[1]), group_ids=tuple(group_ids), epoch=_epoch_of(name)
+        )
 
     def resume(self, policy: MultiAdapterPolicy, job_id: str) -> Checkpoint | None:
         """Load the latest checkpoint into the job's adapter and optimizer, which `policy`
@@ -121,19 +149,31 @@ class CheckpointStore:
         Newer directories (left by a crash before `latest` moved) stay: the next saves
         replace them.
         """
-        older = sorted(v for v in self._versions(job_id) if v < saved)
-        for version in older[: max(len(older) - (self.keep - 1), 0)]:
-            shutil.rmtree(self.checkpoint_dir(job_id, version), ignore_errors=True)
+        older = sorted({v for v, _ in self._versions(job_id) if v < saved})
+        doomed = set(older[: max(len(older) - (self.keep - 1), 0)])
+        for version, path in self._versions(job_id):
+            if version in doomed:
+                shutil.rmtree(path, ignore_errors=True)
 
-    def _versions(self, job_id: str) -> list[int]:
+    def _versions(self, job_id: str) -> list[tuple[int, Path]]:
+        """(version, directory) of every checkpoint directory, any epoch."""
         root = self._root(job_id)
         if not root.is_dir():
             return []
-        matches = (_VERSION_DIR.fullmatch(p.name) for p in root.iterdir() if p.is_dir())
-        return [int(m[1]) for m in matches if m is not None]
+        found = [(_VERSION_DIR.fullmatch(p.name), p) for p in root.iterdir() if p.is_dir()]
+        return [(int(m[1]), p) for m, p in found if m is not None]
 
     def _root(self, job_id: str) -> Path:
         return self.artifacts / "checkpoints" / _checked(job_id)
+
+
+def _name(version: int, epoch: int) -> str:
+    return f"v{version}.e{epoch}" if epoch else f"v{version}"
+
+
+def _epoch_of(name: str) -> int:
+    match = _VERSION_DIR.fullmatch(name)
+    return int(match[2]) if match is not None and match[2] else 0
 
 
 def _checked(job_id: str) -> str:

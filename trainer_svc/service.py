@@ -50,8 +50,8 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
-from common.store import DROPPED, TRAINED
-from trainer_svc.checkpoints import CheckpointStore
+from common.store import DROPPED, TRAINED, FencedError
+from trainer_svc.checkpoints import Checkpoint, CheckpointStore
 from trainer_svc.groups import Group, checked, not_of_job, verdict
 from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
@@ -76,6 +76,9 @@ class OwnedJob:
     spec: JobSpec
     partition: int
     version: int
+    epoch: int = 0
+    """This replica's fencing epoch for the job: its publishes are refused once another
+    replica has taken the job over."""
     filling: dict[str, Group] = field(default_factory=dict)
     ready: deque[Group] = field(default_factory=deque)
     closed: set[str] = field(default_factory=set)
@@ -113,6 +116,8 @@ class TrainerService(Service):
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._turn = itertools.count()
+        self._stepping = asyncio.Lock()
+        """Held by a training step; a revocation waits for it before giving jobs up."""
 
     @property
     def policy(self) -> MultiAdapterPolicy:
@@ -131,6 +136,7 @@ class TrainerService(Service):
             dead_letters=self.producer,
             service=SERVICE,
             on_revoked=self.on_revoked,
+            sticky=True,
         )
         await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
 
@@ -186,12 +192,16 @@ class TrainerService(Service):
 
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
         """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""
-        record = await self.io.require_store().job(job_id)
+        store = self.io.require_store()
+        record = await store.job(job_id)
         if record is None:
             raise ValueError(f"trajectory for unknown job {job_id!r}")
         if record.status in TERMINAL_STATES:
             return None
         spec = record.spec
+        # First fence off any previous owner (a replica whose partition moved, or stalled):
+        # from here on only this replica can publish the job's versions.
+        epoch = await durably(f"taking {job_id} over", partial(store.take_over, job_id))
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
         try:
             checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
@@ -199,31 +209,29 @@ class TrainerService(Service):
             # Not owned after all: the next trajectory tries again from a fresh adapter.
             self.policy.remove_job(job_id)
             raise
-        job = OwnedJob(spec=spec, partition=delivery.partition, version=0)
+        job = OwnedJob(spec=spec, partition=delivery.partition, version=0, epoch=epoch)
         self.jobs[job_id] = job
         if checkpoint is not None:
             job.version = checkpoint.version
             job_logger(log, job_id, spec.tenant).info(
-                "resumed from %s at v%d", checkpoint.path, job.version
+                "resumed from %s at v%d (epoch %d)", checkpoint.path, job.version, epoch
             )
-            await self._reconcile(job, checkpoint.group_ids)
+            await self._reconcile(job, checkpoint)
         return self.jobs.get(job_id)
 
-    async def _reconcile(self, job: OwnedJob, group_ids: Sequence[str]) -> None:
+    async def _reconcile(self, job: OwnedJob, checkpoint: Checkpoint) -> None:
         """Finish what a crash may have cut short after the checkpoint of `job.version`: move
         the pointer (with its groups) if it is behind, announce the version again (readers
         ignore versions they have), and complete a job whose last step was saved."""
         store, job_id, version = self.io.require_store(), job.spec.job_id, job.version
-        uri = self.checkpoints.adapter_dir(job_id, version).resolve().as_uri()
+        uri = self.checkpoints.adapter_uri(checkpoint, job_id)
         pointer = await durably(f"reading {job_id}'s pointer", partial(store.adapter, job_id))
         if pointer is None or pointer.version < version:
             job_logger(log, job_id, job.spec.tenant).warning(
                 "v%d was saved but not published; publishing it", version
             )
-            await durably(
-                f"publishing {job_id} v{version}",
-                lambda: store.publish_adapter(job_id, version, uri, version, group_ids),
-            )
+            if not await self._publish_pointer(job, version, uri, checkpoint.group_ids):
+                return
         if pointer is None or pointer.version <= version:
             await self._send(
                 AdapterUpdate(
@@ -236,6 +244,10 @@ class TrainerService(Service):
 
     async def on_revoked(self, partitions: set[TopicPartition]) -> None:
         lost = {tp.partition for tp in partitions if tp.topic == Topic.TRAJECTORIES}
+        async with self._stepping:  # never take an adapter away from a step in progress
+            self._hand_over(lost)
+
+    def _hand_over(self, lost: set[int]) -> None:
         for job in [job for job in self.jobs.values() if job.partition in lost]:
             # Uncommitted trajectories go to the new owner, which resumes from the checkpoint.
             self._disown(job.spec.job_id)
@@ -272,11 +284,12 @@ class TrainerService(Service):
 
         Returns whether a step ran.
         """
-        jobs = await self._ready_jobs()
-        if not jobs:
-            return False
-        await self._step(jobs)
-        return True
+        async with self._stepping:
+            jobs = await self._ready_jobs()
+            if not jobs:
+                return False
+            await self._step(jobs)
+            return True
 
     async def sweep_finished(self) -> None:
         """Let go of jobs that ended elsewhere (cancelled, failed): their groups' commits
@@ -420,11 +433,12 @@ class TrainerService(Service):
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
             uri = await asyncio.to_thread(
-                self.checkpoints.save, self.policy, job_id, version, [g.group_id for g in groups]
-            )
+                self.checkpoints.save, self.policy, job_id, version,
+                [g.group_id for g in groups], job.epoch,
+            )  # fmt: skip
             metrics[job_id].wall_step_s = time.monotonic() - started
-            await self._publish(job, version, uri, groups, metrics[job_id])
-            await self._report(job, metrics[job_id])
+            if await self._publish(job, version, uri, groups, metrics[job_id]):
+                await self._report(job, metrics[job_id])
 
     async def _untrainable(
         self, jobs: list[OwnedJob], taken: dict[str, list[Group]], exc: Exception
@@ -477,15 +491,12 @@ class TrainerService(Service):
 
     async def _publish(
         self, job: OwnedJob, version: int, uri: str, groups: list[Group], metrics: StepMetrics
-    ) -> None:
+    ) -> bool:
         """Move the pointer (the job's trained version) and mark the groups trained in one
         atomic step, announce the version to rollout_svc and env_svc, release the commits."""
-        store, job_id = self.io.require_store(), job.spec.job_id
-        group_ids = [group.group_id for group in groups]
-        await durably(
-            f"publishing {job_id} v{version}",
-            lambda: store.publish_adapter(job_id, version, uri, version, group_ids),
-        )
+        job_id = job.spec.job_id
+        if not await self._publish_pointer(job, version, uri, [g.group_id for g in groups]):
+            return False
         job.version = version
         await self._send(
             AdapterUpdate(
@@ -499,6 +510,26 @@ class TrainerService(Service):
         )
         for group in groups:
             group.release()
+        return True
+
+    async def _publish_pointer(
+        self, job: OwnedJob, version: int, uri: str, group_ids: Sequence[str]
+    ) -> bool:
+        """Move the pointer with this replica's epoch; False (the job given up, its groups
+        left to the new owner) when another replica took the job over meanwhile."""
+        store, job_id = self.io.require_store(), job.spec.job_id
+        try:
+            await durably(
+                f"publishing {job_id} v{version}",
+                lambda: store.publish_adapter(
+                    job_id, version, uri, version, group_ids, epoch=job.epoch
+                ),
+            )
+        except FencedError as exc:
+            job_logger(log, job_id, job.spec.tenant).warning("%s; job given up", exc)
+            self._disown(job_id)
+            return False
+        return True
 
     async def _report(self, job: OwnedJob, metrics: StepMetrics) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""

@@ -443,3 +443,66 @@ async def test_a_new_owner_publishes_a_step_that_was_saved_but_never_announced(
     assert update.version == 1  # type: ignore[union-attr]
     assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     assert inbox.committable == 1  # its group was trained: not held
+
+
+async def test_a_replica_that_lost_a_job_can_neither_publish_nor_overwrite_it(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    spec = await running_job(backend, "fenced")
+    old, new = (trainer_service(backend, tiny_dir, tmp_path) for _ in range(2))
+    await old.load_model()
+    await new.load_model()
+    old_inbox, new_inbox = Inbox(Topic.TRAJECTORIES), Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        await old_inbox.hand(old.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    # The partition moved (or the old owner stalled): the new owner takes the job over.
+    await new_inbox.hand(new.on_trajectory, trajectory(spec, 0, 0, 0.0, 0))
+
+    assert await old.train_once()  # trained, saved under its own epoch, refused at publish
+    assert spec.job_id not in old.jobs
+    assert await backend.store.adapter(spec.job_id) is None
+    assert old_inbox.committable == 0  # left for the new owner
+    assert await backend.sent(Topic.ADAPTERS, spec.job_id, expect=0) == []
+
+    await new_inbox.hand(new.on_trajectory, trajectory(spec, 0, 1, 1.0, 0))
+    assert await new.train_once()
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.version == 1 and pointer.uri.endswith("/v1.e2")
+    published = Path(pointer.uri.removeprefix("file://"))
+    assert (published.parent / "v1.e1").is_dir()  # the loser's bytes went elsewhere
+
+
+async def test_a_revocation_waits_for_the_step_in_progress(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from aiokafka.structs import TopicPartition
+
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "revoked")
+    train_steps, started, release = service.policy.train_steps, threading.Event(), threading.Event()
+
+    def slow(batches: Any) -> Any:
+        started.set()
+        release.wait(10)
+        return train_steps(batches)
+
+    monkeypatch.setattr(service.policy, "train_steps", slow)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    step = asyncio.create_task(service.train_once())
+    await asyncio.to_thread(started.wait, 10)
+    revoke = asyncio.create_task(
+        service.on_revoked({TopicPartition(Topic.TRAJECTORIES.value, inbox.partition)})
+    )
+    await asyncio.sleep(0.2)
+    assert not revoke.done() and spec.job_id in service.jobs  # its adapter is in use
+    release.set()
+    assert await step
+    await asyncio.wait_for(revoke, 10)
+    assert spec.job_id not in service.jobs
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.version == 1
