@@ -7,6 +7,7 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `jobs`            set of every registered job id
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
+- `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 - `fence:{job}`     the job's fencing epoch: incremented by each trainer taking it over
 - `adapter-versions:{job}` hash version -> uri of every published version
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
@@ -45,6 +46,7 @@ from common.flow import (
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
 from common.messages import JobSpec
 
+_RESTARTS = "stack:restarts"
 TRAINED = "trained"
 """De-dup scope of the groups a published version trained."""
 DROPPED = "dropped"
@@ -367,6 +369,16 @@ class RedisStore:
                 RolloutReplicaStats.of(_numbers(fields or {})) for _, fields in entries
             ]
         return found
+
+    # --- the embedded stack --------------------------------------------------------
+
+    async def count_restart(self, service: str) -> None:
+        """One more restart of `service` by the embedded stack's supervisor."""
+        await self._redis.hincrby(_RESTARTS, service, 1)
+
+    async def restarts(self) -> dict[str, int]:
+        """Restarts per service since the stack's Redis was created (status shows them)."""
+        return {_text(k): int(v) for k, v in (await self._redis.hgetall(_RESTARTS)).items()}
 
     # --- de-duplication -------------------------------------------------------------
 

@@ -75,27 +75,20 @@ async def _serve_until_signalled(stack: LocalStack) -> None:
         loop.add_signal_handler(signum, stop.set)
     async with stack:
         console.print(_stack_table(stack))
-        console.print("Ready. Ctrl-C stops everything.")
+        console.print("Ready. Crashed services are restarted; Ctrl-C stops everything.")
         if stack.services:
             console.print(
                 "In another terminal: marlaas submit examples/jobs/arithmetic.toml, "
                 "then marlaas status (README: Using it)."
             )
         stopped = asyncio.create_task(stop.wait(), name="wait-for-signal")
-        watch = asyncio.create_task(_watch_children(stack), name="watch-children")
+        watch = asyncio.create_task(stack.watch(), name="watch-children")
         done, pending = await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
         for task in done:
             task.result()
         console.print("Stopping the stack...")
-
-
-async def _watch_children(stack: LocalStack) -> None:
-    while True:
-        for child in stack.children:
-            child.check_alive()
-        await asyncio.sleep(1.0)
 
 
 @app.command()

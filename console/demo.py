@@ -18,6 +18,7 @@ from rich.table import Table
 from common.config import SharedSettings
 from common.lifecycle import SERVICES
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from console.children import unless_stack_fails
 from console.client import MarlaasClient
 from console.jobwatch import JobProgress
 from console.stack import LocalStack
@@ -110,7 +111,9 @@ async def run_demo(
             await client.submit(specs)
             async with client.status_board([spec.job_id for spec in specs]) as board:
                 board.expect(specs)
-                snapshot = await live_view(board, console, until_done=True, timeout_s=timeout_s)
+                snapshot = await unless_stack_fails(
+                    live_view(board, console, until_done=True, timeout_s=timeout_s), stack.watch()
+                )
             jobs = {row.progress.job_id: row.progress for row in snapshot.jobs}
             rollout_stats = {
                 replica: stats.as_map()

@@ -13,16 +13,11 @@ Each service serves /metrics, /healthz and /readyz on a free loopback port (unle
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import fcntl
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -35,84 +30,10 @@ from common.config import (
 from common.cores import engine_trainer_split, format_cores
 from common.lifecycle import SERVICES
 from common.store import RedisStore
+from console.children import ChildServer, StackError, Supervisor, free_port, spawn
 from console.topics import ensure_topics
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-class StackError(RuntimeError):
-    """The local stack could not start; the message says which part and why."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: the kernel sends SIGTERM when we die.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class ChildServer:
-    """A server process this stack started."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    _log_file: IO[bytes] = field(repr=False)
-    metrics_url: str | None = None
-    """Where a service serves /metrics, /healthz and /readyz; None for the servers."""
-
-    def check_alive(self) -> None:
-        if (code := self.process.poll()) is not None:
-            raise StackError(
-                f"{self.name} exited with code {code}; last log lines:\n{self.log_tail()}"
-            )
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-                self.process.kill()
-                self.process.wait()
-        self._log_file.close()
-
-
-def _spawn(
-    name: str,
-    argv: list[str],
-    log_path: Path,
-    cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-) -> ChildServer:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = log_path.open("ab")
-    process = subprocess.Popen(
-        argv,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        cwd=cwd,
-        env=env,
-        preexec_fn=_die_with_parent,
-    )
-    log.info("started %s (pid %d), log %s", name, process.pid, log_path)
-    return ChildServer(name, process, log_path, log_file)
 
 
 def start_tansu(port: int, log_path: Path) -> ChildServer:
@@ -132,7 +53,7 @@ def start_tansu(port: int, log_path: Path) -> ChildServer:
         "--storage-engine",
         "memory://tansu/",
     ]
-    return _spawn("tansu", argv, log_path)
+    return spawn("tansu", argv, log_path)
 
 
 def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
@@ -160,7 +81,9 @@ def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
         "--logfile",
         "",
     ]
-    return _spawn("valkey", argv, log_path, cwd=data_dir)
+    child = spawn("valkey", argv, log_path, cwd=data_dir)
+    child.respawn = lambda: start_valkey(port, data_dir, log_path)  # same port, same AOF
+    return child
 
 
 async def wait_ready(
@@ -218,7 +141,10 @@ def start_service(
     if (settings_class := SERVICE_SETTINGS.get(module)) is not None:
         port_variable = f"{settings_class.model_config['env_prefix']}METRICS_PORT"
         env.setdefault(port_variable, str(free_port()))
-    child = _spawn(module, [sys.executable, "-m", module], log_path, env=env)
+    child = spawn(module, [sys.executable, "-m", module], log_path, env=env)
+    child.respawn = lambda: start_service(
+        module, settings, kafka_bootstrap, redis_url, log_path, {**dict(extra_env or {}), **env}
+    )
     if port_variable is not None:
         host = env["MARLAAS_METRICS_HOST"]
         host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
@@ -292,6 +218,8 @@ class LocalStack:
         self.redis_url = self._external_redis or ""
         self.children: list[ChildServer] = []
         self.topic_partitions: dict[str, int] = {}
+        self.supervisor = Supervisor(self.children, on_restart=self._count_restart)
+        self._supervision: asyncio.Task[None] | None = None
         self._lock_file: IO[str] | None = None
 
     @property
@@ -328,9 +256,26 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+        self._supervision = asyncio.create_task(self.supervisor.run(), name="stack-supervisor")
+
+    async def watch(self) -> None:
+        """Returns never while the stack runs; raises StackError when a child died for good
+        (one that kept failing, or the broker, which cannot come back with its topics)."""
+        assert self._supervision is not None, "start() first"
+        await self._supervision
+
+    async def _count_restart(self, name: str) -> None:
+        store = await RedisStore.connect(self.redis_url, timeout_s=5)
+        try:
+            await store.count_restart(name)
+        finally:
+            await store.close()
 
     def stop(self) -> None:
         """Stop children in reverse start order and withdraw stack.env; safe to call twice."""
+        if self._supervision is not None:
+            self._supervision.cancel()
+            self._supervision = None
         if self._lock_file is not None:
             self.env_file.unlink(missing_ok=True)
         # Services first and together, then the servers they use.

@@ -78,6 +78,8 @@ class StatusSnapshot:
     lags: list[ServiceLag]
     replicas: list[ReplicaRow]
     taken_at: float
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Restarts of each service by the embedded stack's supervisor."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +87,7 @@ class StatusSnapshot:
             "jobs": [row.to_json(self.taken_at) for row in self.jobs],
             "services": [lag.__dict__ for lag in self.lags],
             "rollout_replicas": [replica.__dict__ for replica in self.replicas],
+            "restarts": self.restarts,
         }
 
 
@@ -132,10 +135,14 @@ class StatusBoard:
             for row, job_id in zip(rows, sorted(job_ids), strict=True):
                 if row is None:
                     raise UnknownJobError(job_id)
-        lags, replicas = await asyncio.gather(self._lags(), self._replicas())
+        lags, replicas, restarts = await asyncio.gather(
+            self._lags(), self._replicas(), self.store.restarts()
+        )
         jobs = [row for row in rows if row is not None]
         jobs.sort(key=lambda row: (row.progress.done, row.progress.submitted_at))
-        return StatusSnapshot(jobs=jobs, lags=lags, replicas=replicas, taken_at=time.time())
+        return StatusSnapshot(
+            jobs=jobs, lags=lags, replicas=replicas, taken_at=time.time(), restarts=restarts
+        )
 
     def expect(self, specs: Collection[JobSpec]) -> None:
         """Jobs just submitted: shown as `pending` until env_svc has registered them."""
@@ -272,16 +279,27 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
         title="services", title_justify="left",
         caption="stale: staleness of the last step / max seen; lag: records not yet committed",
     )  # fmt: skip
-    for column in ("service", "consumer group", "lag", "engine busy", "tokens/s", "in engine"):
+    columns = (
+        "service",
+        "consumer group",
+        "lag",
+        "restarts",
+        "engine busy",
+        "tokens/s",
+        "in engine",
+    )
+    for column in columns:
         table.add_column(column)
     for lag in snapshot.lags:
         replicas = list(snapshot.replicas) if lag.service == "rollout_svc" else []
+        restarts = str(snapshot.restarts.get(lag.service, 0))
         if not replicas:
-            table.add_row(lag.service, lag.group, str(lag.lag), "", "", "")
+            table.add_row(lag.service, lag.group, str(lag.lag), restarts, "", "", "")
         for index, replica in enumerate(replicas):
+            first = index == 0
             table.add_row(
-                lag.service if index == 0 else "", lag.group if index == 0 else "",
-                str(lag.lag) if index == 0 else "",
+                lag.service if first else "", lag.group if first else "",
+                str(lag.lag) if first else "", restarts if first else "",
                 _busy(replica),
                 "-" if replica.tokens_per_s is None else f"{replica.tokens_per_s:.1f}",
                 str(replica.in_flight),

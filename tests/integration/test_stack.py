@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.config import stack_env_file
 from common.messages import Topic
 from common.models import tiny_model
 from common.store import RedisStore
@@ -43,6 +44,13 @@ def children_of(pid: int) -> list[int]:
         if ppid == pid and state != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
 
 
 def alive(pid: int) -> bool:
@@ -174,8 +182,11 @@ def test_topics_create_against_a_running_broker(local_stack: LocalStack, tmp_pat
     assert "marlaas.trajectories: 12 partitions" in result.stdout
 
 
-def test_up_with_services_leaves_no_process_behind_after_ctrl_c(tmp_path: Path) -> None:
-    """Services, and the vLLM engine process under rollout_svc, all go with Ctrl-C."""
+def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
+    tmp_path: Path,
+) -> None:
+    """A kill -9'd service comes back (counted for `status`); then services, and the vLLM
+    engine process under rollout_svc, all go with Ctrl-C."""
     env = cli_env(tmp_path, MARLAAS_BASE_MODEL=str(tiny_model()), ROLLOUT_KV_CACHE_GIB="0.5")
     process = subprocess.Popen(
         [MARLAAS, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -193,6 +204,27 @@ def test_up_with_services_leaves_no_process_behind_after_ctrl_c(tmp_path: Path) 
         assert sum(b"-m env_svc" in n or b"-m rollout_svc" in n or b"-m trainer_svc" in n
                    for n in names) == 3  # fmt: skip
         assert len(tree) > 5  # tansu, valkey, 3 services, and vLLM's engine process(es)
+
+        (trainer,) = [pid for pid in children_of(process.pid) if b"-m trainer_svc" in cmdline(pid)]
+        os.kill(trainer, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not [p for p in children_of(process.pid) if b"-m trainer_svc" in cmdline(p)]:
+            assert process.poll() is None and time.monotonic() < deadline, "not restarted"
+            time.sleep(0.2)
+        lines = stack_env_file(tmp_path).read_text().splitlines()
+        redis_url = dict(line.split("=", 1) for line in lines if not line.startswith("#"))[
+            "MARLAAS_REDIS_URL"
+        ]
+
+        async def restarts() -> dict[str, int]:
+            store = await RedisStore.connect(redis_url, timeout_s=10)
+            try:
+                return await store.restarts()
+            finally:
+                await store.close()
+
+        assert asyncio.run(restarts()) == {"trainer_svc": 1}
+        tree = descendants_of(process.pid)
     finally:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=120)
