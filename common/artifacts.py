@@ -13,6 +13,7 @@ crash leaves the old contents in place. Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +24,11 @@ from urllib.request import url2pathname
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+LATEST = "latest"
+"""`checkpoints/<job>/latest`: the name of the job's newest complete checkpoint."""
+VERSION_DIR = re.compile(r"v(\d+)(?:\.e(\d+))?")
+"""An adapter or checkpoint directory: `v<version>.e<fencing epoch>` (`v<n>`: epoch 0)."""
 
 STAGING_INFIX = ".staging-"
 """Marks a directory or file still being written (`.<name>.staging-<random>`)."""
@@ -37,6 +43,28 @@ def adapter_path(uri: str) -> Path:
     if parsed.netloc not in ("", "localhost"):
         raise ValueError(f"artifact URI {uri!r} names host {parsed.netloc!r}; only local files")
     return Path(url2pathname(parsed.path))
+
+
+def version_dir_name(version: int, epoch: int) -> str:
+    return f"v{version}.e{epoch}" if epoch else f"v{version}"
+
+
+def epoch_of(name: str) -> int:
+    match = VERSION_DIR.fullmatch(name)
+    return int(match[2]) if match is not None and match[2] else 0
+
+
+def latest_checkpoint_version(artifacts: Path, job_id: str) -> int | None:
+    """The version `checkpoints/<job>/latest` names (None: no checkpoint yet); torch-free,
+    for the console (trainer_svc/checkpoints.py reads and writes checkpoints)."""
+    try:
+        name = (Path(artifacts) / "checkpoints" / job_id / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    match = VERSION_DIR.fullmatch(name)
+    if match is None:
+        raise ValueError(f"checkpoints/{job_id}/latest holds {name!r}, not v<n>[.e<epoch>]")
+    return int(match[1])
 
 
 def staging_leftovers(target: Path) -> list[Path]:

@@ -68,6 +68,12 @@ class IssuedGroup:
     """The job's trained version when the group was claimed: its samples wait for it."""
 
 
+def ledger_key(job_id: str) -> str:
+    """The job's audit ledger: a Redis stream with one entry per effect on a group, each
+    written by the same Lua script as the effect (console/audit.py reads it)."""
+    return f"ledger:{job_id}"
+
+
 def claims_key(job_id: str) -> str:
     """Hash of the job's claimed group indices whose first requests are not all sent yet,
     index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
@@ -75,7 +81,7 @@ def claims_key(job_id: str) -> str:
 
 
 TRY_ISSUE_GROUP = """
--- KEYS[1] flow:{job}, KEYS[2] adapter:{job}, KEYS[3] claims:{job};
+-- KEYS[1] flow:{job}, KEYS[2] adapter:{job}, KEYS[3] claims:{job}, KEYS[4] ledger:{job};
 -- ARGV max_staleness, groups_per_step, max_groups, now -> {claimed index or -1, trained version}
 local issued = tonumber(redis.call('HGET', KEYS[1], 'issued_groups') or '0')
 local dropped = tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')
@@ -86,6 +92,7 @@ if issued - dropped >= limit or issued - dropped >= tonumber(ARGV[3]) then
 end
 redis.call('HSET', KEYS[1], 'issued_groups', issued + 1)
 redis.call('HSET', KEYS[3], issued, ARGV[4] .. ':' .. trained)
+redis.call('XADD', KEYS[4], '*', 'kind', 'issued', 'group', issued, 'version', trained)
 return {issued, trained}
 """
 
@@ -106,13 +113,20 @@ return taken
 """
 
 RECORD_DROP = """
--- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set; ARGV group id, invalid 0/1
--- -> {counted 0/1, dropped_groups, failed_in_a_row}
+-- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set, KEYS[3] ledger:{job};
+-- ARGV group id, invalid 0/1, drop kind -> {counted 0/1, dropped_groups, failed_in_a_row}
 local counted = redis.call('SADD', KEYS[2], ARGV[1])
 if counted == 1 then
   redis.call('HINCRBY', KEYS[1], 'dropped_groups', 1)
   if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[1], 'failed_in_a_row', 1) end
+  redis.call('XADD', KEYS[3], '*', 'kind', 'dropped', 'group', ARGV[1], 'reason', ARGV[3])
 end
 return {counted, tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0'),
         tonumber(redis.call('HGET', KEYS[1], 'failed_in_a_row') or '0')}
+"""
+
+FINISH_CLAIM = """
+-- KEYS[1] claims:{job}, KEYS[2] ledger:{job}; ARGV group index
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('XADD', KEYS[2], '*', 'kind', 'sent', 'group', ARGV[1])
 """

@@ -378,6 +378,8 @@ class Event(_Wire, tag="event"):
     reason: str = ""
     metrics: dict[str, float] = {}
     at: float = 0.0
+    groups: list[str] = []
+    """`step`: the ids of the groups that version trained (the audit ledger has them too)."""
 
     @property
     def dedup_id(self) -> str:
@@ -522,9 +524,10 @@ def job_event(
     step: int = 0,
     reason: str = "",
     metrics: dict[str, float] | None = None,
+    groups: list[str] | None = None,
 ) -> Event:
     """An `Event` stamped with a fresh id and the current time."""
     return Event(
         event_id=new_id(), job_id=job_id, event=event, service=service, tenant=tenant,
-        step=step, reason=reason, metrics=metrics or {}, at=time.time(),
+        step=step, reason=reason, metrics=metrics or {}, at=time.time(), groups=groups or [],
     )  # fmt: skip

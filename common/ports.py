@@ -68,7 +68,7 @@ class StateStore(Protocol):
     async def job_ids(self) -> list[str]: ...
 
     async def record_dropped_group(
-        self, job_id: str, group_id: str, *, invalid: bool
+        self, job_id: str, group_id: str, *, invalid: bool, kind: str = "dropped"
     ) -> DroppedGroup: ...
 
     # replica stats

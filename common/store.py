@@ -10,6 +10,7 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 - `fence:{job}`     the job's fencing epoch: incremented by each trainer taking it over
 - `adapter-versions:{job}` hash version -> uri of every published version
+- `ledger:{job}`    stream: the job's audit ledger (issued, sent, trained, dropped groups)
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
 - `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
   `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
@@ -33,6 +34,7 @@ from common.backoff import connect_with_backoff
 from common.flow import (
     DROPPED_GROUPS,
     FAILED_IN_A_ROW,
+    FINISH_CLAIM,
     ISSUED_GROUPS,
     RECORD_DROP,
     TAKE_STALE_CLAIMS,
@@ -42,6 +44,7 @@ from common.flow import (
     IssuedGroup,
     claims_key,
     flow_key,
+    ledger_key,
 )
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
 from common.messages import JobSpec
@@ -60,11 +63,12 @@ STATS_HISTORY_TTL_S = 7 * 24 * 3600
 
 
 # KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key, KEYS[4] fence
-# key, KEYS[5] the job's published versions (version -> uri); ARGV version, uri, step,
-# updated_at, epoch, group ids... -> {moved 1 / not newer 0 / fenced -1, version now stored}.
-# The pointer and the groups it trained move together: a crash cannot leave a version
-# published with its groups unmarked. Only the owner of the job's current fencing epoch may
-# publish (epoch 0: unfenced). A trained step also ends a run of failed groups.
+# key, KEYS[5] the job's published versions (version -> uri), KEYS[6] the job's ledger; ARGV
+# version, uri, step, updated_at, epoch, group ids... -> {moved 1 / not newer 0 / fenced -1,
+# version now stored}. The pointer, the groups it trained and their ledger entry move
+# together: a crash cannot leave a version published with its groups unmarked. Only the owner
+# of the job's current fencing epoch may publish (epoch 0: unfenced). A trained step also ends
+# a run of failed groups.
 _SET_ADAPTER = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local epoch = tonumber(ARGV[5])
@@ -76,7 +80,13 @@ if proposed <= current then return {0, current} end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'step', ARGV[3],
            'updated_at', ARGV[4])
 redis.call('HSET', KEYS[5], ARGV[1], ARGV[2])
-for i = 6, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+local groups = {}
+for i = 6, #ARGV do
+  redis.call('SADD', KEYS[2], ARGV[i])
+  table.insert(groups, ARGV[i])
+end
+redis.call('XADD', KEYS[6], '*', 'kind', 'trained', 'version', ARGV[1], 'epoch', ARGV[5],
+           'groups', table.concat(groups, ' '))
 redis.call('HSET', KEYS[3], 'failed_in_a_row', 0)
 return {1, proposed}
 """
@@ -158,6 +168,7 @@ class RedisStore:
         self._try_issue_group = client.register_script(TRY_ISSUE_GROUP)
         self._record_drop = client.register_script(RECORD_DROP)
         self._take_stale_claims = client.register_script(TAKE_STALE_CLAIMS)
+        self._finish_claim = client.register_script(FINISH_CLAIM)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
@@ -210,13 +221,18 @@ class RedisStore:
         moved, _ = await self._set_adapter(
             keys=[
                 _adapter_key(job_id), _dedup_key(TRAINED, job_id), flow_key(job_id),
-                _fence_key(job_id), _versions_key(job_id),
+                _fence_key(job_id), _versions_key(job_id), ledger_key(job_id),
             ],
             args=[version, uri, step, time.time(), epoch, *trained_groups],
         )  # fmt: skip
         if int(moved) < 0:
             raise FencedError(job_id, epoch)
         return bool(moved)
+
+    async def ledger(self, job_id: str) -> list[dict[str, str]]:
+        """The job's audit ledger, oldest first: each entry's fields (kind, group, ...)."""
+        entries = await self._redis.xrange(ledger_key(job_id)) or []
+        return [{_text(k): _text(v) for k, v in (fields or {}).items()} for _, fields in entries]
 
     async def published_uri(self, job_id: str, version: int) -> str | None:
         """Where version `version` of the job's adapter was published (None: never, or
@@ -288,14 +304,14 @@ class RedisStore:
         `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
         """
         index, trained_version = await self._try_issue_group(
-            keys=[flow_key(job_id), _adapter_key(job_id), claims_key(job_id)],
+            keys=[flow_key(job_id), _adapter_key(job_id), claims_key(job_id), ledger_key(job_id)],
             args=[max_staleness, groups_per_step, max_groups, time.time()],
         )
         return None if int(index) < 0 else IssuedGroup(int(index), int(trained_version))
 
     async def finish_claim(self, job_id: str, index: int) -> None:
         """Every first request of claimed group `index` is on the bus: nothing to re-send."""
-        await self._redis.hdel(claims_key(job_id), str(index))
+        await self._finish_claim(keys=[claims_key(job_id), ledger_key(job_id)], args=[index])
 
     async def take_stale_claims(self, job_id: str, older_than_s: float) -> list[IssuedGroup]:
         """Claims not finished for `older_than_s` (their replica died or failed mid-group),
@@ -307,12 +323,13 @@ class RedisStore:
         return [IssuedGroup(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     async def record_dropped_group(
-        self, job_id: str, group_id: str, *, invalid: bool
+        self, job_id: str, group_id: str, *, invalid: bool, kind: str = "dropped"
     ) -> DroppedGroup:
         """Count a group out of the job's window (it is replaced), once per group id; an
         `invalid` one (no usable rewards) also extends the job's run of failed groups."""
         counted, dropped, failed = await self._record_drop(
-            keys=[flow_key(job_id), _dedup_key(DROPPED, job_id)], args=[group_id, int(invalid)]
+            keys=[flow_key(job_id), _dedup_key(DROPPED, job_id), ledger_key(job_id)],
+            args=[group_id, int(invalid), kind],
         )
         return DroppedGroup(bool(counted), int(dropped), int(failed))
 

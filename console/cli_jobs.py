@@ -12,6 +12,7 @@ import typer
 
 from common.config import SharedSettings, load
 from common.messages import JobAction, JobSpec
+from console.audit import Audit
 from console.cli_support import (
     console,
     fail,
@@ -207,6 +208,35 @@ async def _report(jobs: list[str], out: Path) -> Path:
         return await client.report(jobs, out)
 
 
+@one_line_errors
+def audit(
+    job: Annotated[str, typer.Argument(help="The job id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="The accounting as JSON.")] = False,
+) -> None:
+    """Account for every group of a job: issued, trained, dropped, in flight; exits 1 if any
+    was lost, trained twice or is unexpected, or pointer, checkpoint and announcement differ."""
+    result = run(_audit(job))
+    if as_json:
+        say(json.dumps(result.to_json(), indent=2))
+    else:
+        say(
+            f"job {result.job_id} ({result.status}): {result.issued} groups issued, "
+            f"{result.trained_groups} trained in {result.versions} versions, "
+            f"{result.dropped} dropped, {len(result.in_flight)} in flight, "
+            f"{len(result.lost)} lost, {len(result.double_trained)} trained twice, "
+            f"{len(result.unexpected)} unexpected"
+        )
+        for problem in result.problems:
+            say(f"  problem: {problem}")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+async def _audit(job: str) -> Audit:
+    async with _client() as client:
+        return await client.audit(job)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(submit)
     app.command()(status)
@@ -220,3 +250,4 @@ def register(app: typer.Typer) -> None:
     app.command()(logs)
     app.command()(export)
     app.command()(report)
+    app.command()(audit)

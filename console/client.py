@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 
+from common.artifacts import latest_checkpoint_version
 from common.config import (
     SERVICE_SETTINGS,
     SharedSettings,
@@ -21,7 +22,8 @@ from common.config import (
 from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.store import JobRecord, RedisStore, UnknownJobError
-from console.eventfeed import EventFeed
+from console.audit import Audit, audit
+from console.eventfeed import AdapterFeed, EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
 from console.status import StatusBoard
@@ -136,6 +138,26 @@ class MarlaasClient:
         return await export_adapter(
             self.store, job_id, out_dir, base_model_path=str(base_model_dir), version=version
         )
+
+    async def audit(self, job_id: str) -> Audit:
+        """Account for every group of the job (console/audit.py): its ledger against the
+        pointer, the latest checkpoint (when the artifact store is here) and the last
+        AdapterUpdate on the broker."""
+        record = await self.job(job_id)
+        pointer = await self.store.adapter(job_id)
+        checkpoint: int | None = None
+        if (self.settings.artifacts / "checkpoints").is_dir():
+            checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
+        async with AdapterFeed(
+            self.settings.kafka_bootstrap, {job_id}, connect_timeout_s=self.connect_timeout_s
+        ) as feed:
+            updates = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
+        return audit(
+            job_id, await self.store.ledger(job_id), status=record.status,
+            groups_per_step=record.spec.rl.groups_per_step,
+            pointer_version=pointer.version if pointer else 0, checkpoint_version=checkpoint,
+            announced_version=max((u.version for u in updates), default=0),
+        )  # fmt: skip
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""

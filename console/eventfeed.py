@@ -1,4 +1,5 @@
-"""Reading `marlaas.events` from outside the services: the CLI, the demo, reports.
+"""Reading a topic (`marlaas.events`, `marlaas.adapters`) from outside the services: the
+CLI, the demo, reports, audits.
 
 No consumer group and no commits: every reader sees the whole topic from its start, so
 `marlaas status` and `marlaas logs` work from any machine that reaches the broker.
@@ -8,20 +9,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from typing import Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from common.bus import start_client
-from common.messages import Event, MessageDecodeError, Topic, decode
+from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic, decode
+
+M = TypeVar("M", bound=Message)
 
 
-class EventFeed:
-    """Events of some jobs (or all), from the topic's start, read in batches as they come.
+class TopicFeed(Generic[M]):
+    """Messages of some jobs (or all), from the topic's start, read in batches as they come,
+    de-duplicated by their `dedup_id`.
 
     `caught_up` turns true once every partition was read up to where it ended when the feed
     started: what a one-shot view (`status --once`, `logs`, `report`) needs to be complete.
     """
+
+    topic: Topic
+    kind: type[M]
 
     def __init__(
         self,
@@ -43,18 +51,18 @@ class EventFeed:
         consumer = await start_client(
             lambda: AIOKafkaConsumer(
                 bootstrap_servers=self.bootstrap,
-                client_id="marlaas-events-reader",
+                client_id=f"marlaas-{self.topic.value}-reader",
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
             ),
             self.bootstrap,
             self.connect_timeout_s,
         )
-        partitions = consumer.partitions_for_topic(Topic.EVENTS.value)
+        partitions = consumer.partitions_for_topic(self.topic.value)
         if not partitions:
             await consumer.topics()  # refresh metadata once
-            partitions = consumer.partitions_for_topic(Topic.EVENTS.value) or set()
-        assigned = [TopicPartition(Topic.EVENTS.value, p) for p in sorted(partitions)]
+            partitions = consumer.partitions_for_topic(self.topic.value) or set()
+        assigned = [TopicPartition(self.topic.value, p) for p in sorted(partitions)]
         consumer.assign(assigned)
         if assigned:
             await consumer.seek_to_beginning(*assigned)
@@ -66,7 +74,7 @@ class EventFeed:
             await self._consumer.stop()
             self._consumer = None
 
-    async def __aenter__(self) -> EventFeed:
+    async def __aenter__(self) -> TopicFeed[M]:
         await self.start()
         return self
 
@@ -77,38 +85,57 @@ class EventFeed:
     def caught_up(self) -> bool:
         return all(self._next.get(tp, 0) >= end for tp, end in self._ends.items())
 
-    async def poll(self, timeout_s: float = 0.5) -> list[Event]:
-        """The events that arrived since the last poll (de-duplicated by event id)."""
+    async def poll(self, timeout_s: float = 0.5) -> list[M]:
+        """The messages that arrived since the last poll, in the order they were made."""
         consumer = self._require()
         batches = await consumer.getmany(timeout_ms=int(timeout_s * 1000))
-        events: list[Event] = []
+        found: list[M] = []
         for tp, records in batches.items():
             for record in records:
                 self._next[tp] = record.offset + 1
                 try:
-                    event = decode(Topic.EVENTS, record.value)
+                    message = decode(self.topic, record.value)
                 except MessageDecodeError:
-                    continue  # env_svc dead-letters those; a reader just skips them
-                if not isinstance(event, Event) or event.event_id in self._seen:
+                    continue  # the services dead-letter those; a reader just skips them
+                if not isinstance(message, self.kind) or message.dedup_id in self._seen:
                     continue
-                if self.job_ids is None or event.job_id in self.job_ids:
-                    self._seen.add(event.event_id)
-                    events.append(event)
-        events.sort(key=lambda e: e.at)
-        return events
+                if self.job_ids is None or getattr(message, "job_id", None) in self.job_ids:
+                    self._seen.add(message.dedup_id)
+                    found.append(message)
+        found.sort(key=self._when)
+        return found
 
-    async def read_to_end(self, *, timeout_s: float = 30.0) -> list[Event]:
-        """Every event up to where the topic ended when the feed started."""
+    async def read_to_end(self, *, timeout_s: float = 30.0) -> list[M]:
+        """Every message up to where the topic ended when the feed started."""
         deadline = time.monotonic() + timeout_s
-        events: list[Event] = []
+        found: list[M] = []
         while not self.caught_up:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {Topic.EVENTS.value} took over {timeout_s:.0f}s")
-            events += await self.poll(0.2)
-        events.sort(key=lambda e: e.at)
-        return events
+                raise TimeoutError(f"reading {self.topic.value} took over {timeout_s:.0f}s")
+            found += await self.poll(0.2)
+        found.sort(key=self._when)
+        return found
+
+    @staticmethod
+    def _when(message: Message) -> float:
+        when = getattr(message, "at", None) or getattr(message, "published_at", None)
+        return float(when or 0.0)
 
     def _require(self) -> AIOKafkaConsumer:
         if self._consumer is None:
-            raise RuntimeError("event feed not started")
+            raise RuntimeError(f"{self.topic.value} feed not started")
         return self._consumer
+
+
+class EventFeed(TopicFeed[Event]):
+    """Events of some jobs (or all): status, logs, reports."""
+
+    topic = Topic.EVENTS
+    kind = Event
+
+
+class AdapterFeed(TopicFeed[AdapterUpdate]):
+    """Adapter announcements of some jobs (or all): audits."""
+
+    topic = Topic.ADAPTERS
+    kind = AdapterUpdate

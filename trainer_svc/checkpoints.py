@@ -30,20 +30,23 @@ FileNotFoundError then, and an operator decides.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.artifacts import atomic_write_text
+from common.artifacts import (
+    LATEST,
+    VERSION_DIR,
+    atomic_write_text,
+    epoch_of,
+    version_dir_name,
+)
 from common.jobspec import is_name
 from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
 
 KEEP_CHECKPOINTS = 2
-LATEST = "latest"
 GROUPS_FILE = "groups.json"
-_VERSION_DIR = re.compile(r"v(\d+)(?:\.e(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,10 @@ class CheckpointStore:
         self.keep = keep
 
     def adapter_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
-        return self.artifacts / "adapters" / _checked(job_id) / _name(version, epoch)
+        return self.artifacts / "adapters" / _checked(job_id) / version_dir_name(version, epoch)
 
     def checkpoint_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
-        return self._root(job_id) / _name(version, epoch)
+        return self._root(job_id) / version_dir_name(version, epoch)
 
     def save(
         self,
@@ -91,8 +94,8 @@ class CheckpointStore:
             extra_files={GROUPS_FILE: json.dumps(list(group_ids))},
         )
         current = self._latest_name(job_id)
-        if current is None or _epoch_of(current) <= epoch:
-            atomic_write_text(self._root(job_id) / LATEST, _name(version, epoch))
+        if current is None or epoch_of(current) <= epoch:
+            atomic_write_text(self._root(job_id) / LATEST, version_dir_name(version, epoch))
             self._prune(job_id, version)
         return adapter_dir.resolve().as_uri()
 
@@ -117,7 +120,7 @@ class CheckpointStore:
         name = self._latest_name(job_id)
         if name is None:
             return None
-        match = _VERSION_DIR.fullmatch(name)
+        match = VERSION_DIR.fullmatch(name)
         if match is None:
             raise ValueError(f"{pointer} holds {name!r}, not a checkpoint name v<n>")
         path = self._root(job_id) / name
@@ -129,7 +132,7 @@ class CheckpointStore:
             )
         group_ids = json.loads((path / GROUPS_FILE).read_text())
         return Checkpoint(
-            path=path, version=int(match[1]), group_ids=tuple(group_ids), epoch=_epoch_of(name)
+            path=path, version=int(match[1]), group_ids=tuple(group_ids), epoch=epoch_of(name)
         )
 
     def resume(self, policy: MultiAdapterPolicy, job_id: str) -> Checkpoint | None:
@@ -160,20 +163,11 @@ class CheckpointStore:
         root = self._root(job_id)
         if not root.is_dir():
             return []
-        found = [(_VERSION_DIR.fullmatch(p.name), p) for p in root.iterdir() if p.is_dir()]
+        found = [(VERSION_DIR.fullmatch(p.name), p) for p in root.iterdir() if p.is_dir()]
         return [(int(m[1]), p) for m, p in found if m is not None]
 
     def _root(self, job_id: str) -> Path:
         return self.artifacts / "checkpoints" / _checked(job_id)
-
-
-def _name(version: int, epoch: int) -> str:
-    return f"v{version}.e{epoch}" if epoch else f"v{version}"
-
-
-def _epoch_of(name: str) -> int:
-    match = _VERSION_DIR.fullmatch(name)
-    return int(match[2]) if match is not None and match[2] else 0
 
 
 def _checked(job_id: str) -> str:

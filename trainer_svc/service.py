@@ -361,7 +361,7 @@ class TrainerService(Service):
         counted = await durably(
             "counting a dropped group",
             lambda: store.record_dropped_group(
-                job_id, group.group_id, invalid=kind == "dropped_invalid"
+                job_id, group.group_id, invalid=kind == "dropped_invalid", kind=kind
             ),
         )
         await self._send(
@@ -438,7 +438,7 @@ class TrainerService(Service):
             )  # fmt: skip
             metrics[job_id].wall_step_s = time.monotonic() - started
             if await self._publish(job, version, uri, groups, metrics[job_id]):
-                await self._report(job, metrics[job_id])
+                await self._report(job, metrics[job_id], [g.group_id for g in groups])
 
     async def _untrainable(
         self, jobs: list[OwnedJob], taken: dict[str, list[Group]], exc: Exception
@@ -531,13 +531,13 @@ class TrainerService(Service):
             return False
         return True
 
-    async def _report(self, job: OwnedJob, metrics: StepMetrics) -> None:
+    async def _report(self, job: OwnedJob, metrics: StepMetrics, group_ids: list[str]) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""
         spec, version = job.spec, job.version
         await self._send(
             job_event(
                 spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version,
-                metrics=metrics.as_map(),
+                metrics=metrics.as_map(), groups=group_ids,
             )
         )  # fmt: skip
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()

@@ -97,6 +97,12 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     steps_csv = (tmp_path / "report" / "steps.csv").read_text().strip().splitlines()
     assert len(steps_csv) == 1 + 2  # header + one row per step
 
+    code, out, err = invoke(cli, "audit", job_id, "--json")
+    assert code == 0, out + err
+    accounting = json.loads(out)
+    assert accounting["ok"] and accounting["versions"] == 2 and accounting["lost"] == []
+    assert accounting["trained_groups"] + accounting["dropped"] == accounting["issued"]
+
 
 def test_pause_resume_cancel_are_applied_by_env_svc(
     cli: CliRunner, pipeline_services: RunningServices, local_stack: LocalStack, tmp_path: Path

@@ -17,6 +17,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from common.artifacts import latest_checkpoint_version
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
 from common.lifecycle import RolloutReplicaStats
 from common.messages import (
@@ -31,6 +32,7 @@ from common.messages import (
     result_for,
 )
 from common.store import TRAINED
+from console.audit import audit
 from env_svc import protocol
 from env_svc.episodes import ChatTokenizer
 from env_svc.service import EnvService
@@ -506,3 +508,34 @@ async def test_a_revocation_waits_for_the_step_in_progress(
     assert spec.job_id not in service.jobs
     pointer = await backend.store.adapter(spec.job_id)
     assert pointer is not None and pointer.version == 1
+
+
+async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_handlers(
+    backend: Backend, tokenizer: ChatTokenizer, tiny_dir: Path, tmp_path: Path
+) -> None:
+    env, trainer = env_service(backend, tokenizer), trainer_service(backend, tiny_dir, tmp_path)
+    await trainer.load_model()
+    spec = job_spec("ledger", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    await Inbox(Topic.JOBS).hand(env.handle, spec)
+    trajectories, control = Inbox(Topic.TRAJECTORIES), Inbox(Topic.ADAPTERS)
+    for version in (0, 1):
+        for sample in range(2):
+            record = trajectory(spec, version, sample, float(sample), version)
+            await trajectories.hand(trainer.on_trajectory, record)
+            await trajectories.hand(trainer.on_trajectory, record)  # redelivered
+        assert await trainer.train_once()
+        (update, *_) = (await backend.sent(Topic.ADAPTERS, spec.job_id, expect=version + 1))[
+            version:
+        ]
+        await control.hand(env.handle, update)  # widens the window: the next group
+    job = await backend.store.job(spec.job_id)
+    assert job is not None and job.status == "completed"
+    report = audit(
+        spec.job_id, await backend.store.ledger(spec.job_id), status=job.status,
+        groups_per_step=1, pointer_version=2,
+        checkpoint_version=latest_checkpoint_version(tmp_path, spec.job_id), announced_version=2,
+    )  # fmt: skip
+    assert report.ok, report.problems
+    assert (report.issued, report.trained_groups, report.versions) == (2, 2, 2)
+    kinds = [entry["kind"] for entry in await backend.store.ledger(spec.job_id)]
+    assert kinds == ["issued", "sent", "trained", "issued", "sent", "trained"]
