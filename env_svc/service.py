@@ -17,6 +17,7 @@ import msgspec
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
+from common.faults import fault_point
 from common.flow import IssuedGroup
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
@@ -201,6 +202,7 @@ class EnvService(Service):
                 max_groups=rl.max_steps * rl.groups_per_step,
             )
         ) is not None:
+            fault_point("env.after_claim")
             await self._send_group(spec, group)
             job_logger(log, job_id, spec.tenant).debug("issued group %d", group.index)
 
@@ -214,6 +216,8 @@ class EnvService(Service):
             if isinstance(first, GenerationRequest):
                 first = msgspec.structs.replace(first, min_adapter_version=group.trained_version)
             await self._send(first)
+            if sample_index == 0:
+                fault_point("env.mid_group")
         await self.io.require_store().finish_claim(spec.job_id, group.index)
 
     async def sweep_claims(self) -> int:
@@ -296,6 +300,7 @@ class EnvService(Service):
                 "episode %s failed: %s", result.episode_id, error
             )
             await self._send(failed_trajectory(spec, result, error))
+        fault_point("env.after_send")
         await store.mark_seen("results", result.job_id, result.request_id)
 
     # --- helpers --------------------------------------------------------------------

@@ -20,6 +20,7 @@ from common.backoff import is_transient, retry_transient
 from common.broadcast import BroadcastReader
 from common.bus import ConsumerLoop, Delivery
 from common.config import RolloutSettings, SharedSettings
+from common.faults import fault_point
 from common.health import redis_ready
 from common.lifecycle import CONSUMED_TOPICS, RolloutReplicaStats, ServiceName
 from common.logs import job_logger
@@ -203,6 +204,7 @@ class RolloutService(Service):
             except Exception as exc:  # the broker refuses it (e.g. too large): end the episode
                 await self._give_up(request, exc)
                 await self._send(aborted(request))
+            fault_point("rollout.after_send")
             release_commit()
         finally:
             self._slots.release()

@@ -42,6 +42,7 @@ from common.artifacts import (
     epoch_of,
     version_dir_name,
 )
+from common.faults import fault_point
 from common.jobspec import is_name
 from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
 
@@ -93,10 +94,12 @@ class CheckpointStore:
             version=version,
             extra_files={GROUPS_FILE: json.dumps(list(group_ids))},
         )
+        fault_point("trainer.after_checkpoint")
         current = self._latest_name(job_id)
         if current is None or epoch_of(current) <= epoch:
             atomic_write_text(self._root(job_id) / LATEST, version_dir_name(version, epoch))
             self._prune(job_id, version)
+        fault_point("trainer.after_latest")
         return adapter_dir.resolve().as_uri()
 
     def adapter_uri(self, checkpoint: Checkpoint, job_id: str) -> str:

@@ -22,6 +22,7 @@ from aiokafka.structs import TopicPartition
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
+from common.faults import fault_point
 from common.health import redis_ready
 from common.lifecycle import (
     CONSUMED_TOPICS,
@@ -497,7 +498,9 @@ class TrainerService(Service):
         job_id = job.spec.job_id
         if not await self._publish_pointer(job, version, uri, [g.group_id for g in groups]):
             return False
+        fault_point("trainer.after_pointer")
         job.version = version
+        fault_point("trainer.before_update")
         await self._send(
             AdapterUpdate(
                 job_id=job_id,
