@@ -6,7 +6,7 @@ EXTRAS := local,trainer,rollout-cpu,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask
+.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker
 
 venv: $(STAMP)
 
@@ -62,6 +62,9 @@ bench-trainer: venv
 
 bench-multitask: venv
 	$(BIN)/python bench/multitask.py --jobs 8 --steps 4
+
+bench-broker: venv
+	$(BIN)/python bench/broker.py
 
 lint: venv
 	$(BIN)/ruff check .

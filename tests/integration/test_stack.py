@@ -230,3 +230,72 @@ def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
         output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert not [pid for pid in tree if alive(pid)]
+
+
+def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and_restart(
+    tmp_path: Path,
+) -> None:
+    """Tansu on the local S3 server (the default): a kill -9'd broker is restarted by the
+    stack with its data, and a new stack on the same state dir finds it all again."""
+    from aiokafka import AIOKafkaConsumer
+
+    from common.bus import Producer
+    from common.config import SharedSettings
+    from common.messages import Event, new_id
+    from console.eventfeed import EventFeed
+
+    settings = SharedSettings(state_dir=tmp_path, connect_timeout_s=60)
+    job_id, group = f"durable-{new_id()[:8]}", f"durable-{new_id()[:8]}"
+
+    async def produce(bootstrap: str, steps: range) -> None:
+        producer = Producer(bootstrap, client_id="durable-test")
+        await producer.start(timeout_s=30)
+        for step in steps:
+            await producer.send(
+                Event(event_id=new_id(), job_id=job_id, event="step", service="t", step=step)
+            )
+        await producer.stop()
+
+    async def consume_and_commit(bootstrap: str, count: int) -> list[int]:
+        consumer = AIOKafkaConsumer(
+            Topic.EVENTS.value, bootstrap_servers=bootstrap, group_id=group,
+            enable_auto_commit=False, auto_offset_reset="earliest",
+        )  # fmt: skip
+        await consumer.start()
+        steps: list[int] = []
+        try:
+            deadline = time.monotonic() + 60
+            while len(steps) < count and time.monotonic() < deadline:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    for record in records:
+                        steps.append(record.offset)
+                await consumer.commit()
+        finally:
+            await consumer.stop()
+        return steps
+
+    async def steps_of_job(bootstrap: str) -> list[int]:
+        async with EventFeed(bootstrap, {job_id}) as feed:
+            return sorted(e.step for e in await feed.read_to_end(timeout_s=60))
+
+    async def first_life() -> None:
+        async with LocalStack(settings, use_existing_from_env=False) as stack:
+            await produce(stack.kafka_bootstrap, range(3))
+            assert len(await consume_and_commit(stack.kafka_bootstrap, 3)) >= 3
+            (broker,) = [c for c in stack.children if c.name == "tansu"]
+            broker.process.kill()  # kill -9: the supervisor brings it back with its data
+            deadline = time.monotonic() + 60
+            while stack.supervisor.restarts.get("tansu", 0) < 1:
+                assert time.monotonic() < deadline, "broker not restarted"
+                await asyncio.sleep(0.2)
+            await produce(stack.kafka_bootstrap, range(3, 5))
+            assert await steps_of_job(stack.kafka_bootstrap) == [0, 1, 2, 3, 4]
+
+    async def second_life() -> None:
+        async with LocalStack(settings, use_existing_from_env=False) as stack:
+            assert await steps_of_job(stack.kafka_bootstrap) == [0, 1, 2, 3, 4]
+            # The group resumes after what it committed in the first life: 2 new records.
+            assert len(await consume_and_commit(stack.kafka_bootstrap, 2)) == 2
+
+    asyncio.run(first_life())
+    asyncio.run(second_life())
