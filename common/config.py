@@ -63,10 +63,12 @@ class SharedSettings(BaseSettings):
     """Redis (or Valkey) URL holding adapter pointers, the job registry and counters."""
     state_dir: Path = Field(default_factory=default_state_dir)
     """Embedded stack state: Valkey data, the broker's storage, stack.env, logs."""
-    broker_storage: Literal["s3", "memory"] = "s3"
+    broker_storage: Literal["memory", "s3"] = "memory"
     """The embedded broker's storage: `s3` keeps topics, messages and committed offsets
-    through restarts (Tansu on a local S3 server, `localbucket`, storing under the state
-    dir); `memory` forgets them when the broker stops (a restarted stack strands its jobs)."""
+    through kill -9 and restarts (Tansu on a local S3 server, `localbucket`, storing under the
+    state dir), at ~9% of job time, and Tansu then reports wrong end offsets (consumer lag in
+    `status` and the lag gauges read low); `memory` forgets everything when the broker stops
+    (a restarted stack strands its jobs)."""
     cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="MARLAAS_CACHE")
     """Converted base models and other derived files that are costly to rebuild."""
     artifact_dir: Path | None = None
@@ -136,6 +138,9 @@ class RolloutSettings(BaseSettings):
     """Longest context + completion the engine serves, in tokens."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV cache size on CPU (vLLM's CPU backend cannot size it from free memory)."""
+    engine: str = "vllm"
+    """`vllm`, or `module:Class` of another engine built from the model directory (the chaos
+    run's deterministic stand-in, tests/chaos/scripted_engine.py)."""
     metrics_port: int = Field(default=9102, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
     cpu_cores: CoreList = ""

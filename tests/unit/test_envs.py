@@ -490,3 +490,14 @@ def test_broken_entry_points_fail_clearly(
     _fake_entry_points(monkeypatch, broken=target)
     with pytest.raises(EnvironmentLoadError, match=says):
         get_environment("broken")
+
+
+def test_an_environment_can_be_registered_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from env_svc.protocol import ENVIRONMENTS_VAR, EnvironmentLoadError, available_environments
+
+    monkeypatch.setenv(ENVIRONMENTS_VAR, "chaos=tests.chaos_env:ChaosEnv")
+    assert "chaos" in available_environments()
+    assert get_environment("chaos", {"fail": "respond"}).name == "chaos"
+    monkeypatch.setenv(ENVIRONMENTS_VAR, "chaos")
+    with pytest.raises(EnvironmentLoadError, match="is not name=module:EnvironmentClass"):
+        available_environments()

@@ -1,0 +1,437 @@
+"""The chaos run: jobs of three tenants on two replicas of every service, killed at random.
+
+    .venv/bin/python -m tests.chaos.driver [--seed 7] [--min-kills 100]   # or make chaos
+
+On the real embedded stack (durable Tansu broker, Valkey; both supervised by the stack), with
+the tiny model in the trainer and the deterministic scripted engine in rollout_svc, it submits
+3 tenants x 6 jobs of the `chaos` environment (S in {0, 1, 3}, B in {1, 4}, G in {2, 8}; some
+with rewards that raise, return NaN or sleep), then, with a seeded RNG, every `interval_s`:
+kill -9 a random service replica and start it again; SIGSTOP a trainer replica past its
+consumer session timeout, then SIGCONT it; kill -9 Valkey or the broker (the stack restarts
+them with their data); pause, resume or cancel a job; produce fuzzed records (random bytes,
+and valid messages with absurd values) to every topic. It keeps going until every job has
+ended and at least `min_kills` replicas were killed, submitting another round of jobs when
+the first ends too soon. Meanwhile it checks the flow-control invariant every second and
+hashes every adapter version when it is first announced.
+
+The verifier then requires: every job not cancelled `completed` (or `failed` with a reason);
+`marlaas audit` clean for every job (0 lost, 0 trained twice, 0 unexpected; each version
+exactly B groups); every announced adapter's bytes unchanged; the invariant never broken;
+every dead letter one of the injected records. Writes `bench/results/chaos-<date>-<machine>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.artifacts import adapter_path
+from common.bus import Producer
+from common.config import SharedSettings
+from common.flow import issue_limit
+from common.lifecycle import SERVICES, TERMINAL_STATES
+from common.messages import (
+    AdapterUpdate,
+    DeadLetter,
+    EnvSettings,
+    JobAction,
+    JobCommand,
+    JobSpec,
+    LoraSettings,
+    RLSettings,
+    SamplingSettings,
+    Topic,
+    Trajectory,
+    decode,
+    encode,
+    new_id,
+)
+from common.models import tiny_model
+from console.children import ChildServer
+from console.client import MarlaasClient
+from console.eventfeed import AdapterFeed, TopicFeed
+from console.jobwatch import submit_jobs
+from console.stack import LocalStack, start_service
+
+REPLICAS = 2
+SESSION_TIMEOUT_S = 10.0  # aiokafka's default consumer session timeout
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class DeadLetterFeed(TopicFeed[DeadLetter]):
+    topic = Topic.DLQ
+    kind = DeadLetter
+
+
+@dataclass
+class Tally:
+    kills: int = 0
+    kills_by_service: dict[str, int] = field(default_factory=dict)
+    stops: int = 0
+    redis_restarts: int = 0
+    broker_restarts: int = 0
+    commands: int = 0
+    fuzzed: list[bytes] = field(default_factory=list)
+    invariant_breaks: list[str] = field(default_factory=list)
+    adapter_hashes: dict[str, str] = field(default_factory=dict)
+
+
+def chaos_jobs(round_: int, rng: random.Random, max_steps: int) -> list[JobSpec]:
+    """3 tenants x 6 jobs covering S x B x G; every third job's rewards are flaky."""
+    jobs = []
+    for tenant in ("acme", "globex", "initech"):
+        for index in range(6):
+            S, B, G = (0, 1, 3)[index % 3], (1, 4)[index % 2], (2, 8)[(index // 2) % 2]
+            fail = "flaky" if index % 3 == 2 else ""
+            jobs.append(
+                JobSpec(
+                    job_id=f"{tenant}-r{round_}-j{index}-{new_id()[:6]}", tenant=tenant,
+                    base_model=str(tiny_model()),
+                    env=EnvSettings(
+                        name="chaos", seed=rng.randrange(1000),
+                        params={"fail": fail, "hang_s": 0.2} if fail else {},
+                    ),
+                    rl=RLSettings(
+                        group_size=G, groups_per_step=B, max_steps=max_steps, max_staleness=S,
+                        max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8),
+                    ),
+                    lora=LoraSettings(rank=4),
+                )
+            )  # fmt: skip
+    return jobs
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.tally = Tally()
+        self.settings = SharedSettings(
+            state_dir=args.run_dir / "state",
+            base_model=str(tiny_model()),
+            connect_timeout_s=60,
+            broker_storage="s3",  # so the broker can be restarted with its data
+        )
+        self.replicas: dict[str, ChildServer] = {}
+        self.stack: LocalStack | None = None
+        self.client: MarlaasClient | None = None
+        self.jobs: dict[str, JobSpec] = {}
+        self.cancelled: set[str] = set()
+
+    # --- processes --------------------------------------------------------------------
+
+    def _start(self, name: str) -> None:
+        assert self.stack is not None
+        module = name.split("#")[0]
+        env = {
+            "ROLLOUT_ENGINE": "tests.chaos.scripted_engine:ScriptedEngine",
+            "MARLAAS_ENVIRONMENTS": "chaos=tests.chaos_env:ChaosEnv",
+            "ENV_SVC_CLAIM_TIMEOUT_S": "10", "ENV_SVC_CLAIM_SWEEP_S": "2",
+            "ENV_SVC_ENV_CALL_TIMEOUT_S": "5", "TRAINER_SWEEP_INTERVAL_S": "2",
+            "PYTHONPATH": str(ROOT), "MARLAAS_LOG_LEVEL": "INFO",
+        }  # fmt: skip
+        self.replicas[name] = start_service(
+            module, self.settings, self.stack.kafka_bootstrap, self.stack.redis_url,
+            self.settings.state_dir / "logs" / f"{name.replace('#', '-')}.log", env,
+        )  # fmt: skip
+
+    def _kill(self, name: str) -> None:
+        child = self.replicas[name]
+        child.process.kill()
+        child.process.wait()
+        child.close_log()
+        self.tally.kills += 1
+        module = name.split("#")[0]
+        self.tally.kills_by_service[module] = self.tally.kills_by_service.get(module, 0) + 1
+        self._start(name)
+
+    async def _stop_a_while(self, name: str) -> None:
+        child = self.replicas[name]
+        child.process.send_signal(signal.SIGSTOP)
+        self.tally.stops += 1
+        await asyncio.sleep(SESSION_TIMEOUT_S + 5)
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGCONT)
+
+    async def _kill_server(self, server: str) -> None:
+        assert self.stack is not None
+        (child,) = [c for c in self.stack.children if c.name == server]
+        child.process.kill()
+        if server == "valkey":
+            self.tally.redis_restarts += 1
+        else:
+            self.tally.broker_restarts += 1
+
+    # --- faults -----------------------------------------------------------------------
+
+    async def fault_loop(self, done: asyncio.Event) -> None:
+        stopped: set[asyncio.Task[None]] = set()
+        while not done.is_set():
+            await asyncio.sleep(self.args.interval_s * self.rng.uniform(0.5, 1.5))
+            roll = self.rng.random()
+            try:
+                if roll < 0.70:
+                    self._kill(self.rng.choice(sorted(self.replicas)))
+                elif roll < 0.75:
+                    trainer = f"trainer_svc#{self.rng.randrange(REPLICAS)}"
+                    task = asyncio.create_task(self._stop_a_while(trainer))
+                    stopped.add(task)
+                    task.add_done_callback(stopped.discard)
+                elif roll < 0.79:
+                    await self._kill_server("valkey")
+                elif roll < 0.81:
+                    await self._kill_server("tansu")
+                elif roll < 0.90:
+                    await self._command()
+                else:
+                    await self._fuzz()
+            except Exception as exc:  # a fault that could not be injected is not a failure
+                print(f"fault not injected: {exc!r}", file=sys.stderr)
+        await asyncio.gather(*stopped, return_exceptions=True)
+
+    async def _command(self) -> None:
+        assert self.client is not None
+        job_id = self.rng.choice(sorted(self.jobs))
+        if job_id in self.cancelled:
+            return
+        actions: list[JobAction] = ["pause", "pause", "resume", "resume", "resume", "cancel"]
+        action = self.rng.choice(actions)
+        if action == "cancel":
+            if len(self.cancelled) >= len(self.jobs) // 9:
+                action = "resume"  # keep most jobs running to the end
+            else:
+                self.cancelled.add(job_id)
+        await self._send_command(job_id, action)
+        self.tally.commands += 1
+        if action == "pause":  # resumed a little later, so the job still ends
+            asyncio.get_running_loop().call_later(
+                3, lambda: asyncio.ensure_future(self._resume(job_id))
+            )
+
+    async def _resume(self, job_id: str) -> None:
+        if job_id not in self.cancelled:
+            await self._send_command(job_id, "resume")
+
+    async def _send_command(self, job_id: str, action: JobAction) -> None:
+        assert self.stack is not None
+        command = JobCommand(job_id=job_id, action=action, command_id=new_id())
+        await submit_jobs(self.stack.kafka_bootstrap, [command], timeout_s=30)
+
+    async def _fuzz(self) -> None:
+        assert self.stack is not None
+        producer = Producer(self.stack.kafka_bootstrap, client_id="chaos-fuzz")
+        await producer.start(timeout_s=30)
+        try:
+            job_id = self.rng.choice(sorted(self.jobs))
+            records: list[tuple[Topic, bytes]] = [
+                (self.rng.choice(list(Topic)), self.rng.randbytes(self.rng.randrange(1, 300))),
+                (Topic.TRAJECTORIES, encode(Trajectory(
+                    episode_id=f"{job_id}/999999/0", job_id=job_id, group_id=f"{job_id}/g999999",
+                    sample_index=10**6, group_size=10**6, token_ids=[10**9] * 3,
+                    loss_mask=[5, 5], behaviour_logprobs=[1e300], reward=1e308,
+                ))),
+                (Topic.ADAPTERS, encode(AdapterUpdate(
+                    job_id=f"nojob-{new_id()[:6]}", version=10**9, uri="file:///etc", step=-5,
+                ))),
+            ]  # fmt: skip
+            for topic, value in records:
+                if topic is Topic.DLQ:
+                    continue  # the DLQ is the verifier's to read
+                await producer.send_raw(topic.value, value, key=job_id.encode())
+                self.tally.fuzzed.append(value)
+        finally:
+            await producer.stop()
+
+    # --- watching ---------------------------------------------------------------------
+
+    async def watch_invariant(self, done: asyncio.Event) -> None:
+        assert self.client is not None
+        store = self.client.store
+        while not done.is_set():
+            for job_id, spec in list(self.jobs.items()):
+                try:
+                    flow = await store.flow(job_id)
+                except Exception:
+                    continue  # Redis restarting
+                rl = spec.rl
+                limit = min(
+                    issue_limit(flow.trained_version, rl.max_staleness, rl.groups_per_step),
+                    rl.max_steps * rl.groups_per_step,
+                )
+                if flow.live_groups > limit:
+                    live, version = flow.live_groups, flow.trained_version
+                    self.tally.invariant_breaks.append(
+                        f"{job_id}: {live} live groups > {limit} at v{version}"
+                    )
+            await asyncio.sleep(1.0)
+
+    async def watch_adapters(self, done: asyncio.Event) -> None:
+        assert self.stack is not None
+        async with AdapterFeed(self.stack.kafka_bootstrap, set(self.jobs) or None) as feed:
+            while not done.is_set():
+                for update in await feed.poll(0.5):
+                    key = f"{update.job_id}@v{update.version}"
+                    path = adapter_path(update.uri)
+                    if update.job_id in self.jobs and key not in self.tally.adapter_hashes:
+                        self.tally.adapter_hashes[key] = f"{update.uri} {tree_hash(path)}"
+
+    async def all_ended(self) -> bool:
+        assert self.client is not None
+        for job_id in self.jobs:
+            record = await self.client.store.job(job_id)
+            if record is None or record.status not in TERMINAL_STATES:
+                return False
+        return True
+
+    # --- the run ----------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        started = time.time()
+        async with LocalStack(self.settings, use_existing_from_env=False) as stack:
+            self.stack = stack
+            for module in SERVICES:
+                for index in range(REPLICAS):
+                    self._start(f"{module}#{index}")
+            connected = self.settings.model_copy(
+                update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
+            )
+            async with MarlaasClient(connected, connect_timeout_s=30) as client:
+                self.client = client
+                result = await self._drive()
+            for child in self.replicas.values():
+                child.stop(timeout_s=30)
+        result["wall_s"] = round(time.time() - started, 1)
+        return result
+
+    async def _drive(self) -> dict[str, Any]:
+        assert self.client is not None
+        done = asyncio.Event()
+        round_ = 0
+        specs = chaos_jobs(round_, self.rng, self.args.max_steps)
+        self.jobs.update({s.job_id: s for s in specs})
+        await self.client.submit(specs)
+        watchers = [
+            asyncio.create_task(self.watch_invariant(done)),
+            asyncio.create_task(self.watch_adapters(done)),
+            asyncio.create_task(self.fault_loop(done)),
+        ]
+        deadline = time.monotonic() + self.args.timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(2)
+            if not await self.all_ended():
+                continue
+            if self.tally.kills >= self.args.min_kills:
+                break
+            round_ += 1
+            specs = chaos_jobs(round_, self.rng, self.args.max_steps)
+            self.jobs.update({s.job_id: s for s in specs})
+            await self.client.submit(specs)
+        done.set()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        return await self._verify()
+
+    async def _verify(self) -> dict[str, Any]:
+        assert self.client is not None and self.stack is not None
+        problems: list[str] = list(self.tally.invariant_breaks)
+        lost = double = unexpected = 0
+        statuses: dict[str, int] = {}
+        for job_id in sorted(self.jobs):
+            record = await self.client.store.job(job_id)
+            status = record.status if record else "missing"
+            statuses[status] = statuses.get(status, 0) + 1
+            if job_id not in self.cancelled and status not in ("completed", "failed"):
+                problems.append(f"{job_id} ended {status}")
+            if status == "failed" and record is not None and not record.reason:
+                problems.append(f"{job_id} failed without a reason")
+            report = await self.client.audit(job_id)
+            lost += len(report.lost)
+            double += len(report.double_trained)
+            unexpected += len(report.unexpected)
+            problems += [f"{job_id}: {p}" for p in report.problems]
+        for key, seen in self.tally.adapter_hashes.items():
+            uri, digest = seen.split(" ")
+            if tree_hash(adapter_path(uri)) != digest:
+                problems.append(f"adapter {key} changed after it was announced")
+        async with DeadLetterFeed(self.stack.kafka_bootstrap) as feed:
+            letters = await feed.read_to_end(timeout_s=120)
+        injected = set(self.tally.fuzzed)
+        strays = [
+            f"{letter.source_topic}@{letter.source_offset} ({letter.service}): {letter.error}"
+            for letter in letters
+            if letter.raw_value not in injected and not _is_injected(letter, injected)
+        ]
+        problems += [f"dead letter not injected: {s}" for s in strays]
+        return {
+            "seed": self.args.seed,
+            "kills": self.tally.kills,
+            "kills_by_service": self.tally.kills_by_service,
+            "stops": self.tally.stops,
+            "redis_restarts": self.tally.redis_restarts,
+            "broker_restarts": self.tally.broker_restarts,
+            "commands": self.tally.commands,
+            "fuzzed_records": len(self.tally.fuzzed),
+            "jobs": len(self.jobs),
+            "job_statuses": statuses,
+            "lost_groups": lost,
+            "double_trained": double,
+            "unexpected": unexpected,
+            "dlq": len(letters),
+            "adapters_checked": len(self.tally.adapter_hashes),
+            "problems": problems[:200],
+            "verifier": "pass" if not problems else "fail",
+        }
+
+
+def _is_injected(letter: DeadLetter, injected: set[bytes]) -> bool:
+    """A dead letter about an injected record: the record itself, or the trajectory built
+    from it (forged records the trainer refuses arrive as themselves)."""
+    try:
+        message = decode(Topic(letter.source_topic), letter.raw_value)
+    except Exception:
+        return False
+    return any(encode(message) == value for value in injected) or isinstance(message, JobCommand)
+
+
+def tree_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    if path.is_dir():
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--min-kills", type=int, default=100)
+    parser.add_argument("--interval-s", type=float, default=2.0)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--timeout-s", type=float, default=3000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    args.run_dir = Path("runs").resolve() / f"chaos-{run_id}"
+    result = asyncio.run(Chaos(args).run())
+    machine = f"cpu{len(os.sched_getaffinity(0))}"
+    out = args.out or ROOT / "bench" / "results" / f"chaos-{run_id[:8]}-{machine}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "problems"}, indent=2))
+    for problem in result["problems"][:30]:
+        print("problem:", problem)
+    raise SystemExit(0 if result["verifier"] == "pass" else 1)
+
+
+if __name__ == "__main__":
+    main()
