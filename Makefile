@@ -6,7 +6,7 @@ EXTRAS := local,trainer,rollout-cpu,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker
+.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker chaos
 
 venv: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-multitask: venv
 
 bench-broker: venv
 	$(BIN)/python bench/broker.py
+
+# The kill -9 chaos run (tests/chaos/driver.py); minutes, not part of `make test`.
+chaos: venv
+	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
