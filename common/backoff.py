@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, TryAgainError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -41,6 +41,11 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     ReadOnlyError,  # a replica promoted while we still talk to it
     TryAgainError,
     KafkaTimeoutError,  # aiokafka's own timeouts, not marked retriable
+    # The broker's "unknown server error": Tansu answers so a produce it could not store
+    # (its s3 engine, right after a restart, finds the offset's object already there; seen
+    # in the chaos run, where dead-lettering that record lost a group). The write did not
+    # happen, so trying again is safe; a retry that never succeeds stalls visibly instead.
+    UnknownError,
 )
 
 

@@ -33,7 +33,14 @@ from common.config import (
 from common.cores import engine_trainer_split, format_cores
 from common.lifecycle import SERVICES
 from common.store import RedisStore
-from console.children import ChildServer, StackError, Supervisor, free_port, spawn
+from console.children import (
+    ChildServer,
+    RestartPolicy,
+    StackError,
+    Supervisor,
+    free_port,
+    spawn,
+)
 from console.topics import ensure_topics
 
 log = logging.getLogger(__name__)
@@ -256,6 +263,7 @@ class LocalStack:
         *,
         use_existing_from_env: bool = True,
         services: tuple[str, ...] = (),
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.settings = settings
         self.services = services
@@ -270,7 +278,7 @@ class LocalStack:
         self.redis_url = self._external_redis or ""
         self.children: list[ChildServer] = []
         self.topic_partitions: dict[str, int] = {}
-        self.supervisor = Supervisor(self.children, on_restart=self._count_restart)
+        self.supervisor = Supervisor(self.children, restart_policy, on_restart=self._count_restart)
         self._supervision: asyncio.Task[None] | None = None
         self._lock_file: IO[str] | None = None
 

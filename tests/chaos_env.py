@@ -47,7 +47,7 @@ def said_it(task: ChaosTask, completion: Sequence[ChatMessage]) -> float:
 
 def flaky_said_it(hang_s: float) -> Callable[[ChaosTask, Sequence[ChatMessage]], float]:
     def reward(task: ChaosTask, completion: Sequence[ChatMessage]) -> float:
-        roll = hashlib.sha256(repr(completion).encode()).digest()[0] / 256
+        roll = hashlib.sha256(f"{task.question}{completion!r}".encode()).digest()[0] / 256
         if roll < 0.10:
             raise RuntimeError("chaos: the reward server is down")
         if roll < 0.15:
@@ -82,7 +82,8 @@ class ChaosEnv(Environment[ChaosTask]):
         return super().task_for(seed, index)
 
     def sample_task(self, rng: random.Random) -> ChaosTask:
-        return ChaosTask(question="Say 1.", answer=1)
+        # The number only makes each group's prompt (and a flaky reward's fate) its own.
+        return ChaosTask(question=f"Say 1. (task {rng.randrange(10**6)})", answer=1)
 
     def respond(self, state: EpisodeState[ChaosTask], action_text: str) -> list[ChatMessage] | None:
         match self.params.fail:

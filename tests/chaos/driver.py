@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from common.artifacts import adapter_path
+from common.backoff import retry_transient
 from common.bus import Producer
 from common.config import SharedSettings
 from common.flow import issue_limit
@@ -58,7 +59,7 @@ from common.messages import (
     new_id,
 )
 from common.models import tiny_model
-from console.children import ChildServer
+from console.children import ChildServer, RestartPolicy, unless_stack_fails
 from console.client import MarlaasClient
 from console.eventfeed import AdapterFeed, TopicFeed
 from console.jobwatch import submit_jobs
@@ -188,9 +189,9 @@ class Chaos:
                     task = asyncio.create_task(self._stop_a_while(trainer))
                     stopped.add(task)
                     task.add_done_callback(stopped.discard)
-                elif roll < 0.79:
+                elif roll < 0.78:
                     await self._kill_server("valkey")
-                elif roll < 0.81:
+                elif roll < 0.79:
                     await self._kill_server("tansu")
                 elif roll < 0.90:
                     await self._command()
@@ -302,7 +303,11 @@ class Chaos:
 
     async def run(self) -> dict[str, Any]:
         started = time.time()
-        async with LocalStack(self.settings, use_existing_from_env=False) as stack:
+        # Restarting what the run kills is the point: never give up on a child here.
+        policy = RestartPolicy(max_restarts=10_000, first_delay_s=0.2, max_delay_s=1.0)
+        async with LocalStack(
+            self.settings, use_existing_from_env=False, restart_policy=policy
+        ) as stack:
             self.stack = stack
             for module in SERVICES:
                 for index in range(REPLICAS):
@@ -312,7 +317,7 @@ class Chaos:
             )
             async with MarlaasClient(connected, connect_timeout_s=30) as client:
                 self.client = client
-                result = await self._drive()
+                result = await unless_stack_fails(self._drive(), stack.watch())
             for child in self.replicas.values():
                 child.stop(timeout_s=30)
         result["wall_s"] = round(time.time() - started, 1)
@@ -343,7 +348,8 @@ class Chaos:
             await self.client.submit(specs)
         done.set()
         await asyncio.gather(*watchers, return_exceptions=True)
-        return await self._verify()
+        # Valkey or the broker may still be coming back from the last fault.
+        return await retry_transient("verifying the run", self._verify)
 
     async def _verify(self) -> dict[str, Any]:
         assert self.client is not None and self.stack is not None

@@ -1,6 +1,6 @@
 """A deterministic stand-in for the vLLM engine, for the chaos run only (`ROLLOUT_ENGINE=
-tests.chaos.scripted_engine:ScriptedEngine`): it answers every request at once with a short
-reply chosen from a hash of the request id (right or wrong for the `chaos` environment), so
+tests.chaos.scripted_engine:ScriptedEngine`): it answers every request at once with one of six short
+replies chosen by a hash of the request id (half right for the `chaos` environment), so
 a chaos run spends its time on crashes and recoveries, not on sampling. Everything around it
 (rollout_svc, the broker, Redis, env_svc, the trainer on the tiny model) is the real thing;
 the real engine is covered by tests/integration/test_rollout_engine.py and the pipeline test.
@@ -26,7 +26,7 @@ class ScriptedEngine:
         tokenizer = AutoTokenizer.from_pretrained(model)
         self._replies = [
             [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-            for text in ("1", "I think 2")
+            for text in ("1", "1.", "It is 1", "2", "I think 2", "two")
         ]
         self.in_flight = 0
         self.generated_tokens = 0
@@ -53,7 +53,8 @@ class ScriptedEngine:
         finally:
             self.in_flight -= 1
         digest = hashlib.sha256(request.request_id.encode()).digest()
-        completion = self._replies[digest[0] % 2][: request.sampling.max_new_tokens]
+        reply = self._replies[digest[0] % len(self._replies)]
+        completion = reply[: request.sampling.max_new_tokens]
         self.generated_tokens += len(completion)
         self.busy_seconds += time.monotonic() - started
         return result_for(

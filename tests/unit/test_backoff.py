@@ -26,6 +26,7 @@ from env_svc.calls import EnvCalls, EnvCallTimeout, WorkersExhausted
         kafka.KafkaTimeoutError(),
         kafka.RequestTimedOutError(),
         kafka.NotLeaderForPartitionError(),
+        kafka.UnknownError(),
         ConnectionRefusedError(111, "Connection refused"),
         TimeoutError(),
         RetryableError("ours"),
