@@ -181,7 +181,8 @@ T = TypeVar("T")
 
 
 async def unless_stack_fails(work: Awaitable[T], watch: Awaitable[None]) -> T:
-    """The result of `work`, unless `watch` (a stack's supervision) raises first."""
+    """The result of `work`, unless `watch` (the stack's supervision, or a check of its
+    children while it starts) raises first; `watch` is cancelled either way."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(watch)
     done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -40,6 +40,7 @@ from console.children import (
     Supervisor,
     free_port,
     spawn,
+    unless_stack_fails,
 )
 from console.topics import ensure_topics
 
@@ -165,14 +166,7 @@ async def wait_ready(
         await store.close()
         return await ensure_topics(kafka_bootstrap, partitions, timeout_s=timeout_s)
 
-    watcher = asyncio.create_task(watch_children(), name="stack-watch-children")
-    ready = asyncio.create_task(probe(), name="stack-probe")
-    done, _ = await asyncio.wait({watcher, ready}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if ready not in done:
-        ready.cancel()
-        watcher.result()  # raises the child's StackError
-    return ready.result()
+    return await unless_stack_fails(probe(), watch_children())
 
 
 def start_service(
