@@ -15,9 +15,11 @@ from typing import Any
 
 from pydantic_settings import BaseSettings
 
+from common.backoff import retry_transient
 from common.bus import Producer
 from common.config import SharedSettings
 from common.health import HealthServer
+from common.messages import Message
 from common.ports import Sender, StateStore
 from common.store import RedisStore
 
@@ -95,6 +97,14 @@ class Connections:
         if self.store is None:
             raise RuntimeError("the service has not started: no store yet")
         return self.store
+
+    async def send(self, message: Message) -> None:
+        """Send, waiting out the broker's absences (transient errors, back-off, no limit):
+        a claimed group's requests, a result, a trained step's announcement or an event is
+        not dropped because Kafka was briefly away."""
+        await retry_transient(
+            f"sending {type(message).__name__}", lambda: self.producer.send(message), logger=log
+        )
 
 
 def log_settings(*settings: BaseSettings) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from common.backoff import is_transient, retry_transient
+from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
 from common.faults import fault_point
@@ -149,13 +149,13 @@ class EnvService(Service):
                 raise
             reason = _reason(exc)
             job_log.warning("job rejected: %s", reason)
-            await self._send(
+            await self.io.send(
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=reason)
             )
             return
         if await store.register_job(spec, status=STATE_AFTER["accepted"]):
             job_log.info("job accepted: env %s", spec.env.name)
-            await self._send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
+            await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
 
     async def _engine_context(self) -> int | None:
@@ -181,7 +181,7 @@ class EnvService(Service):
         kind = COMMAND_EVENT[command.action]
         if not await store.set_job_status(command.job_id, STATE_AFTER[kind]):
             return  # already finished: a late command changes nothing
-        await self._send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))
+        await self.io.send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))
         job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)
         if command.action == "resume":
             await self.issue_groups(command.job_id)
@@ -215,7 +215,7 @@ class EnvService(Service):
             first = await self._first_request(spec, group.index, sample_index)
             if isinstance(first, GenerationRequest):
                 first = msgspec.structs.replace(first, min_adapter_version=group.trained_version)
-            await self._send(first)
+            await self.io.send(first)
             if sample_index == 0:
                 fault_point("env.mid_group")
         await self.io.require_store().finish_claim(spec.job_id, group.index)
@@ -299,7 +299,7 @@ class EnvService(Service):
             job_logger(log, spec.job_id, spec.tenant).warning(
                 "episode %s failed: %s", result.episode_id, error
             )
-            await self._send(failed_trajectory(spec, result, error))
+            await self.io.send(failed_trajectory(spec, result, error))
         fault_point("env.after_send")
         await store.mark_seen("results", result.job_id, result.request_id)
 
@@ -310,13 +310,6 @@ class EnvService(Service):
         if spec.job_id not in self._envs:
             self._envs[spec.job_id] = environment_for(spec.env)
         return self._envs[spec.job_id]
-
-    async def _send(self, message: Message) -> None:
-        """Send, waiting out the broker's absences: a claimed group's requests, a job's
-        events and episodes' ends are not dropped because Kafka was briefly away."""
-        await retry_transient(
-            f"sending {type(message).__name__}", lambda: self.producer.send(message), logger=log
-        )
 
 
 def _reason(exc: BaseException) -> str:

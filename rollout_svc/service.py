@@ -200,10 +200,10 @@ class RolloutService(Service):
             result = await self._sample(request)
             ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
             try:
-                await self._send(result)
+                await self.io.send(result)
             except Exception as exc:  # the broker refuses it (e.g. too large): end the episode
                 await self._give_up(request, exc)
-                await self._send(aborted(request))
+                await self.io.send(aborted(request))
             fault_point("rollout.after_send")
             release_commit()
         finally:
@@ -224,14 +224,8 @@ class RolloutService(Service):
         (await self._job_log(request.job_id)).error(
             "request %s failed: %s", request.request_id, exc, exc_info=exc
         )
-        await self._send(self._dead_letter(request, exc))
+        await self.io.send(self._dead_letter(request, exc))
         DEAD_LETTERS.labels(SERVICE, Topic.PROMPTS).inc()
-
-    async def _send(self, message: GenerationResult | DeadLetter) -> None:
-        """Send, waiting out the broker's absences (back-off, no limit: nothing is dropped)."""
-        await retry_transient(
-            f"sending {type(message).__name__}", lambda: self.producer.send(message), logger=log
-        )
 
     @staticmethod
     def _dead_letter(request: GenerationRequest, exc: Exception) -> DeadLetter:

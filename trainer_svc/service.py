@@ -37,7 +37,6 @@ from common.messages import (
     DropKind,
     GroupDropped,
     JobSpec,
-    Message,
     Topic,
     Trajectory,
     job_event,
@@ -234,7 +233,7 @@ class TrainerService(Service):
             if not await self._publish_pointer(job, version, uri, checkpoint.group_ids):
                 return
         if pointer is None or pointer.version <= version:
-            await self._send(
+            await self.io.send(
                 AdapterUpdate(
                     job_id=job_id, version=version, uri=uri, step=version,
                     published_at=time.time(),
@@ -365,13 +364,13 @@ class TrainerService(Service):
                 job_id, group.group_id, invalid=kind == "dropped_invalid", kind=kind
             ),
         )
-        await self._send(
+        await self.io.send(
             GroupDropped(
                 job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
                 dropped_at=time.time(),
             )
         )  # fmt: skip
-        await self._send(
+        await self.io.send(
             job_event(
                 job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,
                 reason=f"group {group.group_id}: {reason}",
@@ -397,7 +396,7 @@ class TrainerService(Service):
             lambda: store.set_job_status(spec.job_id, STATE_AFTER["failed"], reason),
         )
         if changed:
-            await self._send(
+            await self.io.send(
                 job_event(spec.job_id, "failed", SERVICE, tenant=spec.tenant, step=job.version,
                           reason=reason)
             )  # fmt: skip
@@ -501,7 +500,7 @@ class TrainerService(Service):
         fault_point("trainer.after_pointer")
         job.version = version
         fault_point("trainer.before_update")
-        await self._send(
+        await self.io.send(
             AdapterUpdate(
                 job_id=job_id,
                 version=version,
@@ -537,7 +536,7 @@ class TrainerService(Service):
     async def _report(self, job: OwnedJob, metrics: StepMetrics, group_ids: list[str]) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""
         spec, version = job.spec, job.version
-        await self._send(
+        await self.io.send(
             job_event(
                 spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version,
                 metrics=metrics.as_map(), groups=group_ids,
@@ -563,15 +562,12 @@ class TrainerService(Service):
             lambda: store.set_job_status(spec.job_id, STATE_AFTER["completed"]),
         )
         if changed:
-            await self._send(
+            await self.io.send(
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=job.version)
             )
             job_logger(log, spec.job_id, spec.tenant).info("completed after %d steps", job.version)
         self._release_all(job)
         self._disown(spec.job_id)
-
-    async def _send(self, message: Message) -> None:
-        await durably(f"sending {type(message).__name__}", lambda: self.producer.send(message))
 
     def _release_all(self, job: OwnedJob) -> None:
         for group in [*job.ready, *job.filling.values()]:
