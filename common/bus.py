@@ -175,9 +175,10 @@ class ConsumerLoop(Generic[M]):
     batch and before partitions are revoked. Undecodable records and handler
     failures that are not `transient` become `DeadLetter`s; transient failures
     re-read the record after a back-off from `retry_backoff_s`, doubling per failure in a
-    row up to `max_retry_backoff_s`. Every record moves the `marlaas_*` consumer
-    metrics of `service` (common/metrics.py); while `run()` runs, the lag gauges are
-    refreshed every `lag_interval_s`.
+    row up to `max_retry_backoff_s`. A member silent for `session_timeout_s` (crashed,
+    stopped) loses its partitions to the others; heartbeats go every third of it. Every
+    record moves the `marlaas_*` consumer metrics of `service` (common/metrics.py); while
+    `run()` runs, the lag gauges are refreshed every `lag_interval_s`.
     """
 
     def __init__(
@@ -198,8 +199,10 @@ class ConsumerLoop(Generic[M]):
         on_assigned: PartitionsCallback | None = None,
         on_revoked: PartitionsCallback | None = None,
         sticky: bool = False,
+        session_timeout_s: float = 10.0,
     ) -> None:
         self.bootstrap = bootstrap
+        self.session_timeout_s = session_timeout_s
         self.group_id = group_id
         self.topics = list(topics)
         self.service = service
@@ -238,6 +241,8 @@ class ConsumerLoop(Generic[M]):
                 auto_offset_reset="earliest",
                 max_poll_records=self._max_records,
                 partition_assignment_strategy=self._assignors,
+                session_timeout_ms=int(self.session_timeout_s * 1000),
+                heartbeat_interval_ms=int(self.session_timeout_s * 1000 / 3),
             ),
             self.bootstrap,
             timeout_s,
@@ -288,7 +293,10 @@ class ConsumerLoop(Generic[M]):
     async def commit(self) -> None:
         """Commit every partition whose committable position moved."""
         consumer = self._require_consumer()
-        due = {tp: tracker.due() for tp, tracker in self._trackers.items()}
+        # The trackers as they are now: a revocation during the commit takes them out of
+        # `_trackers`, and what this commit stored is still theirs to record.
+        trackers = dict(self._trackers)
+        due = {tp: tracker.due() for tp, tracker in trackers.items()}
         offsets = {tp: offset for tp, offset in due.items() if offset is not None}
         if not offsets:
             return
@@ -305,7 +313,7 @@ class ConsumerLoop(Generic[M]):
             log.warning("%s: commit failed (%r); retried after the next batch", self.service, exc)
             return
         for tp, offset in offsets.items():
-            self._trackers[tp].committed(offset)
+            trackers[tp].committed(offset)
 
     async def lag(self) -> list[PartitionLag]:
         """End offset minus committed offset of each partition this member owns."""

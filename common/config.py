@@ -87,6 +87,11 @@ class SharedSettings(BaseSettings):
     only what jobs use."""
     topic_partitions: int = Field(default=12, ge=1)
     """Partitions per marlaas topic; caps each service's parallelism."""
+    consumer_session_timeout_s: float = Field(default=10.0, ge=1.0)
+    """How long a consumer group waits for a silent replica (killed, stopped, its event loop
+    blocked) before the others take its partitions over (Kafka's `session.timeout.ms`;
+    heartbeats go every third of it). Shorter: faster fail-over after a crash, and more
+    rebalances from a replica that only paused."""
     connect_timeout_s: float = Field(default=60.0, gt=0)
     """How long to keep retrying an unreachable broker or Redis before giving up."""
     log_level: str = "INFO"

@@ -11,19 +11,21 @@ import logging
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings
 
 from common.backoff import retry_transient
-from common.bus import Producer
+from common.bus import ConsumerLoop, Handler, Producer
 from common.config import SharedSettings
 from common.health import HealthServer
+from common.lifecycle import CONSUMED_TOPICS
 from common.messages import Message
 from common.ports import Sender, StateStore
 from common.store import RedisStore
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
 
 
 class Service(ABC):
@@ -97,6 +99,21 @@ class Connections:
         if self.store is None:
             raise RuntimeError("the service has not started: no store yet")
         return self.store
+
+    async def consume(
+        self, service: str, group_id: str, handler: Handler[M], **options: Any
+    ) -> ConsumerLoop[M]:
+        """Join `group_id` on the topics `service` consumes (common/lifecycle.py), handing
+        each message to `handler`; dead letters go out through this producer. `options` are
+        `ConsumerLoop`'s (revocation callback, sticky assignment)."""
+        loop = ConsumerLoop(
+            bootstrap=self._shared.kafka_bootstrap, group_id=group_id,
+            topics=CONSUMED_TOPICS[service], handler=handler, dead_letters=self.producer,
+            service=service, session_timeout_s=self._shared.consumer_session_timeout_s,
+            **options,
+        )  # fmt: skip
+        await loop.start(timeout_s=self._shared.connect_timeout_s)
+        return loop
 
     async def send(self, message: Message) -> None:
         """Send, waiting out the broker's absences (transient errors, back-off, no limit):

@@ -105,14 +105,20 @@ class TopicFeed(Generic[M]):
         found.sort(key=self._when)
         return found
 
-    async def read_to_end(self, *, timeout_s: float = 30.0) -> list[M]:
-        """Every message up to where the topic ended when the feed started."""
+    async def read_to_end(self, *, timeout_s: float = 30.0, settle_s: float = 0.3) -> list[M]:
+        """Every message up to where the topic ended when the feed started, and whatever
+        follows it without a pause of `settle_s`: a broker's end offsets are only a lower
+        bound (Tansu's s3 engine reports a partition's last batches late), so reading stops
+        at the first poll past them that finds no record."""
         deadline = time.monotonic() + timeout_s
         found: list[M] = []
-        while not self.caught_up:
+        while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {self.topic.value} took over {timeout_s:.0f}s")
-            found += await self.poll(0.2)
+            read_before, caught_up = dict(self._next), self.caught_up
+            found += await self.poll(settle_s if caught_up else 0.2)
+            if caught_up and self._next == read_before:
+                break
         found.sort(key=self._when)
         return found
 

@@ -23,7 +23,6 @@ from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
 from common.lifecycle import (
     COMMAND_EVENT,
-    CONSUMED_TOPICS,
     STATE_AFTER,
     TERMINAL_STATES,
     ServiceName,
@@ -85,15 +84,7 @@ class EnvService(Service):
 
     async def start(self) -> None:
         await self.io.open()
-        self.consumer = ConsumerLoop[Message](
-            bootstrap=self.shared.kafka_bootstrap,
-            group_id=self.settings.consumer_group,
-            topics=CONSUMED_TOPICS[SERVICE],
-            handler=self.handle,
-            dead_letters=self.producer,
-            service=SERVICE,
-        )
-        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
+        self.consumer = await self.io.consume(SERVICE, self.settings.consumer_group, self.handle)
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None

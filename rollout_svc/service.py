@@ -22,7 +22,7 @@ from common.bus import ConsumerLoop, Delivery
 from common.config import RolloutSettings, SharedSettings
 from common.faults import fault_point
 from common.health import redis_ready
-from common.lifecycle import CONSUMED_TOPICS, RolloutReplicaStats, ServiceName
+from common.lifecycle import RolloutReplicaStats, ServiceName
 from common.logs import job_logger
 from common.messages import (
     AdapterUpdate,
@@ -140,15 +140,9 @@ class RolloutService(Service):
             )
         log.info("rollout_svc: %d adapters from Redis at start-up", len(self.latest))
         await self.engine.start()
-        self.consumer = ConsumerLoop[GenerationRequest](
-            bootstrap=self.shared.kafka_bootstrap,
-            group_id=self.settings.consumer_group,
-            topics=CONSUMED_TOPICS[SERVICE],
-            handler=self.on_request,
-            dead_letters=self.producer,
-            service=SERVICE,
+        self.consumer = await self.io.consume(
+            SERVICE, self.settings.consumer_group, self.on_request
         )
-        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
         self._started_at = time.monotonic()
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:

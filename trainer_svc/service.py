@@ -25,7 +25,6 @@ from common.config import SharedSettings, TrainerSettings
 from common.faults import fault_point
 from common.health import redis_ready
 from common.lifecycle import (
-    CONSUMED_TOPICS,
     STATE_AFTER,
     TERMINAL_STATES,
     ServiceName,
@@ -128,17 +127,13 @@ class TrainerService(Service):
     async def start(self) -> None:
         await self.load_model()
         await self.io.open()
-        self.consumer = ConsumerLoop[Trajectory](
-            bootstrap=self.shared.kafka_bootstrap,
-            group_id=self.settings.consumer_group,
-            topics=CONSUMED_TOPICS[SERVICE],
-            handler=self.on_trajectory,
-            dead_letters=self.producer,
-            service=SERVICE,
+        self.consumer = await self.io.consume(
+            SERVICE,
+            self.settings.consumer_group,
+            self.on_trajectory,
             on_revoked=self.on_revoked,
             sticky=True,
         )
-        await self.consumer.start(timeout_s=self.shared.connect_timeout_s)
 
     async def load_model(self) -> None:
         if self._policy is None:
@@ -203,13 +198,18 @@ class TrainerService(Service):
         # from here on only this replica can publish the job's versions.
         epoch = await durably(f"taking {job_id} over", partial(store.take_over, job_id))
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
+        job = OwnedJob(spec=spec, partition=delivery.partition, version=0, epoch=epoch)
         try:
             checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
-        except Exception:
-            # Not owned after all: the next trajectory tries again from a fresh adapter.
+        except Exception as exc:
             self.policy.remove_job(job_id)
-            raise
-        job = OwnedJob(spec=spec, partition=delivery.partition, version=0, epoch=epoch)
+            if is_transient(exc):
+                raise  # not owned after all: the next delivery tries again
+            # A checkpoint that cannot be loaded never will be: fail the job with the reason
+            # rather than dead-letter its trajectories one by one and stall it.
+            reason = f"its checkpoint could not be loaded: {type(exc).__name__}: {exc}"
+            await self._fail(job, reason)
+            return None
         self.jobs[job_id] = job
         if checkpoint is not None:
             job.version = checkpoint.version
@@ -329,8 +329,11 @@ class TrainerService(Service):
 
     async def _drop_unusable(self, job: OwnedJob) -> None:
         """Drop ready groups that cannot be trained, and filling ones already too stale to
-        ever be (their late samples then find the group closed)."""
+        ever be (their late samples then find the group closed). Trajectories keep arriving
+        while a drop is sent: a group may complete, and new ones become ready, meanwhile."""
         for group in list(job.filling.values()):
+            if job.filling.get(group.group_id) is not group:
+                continue  # it completed while an earlier drop was sent
             if (
                 group.trajectories
                 and job.version - group.oldest_version > job.spec.rl.max_staleness
@@ -341,8 +344,10 @@ class TrainerService(Service):
                 await self._drop(job, group, "dropped_stale", f"{lag} versions behind, unfinished")
             if job.spec.job_id not in self.jobs:
                 return  # the drop failed the job
+        pending, job.ready = job.ready, deque()
         keep: deque[Group] = deque()
-        for group in job.ready:
+        while pending:
+            group = pending.popleft()
             kind, reason = verdict(
                 group, trained_version=job.version, max_staleness=job.spec.rl.max_staleness
             )
@@ -351,8 +356,11 @@ class TrainerService(Service):
             else:
                 await self._drop(job, group, kind, reason)
             if job.spec.job_id not in self.jobs:
-                return  # the drop failed the job
-        job.ready = keep
+                # The drop failed the job (or it was handed over): nothing of it stays held.
+                for left in [*keep, *pending]:
+                    left.release()
+                return
+        job.ready.extendleft(reversed(keep))  # ahead of groups that became ready meanwhile
 
     async def _drop(self, job: OwnedJob, group: Group, kind: DropKind, reason: str) -> None:
         """Count the group out of the job's window (it is replaced), have env_svc replace it,

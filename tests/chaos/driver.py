@@ -3,21 +3,26 @@
     .venv/bin/python -m tests.chaos.driver [--seed 7] [--min-kills 100]   # or make chaos
 
 On the real embedded stack (durable Tansu broker, Valkey; both supervised by the stack), with
-the tiny model in the trainer and the deterministic scripted engine in rollout_svc, it submits
-3 tenants x 6 jobs of the `chaos` environment (S in {0, 1, 3}, B in {1, 4}, G in {2, 8}; some
-with rewards that raise, return NaN or sleep), then, with a seeded RNG, every `interval_s`:
-kill -9 a random service replica and start it again; SIGSTOP a trainer replica past its
-consumer session timeout, then SIGCONT it; kill -9 Valkey or the broker (the stack restarts
-them with their data); pause, resume or cancel a job; produce fuzzed records (random bytes,
-and valid messages with absurd values) to every topic. It keeps going until every job has
-ended and at least `min_kills` replicas were killed, submitting another round of jobs when
-the first ends too soon. Meanwhile it checks the flow-control invariant every second and
-hashes every adapter version when it is first announced.
+the tiny model in the trainer and the deterministic scripted engine in rollout_svc, each round
+submits 3 tenants x 6 jobs of the `chaos` environment (S in {0, 1, 3}, B in {1, 4},
+G in {2, 8}; some with rewards that raise, return NaN or sleep). Three phases:
 
-The verifier then requires: every job not cancelled `completed` (or `failed` with a reason);
-`marlaas audit` clean for every job (0 lost, 0 trained twice, 0 unexpected; each version
-exactly B groups); every announced adapter's bytes unchanged; the invariant never broken;
-every dead letter one of the injected records. Writes `bench/results/chaos-<date>-<machine>.json`.
+1. fault-free: one round with no faults, timing each tenant (submit to its last job's end);
+2. fuzzed: one round in which only `acme` and `globex` get fuzzed records (random bytes, and
+   valid messages with absurd values, on every topic) and random pause/resume/cancel;
+   `initech` must finish within 1.5x its fault-free time;
+3. chaos: rounds under every fault, seeded, every `interval_s`: kill -9 a random service
+   replica and start it again; SIGSTOP a trainer replica past its consumer session timeout,
+   then SIGCONT it; kill -9 Valkey or the broker (the stack restarts them with their data);
+   pause, resume or cancel a job; fuzz any tenant. It goes on until every job has ended and
+   at least `min_kills` replicas were killed.
+
+Meanwhile it checks the flow-control invariant every second and hashes every adapter version
+when it is first announced. The verifier then requires: every job not cancelled `completed`
+(or `failed` with a reason); `marlaas audit` clean for every job (0 lost, 0 trained twice,
+0 unexpected; each version exactly B groups); every announced adapter's bytes unchanged; the
+invariant never broken; every dead letter one of the injected records; the unfuzzed tenant
+within 1.5x. Writes `bench/results/chaos-<date>-<machine>.json`.
 """
 
 from __future__ import annotations
@@ -66,7 +71,11 @@ from console.jobwatch import submit_jobs
 from console.stack import LocalStack, start_service
 
 REPLICAS = 2
-SESSION_TIMEOUT_S = 10.0  # aiokafka's default consumer session timeout
+SESSION_TIMEOUT_S = 6.0  # consumer session timeout of every replica: fail-over in seconds
+TENANTS = ("acme", "globex", "initech")
+FUZZED_TENANTS = ("acme", "globex")  # in the fuzzed phase; `initech` is the one timed
+MAX_SLOWDOWN = 1.5  # the unfuzzed tenant's time under fuzzing / its fault-free time
+FAULTS = ("kill", "stop", "redis", "broker", "command", "fuzz")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -85,13 +94,17 @@ class Tally:
     commands: int = 0
     fuzzed: list[bytes] = field(default_factory=list)
     invariant_breaks: list[str] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
+    """Replicas that exited without being killed: a bug, restarted so the run goes on."""
     adapter_hashes: dict[str, str] = field(default_factory=dict)
+    tenant_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per phase, each tenant's time from submitting its round to its last job's end."""
 
 
 def chaos_jobs(round_: int, rng: random.Random, max_steps: int) -> list[JobSpec]:
     """3 tenants x 6 jobs covering S x B x G; every third job's rewards are flaky."""
     jobs = []
-    for tenant in ("acme", "globex", "initech"):
+    for tenant in TENANTS:
         for index in range(6):
             S, B, G = (0, 1, 3)[index % 3], (1, 4)[index % 2], (2, 8)[(index // 2) % 2]
             fail = "flaky" if index % 3 == 2 else ""
@@ -140,6 +153,7 @@ class Chaos:
             "MARLAAS_ENVIRONMENTS": "chaos=tests.chaos_env:ChaosEnv",
             "ENV_SVC_CLAIM_TIMEOUT_S": "10", "ENV_SVC_CLAIM_SWEEP_S": "2",
             "ENV_SVC_ENV_CALL_TIMEOUT_S": "5", "TRAINER_SWEEP_INTERVAL_S": "2",
+            "MARLAAS_CONSUMER_SESSION_TIMEOUT_S": str(SESSION_TIMEOUT_S),
             "PYTHONPATH": str(ROOT), "MARLAAS_LOG_LEVEL": "INFO",
         }  # fmt: skip
         self.replicas[name] = start_service(
@@ -176,34 +190,37 @@ class Chaos:
 
     # --- faults -----------------------------------------------------------------------
 
-    async def fault_loop(self, done: asyncio.Event) -> None:
+    async def fault_loop(
+        self, done: asyncio.Event, kinds: tuple[str, ...], tenants: tuple[str, ...]
+    ) -> None:
+        """Inject one fault of `kinds` every ~`interval_s`; commands and fuzzed records only
+        touch the jobs of `tenants`."""
+        weights = {"kill": 70, "stop": 5, "redis": 3, "broker": 1, "command": 11, "fuzz": 10}
         stopped: set[asyncio.Task[None]] = set()
         while not done.is_set():
             await asyncio.sleep(self.args.interval_s * self.rng.uniform(0.5, 1.5))
-            roll = self.rng.random()
+            (kind,) = self.rng.choices(kinds, [weights[k] for k in kinds])
+            targets = sorted(j for j, spec in self.jobs.items() if spec.tenant in tenants)
             try:
-                if roll < 0.70:
+                if kind == "kill":
                     self._kill(self.rng.choice(sorted(self.replicas)))
-                elif roll < 0.75:
+                elif kind == "stop":
                     trainer = f"trainer_svc#{self.rng.randrange(REPLICAS)}"
                     task = asyncio.create_task(self._stop_a_while(trainer))
                     stopped.add(task)
                     task.add_done_callback(stopped.discard)
-                elif roll < 0.78:
-                    await self._kill_server("valkey")
-                elif roll < 0.79:
-                    await self._kill_server("tansu")
-                elif roll < 0.90:
-                    await self._command()
+                elif kind in ("redis", "broker"):
+                    await self._kill_server("valkey" if kind == "redis" else "tansu")
+                elif kind == "command":
+                    await self._command(self.rng.choice(targets))
                 else:
-                    await self._fuzz()
+                    await self._fuzz(self.rng.choice(targets))
             except Exception as exc:  # a fault that could not be injected is not a failure
                 print(f"fault not injected: {exc!r}", file=sys.stderr)
         await asyncio.gather(*stopped, return_exceptions=True)
 
-    async def _command(self) -> None:
+    async def _command(self, job_id: str) -> None:
         assert self.client is not None
-        job_id = self.rng.choice(sorted(self.jobs))
         if job_id in self.cancelled:
             return
         actions: list[JobAction] = ["pause", "pause", "resume", "resume", "resume", "cancel"]
@@ -229,12 +246,11 @@ class Chaos:
         command = JobCommand(job_id=job_id, action=action, command_id=new_id())
         await submit_jobs(self.stack.kafka_bootstrap, [command], timeout_s=30)
 
-    async def _fuzz(self) -> None:
+    async def _fuzz(self, job_id: str) -> None:
         assert self.stack is not None
         producer = Producer(self.stack.kafka_bootstrap, client_id="chaos-fuzz")
         await producer.start(timeout_s=30)
         try:
-            job_id = self.rng.choice(sorted(self.jobs))
             records: list[tuple[Topic, bytes]] = [
                 (self.rng.choice(list(Topic)), self.rng.randbytes(self.rng.randrange(1, 300))),
                 (Topic.TRAJECTORIES, encode(Trajectory(
@@ -277,6 +293,16 @@ class Chaos:
                     )
             await asyncio.sleep(1.0)
 
+    async def watch_replicas(self, done: asyncio.Event) -> None:
+        while not done.is_set():
+            for name, child in list(self.replicas.items()):
+                if (code := child.process.poll()) is not None:
+                    child.close_log()
+                    self.tally.crashes.append(f"{name} exited by itself ({code})")
+                    print(f"replica {name} exited by itself ({code})", file=sys.stderr)
+                    self._start(name)
+            await asyncio.sleep(1.0)
+
     async def watch_adapters(self, done: asyncio.Event) -> None:
         assert self.stack is not None
         async with AdapterFeed(self.stack.kafka_bootstrap) as feed:  # later rounds' jobs too
@@ -287,17 +313,41 @@ class Chaos:
                     if update.job_id in self.jobs and key not in self.tally.adapter_hashes:
                         self.tally.adapter_hashes[key] = f"{update.uri} {tree_hash(path)}"
 
-    async def all_ended(self) -> bool:
+    async def ended(self, job_ids: set[str]) -> set[str]:
+        """Those of `job_ids` in a terminal state (none while Valkey is restarting)."""
         assert self.client is not None
+        found = set()
         try:
-            for job_id in self.jobs:
+            for job_id in job_ids:
                 record = await self.client.store.job(job_id)
-                if record is None or record.status not in TERMINAL_STATES:
-                    return False
+                if record is not None and record.status in TERMINAL_STATES:
+                    found.add(job_id)
         except Exception as exc:  # Valkey restarting: ask again later
             print(f"status not read: {exc!r}", file=sys.stderr)
-            return False
-        return True
+        return found
+
+    async def round_(self, index: int, phase: str, deadline: float) -> bool:
+        """Submit round `index` and wait for all its jobs to end (False: the deadline came
+        first); records each tenant's time under `phase`."""
+        client = self.client
+        assert client is not None
+        specs = chaos_jobs(index, self.rng, self.args.max_steps)
+        self.jobs.update({s.job_id: s for s in specs})
+        started = time.monotonic()
+        await retry_transient("submitting a round", lambda: client.submit(specs))
+        pending, ended_at = {s.job_id for s in specs}, dict[str, float]()
+        while pending and time.monotonic() < deadline:
+            await asyncio.sleep(2)
+            for job_id in await self.ended(pending):
+                ended_at[job_id] = time.monotonic() - started
+            pending -= set(ended_at)
+        if not pending:
+            times = self.tally.tenant_s.setdefault(phase, {})
+            for tenant in TENANTS:
+                times[tenant] = round(
+                    max(ended_at[s.job_id] for s in specs if s.tenant == tenant), 1
+                )
+        return not pending
 
     # --- the run ----------------------------------------------------------------------
 
@@ -324,36 +374,52 @@ class Chaos:
         return result
 
     async def _drive(self) -> dict[str, Any]:
-        assert self.client is not None
+        deadline = time.monotonic() + self.args.timeout_s
         done = asyncio.Event()
-        round_ = 0
-        specs = chaos_jobs(round_, self.rng, self.args.max_steps)
-        self.jobs.update({s.job_id: s for s in specs})
-        await self.client.submit(specs)
         watchers = [
             asyncio.create_task(self.watch_invariant(done)),
             asyncio.create_task(self.watch_adapters(done)),
-            asyncio.create_task(self.fault_loop(done)),
+            asyncio.create_task(self.watch_replicas(done)),
         ]
-        deadline = time.monotonic() + self.args.timeout_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(2)
-            if not await self.all_ended():
-                continue
-            if self.tally.kills >= self.args.min_kills:
-                break
-            round_ += 1
-            specs = chaos_jobs(round_, self.rng, self.args.max_steps)
-            self.jobs.update({s.job_id: s for s in specs})
-            await self.client.submit(specs)
-        done.set()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        try:
+            await self._phases(deadline)
+        finally:
+            done.set()
+            await asyncio.gather(*watchers, return_exceptions=True)
         # Valkey or the broker may still be coming back from the last fault.
         return await retry_transient("verifying the run", self._verify)
 
+    async def _phases(self, deadline: float) -> None:
+        phases: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+            ("fault-free", (), TENANTS),
+            ("fuzzed", ("command", "fuzz"), FUZZED_TENANTS),
+            ("chaos", FAULTS, TENANTS),
+        ]
+        index = 0
+        for phase, kinds, tenants in phases:
+            print(f"phase {phase}: round {index}", file=sys.stderr, flush=True)
+            done = asyncio.Event()
+            faults = asyncio.create_task(self.fault_loop(done, kinds, tenants)) if kinds else None
+            try:
+                while await self.round_(index, phase, deadline):
+                    index += 1
+                    if phase != "chaos" or self.tally.kills >= self.args.min_kills:
+                        break
+                    print(
+                        f"phase chaos: round {index}, {self.tally.kills} kills",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            finally:
+                done.set()
+                if faults is not None:
+                    await faults
+            if time.monotonic() >= deadline:
+                return
+
     async def _verify(self) -> dict[str, Any]:
         assert self.client is not None and self.stack is not None
-        problems: list[str] = list(self.tally.invariant_breaks)
+        problems = [*self.tally.invariant_breaks, *self.tally.crashes]
         lost = double = unexpected = 0
         statuses: dict[str, int] = {}
         for job_id in sorted(self.jobs):
@@ -382,11 +448,20 @@ class Chaos:
             if letter.raw_value not in injected and not _is_injected(letter, injected)
         ]
         problems += [f"dead letter not injected: {s}" for s in strays]
+        times = self.tally.tenant_s
+        slowdown = None
+        if "fault-free" in times and "fuzzed" in times:
+            slowdown = round(times["fuzzed"]["initech"] / times["fault-free"]["initech"], 2)
+            if slowdown > MAX_SLOWDOWN:
+                problems.append(f"initech (not fuzzed) took {slowdown}x its fault-free time")
+        else:
+            problems.append(f"phases not finished: {sorted(times)}")
         return {
             "seed": self.args.seed,
             "kills": self.tally.kills,
             "kills_by_service": self.tally.kills_by_service,
             "stops": self.tally.stops,
+            "crashes": len(self.tally.crashes),
             "redis_restarts": self.tally.redis_restarts,
             "broker_restarts": self.tally.broker_restarts,
             "commands": self.tally.commands,
@@ -398,6 +473,11 @@ class Chaos:
             "unexpected": unexpected,
             "dlq": len(letters),
             "adapters_checked": len(self.tally.adapter_hashes),
+            "tenant_s": times,
+            "unfuzzed_slowdown": slowdown,
+            "session_timeout_s": SESSION_TIMEOUT_S,
+            "interval_s": self.args.interval_s,
+            "max_steps": self.args.max_steps,
             "problems": problems[:200],
             "verifier": "pass" if not problems else "fail",
         }
@@ -425,7 +505,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--min-kills", type=int, default=100)
-    parser.add_argument("--interval-s", type=float, default=2.0)
+    parser.add_argument("--interval-s", type=float, default=5.0)
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--timeout-s", type=float, default=3000)
     parser.add_argument("--out", type=Path, default=None)

@@ -289,14 +289,16 @@ def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and
             while stack.supervisor.restarts.get("tansu", 0) < 1:
                 assert time.monotonic() < deadline, "broker not restarted"
                 await asyncio.sleep(0.2)
-            await produce(stack.kafka_bootstrap, range(3, 5))
-            assert await steps_of_job(stack.kafka_bootstrap) == [0, 1, 2, 3, 4]
+            # One record a batch: Tansu's s3 engine reports such a partition's end late, and
+            # a reader must not stop there.
+            await produce(stack.kafka_bootstrap, range(3, 25))
+            assert await steps_of_job(stack.kafka_bootstrap) == list(range(25))
 
     async def second_life() -> None:
         async with LocalStack(settings, use_existing_from_env=False) as stack:
-            assert await steps_of_job(stack.kafka_bootstrap) == [0, 1, 2, 3, 4]
-            # The group resumes after what it committed in the first life: 2 new records.
-            assert len(await consume_and_commit(stack.kafka_bootstrap, 2)) == 2
+            assert await steps_of_job(stack.kafka_bootstrap) == list(range(25))
+            # The group resumes after what it committed in the first life: 22 new records.
+            assert len(await consume_and_commit(stack.kafka_bootstrap, 22)) == 22
 
     asyncio.run(first_life())
     asyncio.run(second_life())

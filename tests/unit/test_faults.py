@@ -309,6 +309,35 @@ async def test_a_job_whose_groups_keep_failing_fails_with_the_reason(
     assert inbox.committable == 6  # nothing of the failed job stays held
 
 
+async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Trajectories keep arriving while the trainer sends a drop: a group completing then
+    is neither lost nor a crash of the train loop (the chaos run's `deque mutated`)."""
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "busy")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        failed = msgspec.structs.replace(
+            trajectory(spec, 0, sample, 0.0, 0), error="tool server unreachable"
+        )
+        await inbox.hand(service.on_trajectory, failed)
+    send_drop = service._drop
+
+    async def drop_while_group_1_completes(*args: Any) -> None:
+        for sample in range(2):
+            await inbox.hand(service.on_trajectory, trajectory(spec, 1, sample, float(sample), 0))
+        await send_drop(*args)
+
+    service._drop = drop_while_group_1_completes  # type: ignore[method-assign]
+    assert await service.train_once()
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.version == 1
+    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
+    assert inbox.committable == 4
+
+
 async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -445,6 +474,31 @@ async def test_a_new_owner_publishes_a_step_that_was_saved_but_never_announced(
     assert update.version == 1  # type: ignore[union-attr]
     assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     assert inbox.committable == 1  # its group was trained: not held
+
+
+async def test_a_job_whose_checkpoint_cannot_be_loaded_fails_with_the_reason(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A new owner that cannot load the job's checkpoint (here: one saved for another rank)
+    fails the job, instead of dead-lettering every trajectory and leaving it stalled."""
+    spec = await running_job(backend, "bad-checkpoint")
+    other = trainer_service(backend, tiny_dir, tmp_path)
+    await other.load_model()
+    wrong = msgspec.structs.replace(spec.lora, rank=spec.lora.rank * 2)
+    other.policy.add_job(spec.job_id, wrong, spec.rl)
+    other.checkpoints.save(other.policy, spec.job_id, 1, [f"{spec.job_id}/g0"])
+
+    owner = trainer_service(backend, tiny_dir, tmp_path)
+    await owner.load_model()
+    inbox = Inbox(Topic.TRAJECTORIES)
+    await inbox.hand(owner.on_trajectory, trajectory(spec, 1, 0, 1.0, 1))
+    record = await backend.store.job(spec.job_id)
+    assert record is not None and record.status == "failed"
+    assert record.reason.startswith("its checkpoint could not be loaded")
+    (failed,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "failed")
+    assert failed.reason == record.reason
+    assert inbox.committable == 1  # handled, not held and not dead-lettered
+    assert spec.job_id not in owner.jobs and spec.job_id not in owner.policy.jobs
 
 
 async def test_a_replica_that_lost_a_job_can_neither_publish_nor_overwrite_it(
