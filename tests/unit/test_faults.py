@@ -330,7 +330,7 @@ async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
             await inbox.hand(service.on_trajectory, trajectory(spec, 1, sample, float(sample), 0))
         await send_drop(*args)
 
-    service._drop = drop_while_group_1_completes  # type: ignore[method-assign]
+    service._drop = drop_while_group_1_completes  # type: ignore[method-assign,assignment]
     assert await service.train_once()
     pointer = await backend.store.adapter(spec.job_id)
     assert pointer is not None and pointer.version == 1
