@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import importlib.util
 import logging
 import os
 import sys
@@ -87,12 +88,12 @@ def start_tansu(port: int, log_path: Path, s3_endpoint: str | None = None) -> Ch
 
 def start_localbucket(port: int, data_dir: Path, log_path: Path) -> ChildServer:
     """Start the local S3 server holding the broker's storage under `data_dir`."""
-    exe = Path(sys.executable).parent / "localbucket"
-    if not exe.exists():
+    if importlib.util.find_spec("localbucket") is None:
         raise StackError("the durable embedded broker needs the `local` extra (localbucket)")
     data_dir = data_dir.resolve()
     (data_dir / S3_BUCKET).mkdir(parents=True, exist_ok=True)
-    argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), str(data_dir)]
+    argv = [sys.executable, "-m", "console.s3server", "--host", "127.0.0.1", "--port", str(port),
+            str(data_dir)]  # fmt: skip
     child = spawn("localbucket", argv, log_path)
     child.respawn = lambda: start_localbucket(port, data_dir, log_path)
     return child
