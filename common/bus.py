@@ -34,6 +34,7 @@ from common.messages import (
     Message,
     MessageDecodeError,
     Topic,
+    WireSchema,
     dead_letter,
     decode,
     encode,
@@ -80,9 +81,11 @@ async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) 
 class Producer:
     """Sends messages to the topic their type belongs to, keyed as the contract says."""
 
-    def __init__(self, bootstrap: str, *, client_id: str) -> None:
+    def __init__(self, bootstrap: str, *, client_id: str, wire_schema: WireSchema = 2) -> None:
         self.bootstrap = bootstrap
         self.client_id = client_id
+        self.wire_schema: WireSchema = wire_schema
+        """The layout messages are written in (common/messages.py)."""
         self._producer: AIOKafkaProducer | None = None
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
@@ -106,7 +109,9 @@ class Producer:
 
     async def send(self, message: Message) -> None:
         """Send and wait for the broker's acknowledgement from all in-sync replicas."""
-        await self.send_raw(topic_of(message), encode(message), key_bytes(message))
+        await self.send_raw(
+            topic_of(message), encode(message, self.wire_schema), key_bytes(message)
+        )
 
     async def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
         if self._producer is None:
@@ -142,6 +147,8 @@ class Delivery:
 
 
 Handler = Callable[[M, Delivery], Awaitable[None]]
+Undecodable = Callable[[str, bytes | None, MessageDecodeError], Awaitable[None]]
+"""Told of a record that does not decode (topic, raw value, why) before it is dead-lettered."""
 PartitionsCallback = Callable[[set[TopicPartition]], Awaitable[None]]
 
 
@@ -200,9 +207,11 @@ class ConsumerLoop(Generic[M]):
         on_revoked: PartitionsCallback | None = None,
         sticky: bool = False,
         session_timeout_s: float = 10.0,
+        on_undecodable: Undecodable | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.session_timeout_s = session_timeout_s
+        self._on_undecodable = on_undecodable
         self.group_id = group_id
         self.topics = list(topics)
         self.service = service
@@ -406,6 +415,8 @@ class ConsumerLoop(Generic[M]):
             message = decode(record.topic, record.value)
         except MessageDecodeError as exc:
             metrics.failed.inc()
+            if self._on_undecodable is not None:
+                await self._on_undecodable(record.topic, record.value, exc)
             await self._dead_letter(record, str(exc))
             return
         delivery = Delivery(

@@ -87,6 +87,10 @@ class SharedSettings(BaseSettings):
     only what jobs use."""
     topic_partitions: int = Field(default=12, ge=1)
     """Partitions per marlaas topic; caps each service's parallelism."""
+    wire_schema: Literal[1, 2] = 2
+    """Wire schema the services and the CLI write (common/messages.py). Set 1 while
+    services of a build from before schema 2 still run (a rolling upgrade from one), then
+    2; every build reads both."""
     consumer_session_timeout_s: float = Field(default=10.0, ge=1.0)
     """How long a consumer group waits for a silent replica (killed, stopped, its event loop
     blocked) before the others take its partitions over (Kafka's `session.timeout.ms`;
@@ -114,7 +118,9 @@ class EnvServiceSettings(BaseSettings):
     consumer_group: str = "marlaas-env"
     """Kafka consumer group shared by all env_svc replicas."""
     tokenizer_dir: Path | None = None
-    """Directory with the base model's tokenizer; default: the resolved base model's."""
+    """Directory with the base model's tokenizer (`python -m common.models tokenizer DIR`
+    writes one; the env image carries the default model's). Default: the base model's own
+    directory, or its conversion in the shared cache."""
     env_call_timeout_s: float = Field(default=60.0, gt=0)
     """Time limit of one environment or reward call (a turn's tool reply, an episode's
     reward); past it the episode ends with an error."""

@@ -1,9 +1,18 @@
 """Every payload that crosses a Kafka topic, and the topic each one travels on.
 
 This module owns the wire contract (docs/architecture.md, "Topics and messages"). Payloads
-are msgpack-encoded `msgspec.Struct`s laid out as arrays (compact, and new
-fields appended with defaults stay readable by old readers). Each carries a
-`schema` version and an id that consumers use for de-duplication.
+are `msgspec.Struct`s encoded as msgpack maps keyed by field name, with a `kind` tag; a
+record may also be a JSON object of the same shape (jobs produced by any Kafka client).
+Each carries the `schema` version of the build that wrote it and an id that consumers use
+for de-duplication.
+
+How messages evolve: a field is only ever added, with a default, and `SCHEMA_VERSION` goes
+up by one; a field is never removed, renamed or given another meaning. A reader fills in
+defaults for fields an older writer did not know and ignores fields of a newer writer, so
+services of different builds read each other both ways (rolling upgrades). Unknown fields
+in a job (`marlaas.jobs`) of this reader's schema or older are typos and refused. Schema 1
+(positional msgpack arrays, before 2026-12) is still read, and written when
+`MARLAAS_WIRE_SCHEMA=1`, while readers of that build remain.
 """
 
 from __future__ import annotations
@@ -15,8 +24,9 @@ from typing import Any, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 1
-"""Bumped when a field changes meaning; appending a defaulted field needs no bump."""
+SCHEMA_VERSION = 2
+"""The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name. Up by
+one with every field added to any message."""
 
 
 class Topic(StrEnum):
@@ -50,14 +60,18 @@ class ContextTooLongError(ValueError):
     """
 
 
-class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, tag_field="kind"):
-    """Base of every message; `kind` (the tag) tells apart messages sharing a topic."""
+class _Wire(msgspec.Struct, omit_defaults=True, kw_only=True, tag_field="kind"):
+    """Base of every message; `kind` (the tag) tells apart messages sharing a topic. Fields
+    left at their default are not written; `schema` always is (a record without one, e.g.
+    a hand-written JSON job, is read as this build's)."""
 
-    schema: int = SCHEMA_VERSION
+    schema: int = msgspec.field(default_factory=lambda: SCHEMA_VERSION)
 
 
-class _Part(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
-    """Nested settings blocks: encoded as maps so job files and messages share field names."""
+class _Part(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Nested settings blocks (job files and messages share their field names). Unknown
+    fields are ignored on the wire, where they come from newer writers, and refused in job
+    files (`unknown_fields`)."""
 
 
 # --- job settings (nested in JobSpec) -------------------------------------------------
@@ -140,12 +154,15 @@ class RLSettings(_Part):
 # --- marlaas.jobs ---------------------------------------------------------------------
 
 
-class JobSpec(_Wire, tag="job_spec"):
-    """CLI -> env_svc: a tenant asks for an RL job. De-duplicated on `job_id`."""
+class JobSpec(_Wire, tag="job_spec", kw_only=True):
+    """CLI (or any Kafka client) -> env_svc: a tenant asks for an RL job. De-duplicated on
+    `job_id`."""
 
     job_id: str
     tenant: str
-    base_model: str
+    base_model: str = ""
+    """The deployment's base model (its name or directory); empty: whatever it serves
+    (env_svc registers the job with that filled in)."""
     env: EnvSettings
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     rl: RLSettings = msgspec.field(default_factory=RLSettings)
@@ -473,29 +490,110 @@ TOPIC_MESSAGES: dict[Topic, Any] = {
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {topic: msgspec.msgpack.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
+_json_decoders = {topic: msgspec.json.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
+_ARRAY_MARKERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+"""First byte of a msgpack array: a schema-1 record."""
+
+WireSchema = Literal[1, 2]
 
 
-def encode(message: Message) -> bytes:
+def encode(message: Message, schema: WireSchema = 2) -> bytes:
+    """`message` as msgpack, in the layout of wire `schema` (1 only for readers of builds
+    from before schema 2)."""
+    if schema == 1:
+        from common import wire_v1  # the legacy layout, built on the classes here
+
+        return _encoder.encode(wire_v1.to_v1(message))
     return _encoder.encode(message)
 
 
 def decode(topic: str, raw: bytes | None) -> Message:
-    """Decode a record's value for `topic`; raises MessageDecodeError on anything invalid."""
+    """Decode a record's value for `topic`: a msgpack map (schema >= 2), a JSON object, or a
+    schema-1 msgpack array. Raises MessageDecodeError on anything invalid."""
     try:
-        decoder = _decoders[Topic(topic)]
+        known = Topic(topic)
     except ValueError:
         raise MessageDecodeError(topic, "not a marlaas topic") from None
     if raw is None:
         raise MessageDecodeError(topic, "empty record (tombstone)")
+    raw = bytes(raw)
     try:
-        message: Message = decoder.decode(raw)
+        if _is_json(raw):
+            message: Message = _json_decoders[known].decode(raw)
+            generic = msgspec.json.decode(raw) if known is Topic.JOBS else None
+        elif raw[:1] and raw[0] in _ARRAY_MARKERS:
+            from common import wire_v1  # the legacy layout, built on the classes here
+
+            return wire_v1.decode(known, raw)
+        else:
+            message = _decoders[known].decode(raw)
+            generic = msgspec.msgpack.decode(raw) if known is Topic.JOBS else None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MessageDecodeError(topic, str(exc)) from None
-    if message.schema > SCHEMA_VERSION:
-        raise MessageDecodeError(
-            topic, f"schema {message.schema} is newer than this build's {SCHEMA_VERSION}"
-        )
+    if generic is not None and message.schema <= SCHEMA_VERSION:
+        # A job of this schema or older with a field this build does not know: a typo in
+        # hand-written JSON, never a newer writer's field.
+        if unknown := unknown_fields(generic, type(message)):
+            raise MessageDecodeError(topic, f"{unknown[0]}: unknown field")
     return message
+
+
+def _is_json(raw: bytes) -> bool:
+    """A JSON object rather than msgpack (whose messages never start with `{` or a space)."""
+    return raw[:1] == b"{" or (raw[:1].isspace() and raw.lstrip()[:1] == b"{")
+
+
+def json_schema(topic: Topic) -> dict[str, Any]:
+    """The JSON Schema of the records `topic` accepts (JSON objects; msgpack maps have the
+    same shape), for producers outside MARLaaS (`marlaas schema`, schemas/)."""
+    schema = msgspec.json.schema(TOPIC_MESSAGES[topic])
+    for definition in schema.get("$defs", {}).values():
+        if "properties" in definition:  # a field this build does not know is refused
+            definition["additionalProperties"] = False
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://marlaas.dev/schemas/{topic.value}.schema.json",
+        "title": f"{topic.value} record (wire schema {SCHEMA_VERSION})",
+        "description": "One JSON object per Kafka record, keyed by job_id; `kind` tells the "
+        "message types apart. Fields left out take their defaults. A job with a field this "
+        "schema does not have is rejected.",
+        **schema,
+    }
+
+
+def job_named_in(raw: bytes | None) -> tuple[str, str] | None:
+    """(job_id, tenant) of a record that reads as a job spec map or JSON object but may not
+    decode as one (a typo, a wrong type): so its sender can be told why it was refused."""
+    raw = raw or b""
+    try:
+        data = msgspec.json.decode(raw) if _is_json(raw) else msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("kind") != "job_spec":
+        return None
+    job_id, tenant = data.get("job_id"), data.get("tenant", "")
+    if not isinstance(job_id, str) or not job_id:
+        return None
+    return job_id, tenant if isinstance(tenant, str) else ""
+
+
+def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[str]:
+    """Dotted paths of the keys in `data` (a decoded map) that `kind` and its nested
+    structs do not have; the tag field counts as known."""
+    if not isinstance(data, dict):
+        return []
+    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
+    tag_field = kind.__struct_config__.tag_field
+    found = []
+    for key, value in data.items():
+        path = f"{at}{key}"
+        if key == tag_field:
+            continue
+        if (info := fields.get(key)) is None:
+            found.append(path)
+        elif isinstance(info.type, type) and issubclass(info.type, msgspec.Struct):
+            found += unknown_fields(value, info.type, f"{path}.")
+    return found
 
 
 def topic_of(message: Message) -> Topic:

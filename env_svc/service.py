@@ -37,8 +37,11 @@ from common.messages import (
     JobCommand,
     JobSpec,
     Message,
+    MessageDecodeError,
+    Topic,
     Trajectory,
     job_event,
+    job_named_in,
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
@@ -84,7 +87,9 @@ class EnvService(Service):
 
     async def start(self) -> None:
         await self.io.open()
-        self.consumer = await self.io.consume(SERVICE, self.settings.consumer_group, self.handle)
+        self.consumer = await self.io.consume(
+            SERVICE, self.settings.consumer_group, self.handle, on_undecodable=self.on_undecodable
+        )
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -120,11 +125,27 @@ class EnvService(Service):
                 # A trained version widens the job's window; a dropped group frees a slot.
                 await self.issue_groups(message.job_id)
 
+    async def on_undecodable(
+        self, topic: str, raw: bytes | None, error: MessageDecodeError
+    ) -> None:
+        """A job spec that names its job but does not decode (a field misspelt or of the
+        wrong type, e.g. in JSON from another Kafka client) is `rejected` with the reason,
+        so its sender sees why in `marlaas logs`; the record is dead-lettered as well."""
+        if topic != Topic.JOBS or (named := job_named_in(raw)) is None:
+            return
+        job_id, tenant = named
+        job_logger(log, job_id, tenant).warning("job rejected: %s", error.reason)
+        await self.io.send(
+            job_event(job_id, "rejected", SERVICE, tenant=tenant, reason=error.reason)
+        )
+
     # --- jobs -----------------------------------------------------------------------
 
     async def on_job(self, spec: JobSpec) -> None:
         store = self.io.require_store()
         job_log = job_logger(log, spec.job_id, spec.tenant)
+        if not spec.base_model:  # "the one this deployment serves"
+            spec = msgspec.structs.replace(spec, base_model=self.shared.base_model)
         try:
             validate_job(
                 spec,

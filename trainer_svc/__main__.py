@@ -11,7 +11,11 @@ from common.logs import setup_logging
 from common.service import log_settings, run_service
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the service; with `--check`, load the base model and build the service (settings,
+    imports, model, device) without connecting, and exit 0: what an image must be able to
+    do."""
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = load(SharedSettings), load(TrainerSettings)
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
@@ -27,6 +31,10 @@ def main() -> int:
         )  # fmt: skip
 
     service = TrainerService(shared, settings, load_policy)  # loads the model in start()
+    if check:
+        asyncio.run(service.load_model())
+        print(f"trainer_svc start-up check passed: {shared.base_model} on {service.policy.device}")
+        return 0
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
     )

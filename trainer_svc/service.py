@@ -197,8 +197,15 @@ class TrainerService(Service):
         # First fence off any previous owner (a replica whose partition moved, or stalled):
         # from here on only this replica can publish the job's versions.
         epoch = await durably(f"taking {job_id} over", partial(store.take_over, job_id))
+        # Adding an adapter changes the model's modules: never while a step (forward,
+        # backward, a checkpoint's state_dict) runs in its thread.
+        async with self._stepping:
+            return await self._take_on(spec, epoch, delivery.partition)
+
+    async def _take_on(self, spec: JobSpec, epoch: int, partition: int) -> OwnedJob | None:
+        job_id = spec.job_id
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
-        job = OwnedJob(spec=spec, partition=delivery.partition, version=0, epoch=epoch)
+        job = OwnedJob(spec=spec, partition=partition, version=0, epoch=epoch)
         try:
             checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
         except Exception as exc:
@@ -256,6 +263,7 @@ class TrainerService(Service):
             )
 
     def _disown(self, job_id: str) -> None:
+        """Forget a job and remove its adapter; callers hold `_stepping`."""
         self.jobs.pop(job_id, None)
         if job_id in self.policy.jobs:
             self.policy.remove_job(job_id)
@@ -305,8 +313,9 @@ class TrainerService(Service):
                 log.warning("job status not checked (%r); next sweep retries", exc)
                 return
             if record is None or record.status in TERMINAL_STATES:
-                self._release_all(job)
-                self._disown(job_id)
+                async with self._stepping:  # an adapter is not removed under a resume
+                    self._release_all(job)
+                    self._disown(job_id)
                 job_logger(log, job_id, job.spec.tenant).info(
                     "job %s: its held groups released", record.status if record else "gone"
                 )

@@ -26,8 +26,10 @@ from common.messages import (
     GenerationResult,
     JobSpec,
     Message,
+    MessageDecodeError,
     Topic,
     Trajectory,
+    decode,
     new_id,
     result_for,
 )
@@ -92,6 +94,27 @@ async def test_a_job_whose_environment_raises_anything_is_rejected_with_the_reas
     (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
     assert rejected.reason == "RuntimeError: chaos: a bug in the environment's constructor"
     assert await backend.store.job(spec.job_id) is None
+
+
+async def test_a_job_that_does_not_decode_but_names_itself_is_rejected_with_the_reason(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A JSON job from another Kafka client with a misspelt field: dead-lettered as any
+    undecodable record, and `rejected` so its sender reads why in `marlaas logs`."""
+    service = env_service(backend, tokenizer)
+    raw = msgspec.json.encode(
+        {"kind": "job_spec", "job_id": "acme-typo", "tenant": "acme",
+         "env": {"name": "arithmetic"}, "rl": {"group_sise": 4}}
+    )  # fmt: skip
+    with pytest.raises(MessageDecodeError) as caught:
+        decode(Topic.JOBS, raw)
+    await service.on_undecodable(Topic.JOBS.value, raw, caught.value)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, "acme-typo", expect=1), "rejected")
+    assert rejected.reason == "rl.group_sise: unknown field" and rejected.tenant == "acme"
+    for nameless in (b"\x00garbage", msgspec.json.encode({"kind": "job_spec", "job_id": 5})):
+        await service.on_undecodable(Topic.JOBS.value, nameless, caught.value)
+    await service.on_undecodable(Topic.ROLLOUTS.value, raw, caught.value)
+    assert len(await backend.sent(Topic.EVENTS, "acme-typo", expect=1)) == 1
 
 
 @pytest.mark.parametrize(
@@ -562,6 +585,41 @@ async def test_a_revocation_waits_for_the_step_in_progress(
     assert spec.job_id not in service.jobs
     pointer = await backend.store.adapter(spec.job_id)
     assert pointer is not None and pointer.version == 1
+
+
+async def test_a_new_job_is_taken_on_only_between_steps(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adding an adapter changes the model's modules; a step's thread iterating them (its
+    checkpoint's state_dict) crashed the chaos run's trainer with `dictionary changed size
+    during iteration`. A trajectory of a new job waits for the step in progress."""
+    import threading
+
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    busy, newcomer = await running_job(backend, "busy"), await running_job(backend, "newcomer")
+    train_steps, started, release = service.policy.train_steps, threading.Event(), threading.Event()
+
+    def slow(batches: Any) -> Any:
+        started.set()
+        release.wait(10)
+        return train_steps(batches)
+
+    monkeypatch.setattr(service.policy, "train_steps", slow)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        await inbox.hand(service.on_trajectory, trajectory(busy, 0, sample, float(sample), 0))
+    step = asyncio.create_task(service.train_once())
+    await asyncio.to_thread(started.wait, 10)
+    arrival = asyncio.create_task(
+        inbox.hand(service.on_trajectory, trajectory(newcomer, 0, 0, 1.0, 0))
+    )
+    await asyncio.sleep(0.2)
+    assert not arrival.done() and newcomer.job_id not in service.policy.jobs
+    release.set()
+    assert await step
+    await asyncio.wait_for(arrival, 10)
+    assert newcomer.job_id in service.jobs and newcomer.job_id in service.policy.jobs
 
 
 async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_handlers(

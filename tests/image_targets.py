@@ -1,0 +1,113 @@
+"""What a Dockerfile target installs, and a Python process that can import only that.
+
+No Docker engine runs here, so an image is checked from its definition: the requirement
+lines each target's `pip install` gets (its own and its parent stages'), their closure over
+the installed distributions' metadata (the project's own from pyproject.toml), and an import
+guard that makes every module of any other distribution missing, as it is in the image.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = "marlaas"
+
+
+def stages(dockerfile: str) -> dict[str, tuple[str, list[str]]]:
+    """name -> (parent, its RUN commands), for every `FROM parent AS name` stage."""
+    found: dict[str, tuple[str, list[str]]] = {}
+    text = re.sub(r"\\\n", " ", dockerfile)
+    current = None
+    for line in text.splitlines():
+        if match := re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line.strip(), re.IGNORECASE):
+            current = match[2]
+            found[current] = (match[1], [])
+        elif current and line.strip().upper().startswith("RUN "):
+            found[current][1].append(line.strip()[4:])
+    return found
+
+
+def requirement_lines(dockerfile: str, target: str) -> list[tuple[str, bool]]:
+    """(requirement, with its dependencies) for every `pip install` in `target` and the
+    stages it is built from; the project's own source (`/src[extras]`) is `marlaas[extras]`."""
+    all_stages, lines = stages(dockerfile), []
+    while target in all_stages:
+        parent, runs = all_stages[target]
+        for run in runs:
+            if "pip install" not in run:
+                continue
+            words = shlex.split(run.partition("pip install")[2].partition("&&")[0])
+            follow = "--no-deps" not in words
+            for word in words:
+                if not word.startswith("-"):
+                    lines.append((PROJECT + word.removeprefix("/src") if word.startswith("/src")
+                                  else word, follow))  # fmt: skip
+        target = parent
+    return lines
+
+
+def _project_requirements(extras: set[str]) -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = [Requirement(r) for r in project["dependencies"]]
+    for extra in extras:
+        found += [Requirement(r) for r in project["optional-dependencies"][extra]]
+    return found
+
+
+def allowed_distributions(lines: list[tuple[str, bool]]) -> set[str]:
+    """The canonical names of the distributions `pip install` of `lines` would bring, from
+    the metadata of what is installed here (a distribution not installed here cannot be
+    imported here either)."""
+    seen: set[tuple[str, frozenset[str]]] = {
+        (canonicalize_name(Requirement(line).name), frozenset()) for line, _ in lines
+    }
+    todo = [Requirement(line) for line, follow in lines if follow]
+    seen -= {(canonicalize_name(r.name), frozenset()) for r in todo}
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        key = (name, frozenset(requirement.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        if name == PROJECT:
+            todo += _project_requirements(set(requirement.extras))
+            continue
+        try:
+            requires = metadata.requires(requirement.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            needed = Requirement(line)
+            wanted = requirement.extras or {""}
+            if needed.marker is None or any(needed.marker.evaluate({"extra": e}) for e in wanted):
+                todo.append(needed)
+    return {name for name, _ in seen}
+
+
+GUARD = """
+import importlib.metadata, re, sys
+ALLOWED = set({allowed!r})
+
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+# A module set to None in sys.modules is missing: `import` raises ModuleNotFoundError and
+# importlib.util.find_spec answers None, as for a distribution that is not installed.
+for module, owners in importlib.metadata.packages_distributions().items():
+    if module not in sys.modules and not any(canonical(o) in ALLOWED for o in owners):
+        sys.modules[module] = None
+"""
+
+
+def guarded(code: str, allowed: set[str]) -> str:
+    """`code` run in a process that can import only stdlib, the project and `allowed`."""
+    return GUARD.format(allowed=sorted(allowed)) + code
