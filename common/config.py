@@ -147,8 +147,15 @@ class RolloutSettings(BaseSettings):
     """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
     max_model_len: int = Field(default=1024, ge=64)
     """Longest context + completion the engine serves, in tokens."""
-    kv_cache_gib: float = Field(default=1.0, gt=0)
-    """KV cache size on CPU (vLLM's CPU backend cannot size it from free memory)."""
+    kv_cache_gib: float | None = Field(default=None, gt=0)
+    """KV cache size. Default: 1 GiB on a CPU (vLLM's CPU backend cannot size it from free
+    memory); on a GPU, what `gpu_memory_utilization` leaves after the weights."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Share of the GPU's memory the engine may take (weights, activations, KV cache) when
+    `kv_cache_gib` is not set. Ignored on a CPU."""
+    enforce_eager: bool | None = None
+    """Run the model eagerly. Default: on a CPU yes; on a GPU no (CUDA graphs: faster decode,
+    at the cost of capture time at start-up)."""
     engine: str = "vllm"
     """`vllm`, or `module:Class` of another engine built from the model directory (the chaos
     run's deterministic stand-in, tests/chaos/scripted_engine.py)."""

@@ -97,16 +97,31 @@ def up(
     infra_only: bool = typer.Option(
         False, "--infra-only", help="Start broker and Redis only, not the three services."
     ),
+    replicas: str = typer.Option(
+        "", help="Replicas per service, e.g. env=2,rollout=2,trainer=2 (default: 1 each)."
+    ),
 ) -> None:
     """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
     from common.models import resolve_base_model
+    from console.stack import replicated
 
     settings = load(SharedSettings)
     setup_logging(settings.log_level)
     services: tuple[str, ...] = ()
     if not infra_only:
+        counts = {}
+        for part in filter(None, replicas.split(",")):
+            name, _, count = part.partition("=")
+            if not count.strip().isdigit():
+                raise typer.BadParameter(
+                    f"{part!r}: expected service=count", param_hint="--replicas"
+                )
+            counts[name.strip()] = int(count)
+        try:
+            services = replicated(SERVICES, counts)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
         resolve_base_model(settings.base_model, settings.cache_dir)  # convert once, up front
-        services = SERVICES
     asyncio.run(_serve_until_signalled(LocalStack(settings, services=services)))
     console.print("Stack stopped; no child process left.")
 

@@ -209,15 +209,36 @@ def start_service(
 def start_services(
     modules: tuple[str, ...], settings: SharedSettings, kafka_bootstrap: str, redis_url: str
 ) -> list[ChildServer]:
-    """Start service processes with logs under `<state dir>/logs/<module>.log`."""
+    """Start service processes with logs under `<state dir>/logs/<module>.log`; a module
+    named more than once runs as that many replicas (in one consumer group, logs
+    `<module>-<n>.log`)."""
     placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
-    return [
-        start_service(
-            module, settings, kafka_bootstrap, redis_url,
-            settings.state_dir / "logs" / f"{module}.log", placement.get(module),
+    children, seen = [], dict.fromkeys(modules, 0)
+    for module in modules:
+        index, seen[module] = seen[module], seen[module] + 1
+        name = module if modules.count(module) == 1 else f"{module}-{index}"
+        log_path = settings.state_dir / "logs" / f"{name}.log"
+        children.append(
+            start_service(
+                module, settings, kafka_bootstrap, redis_url, log_path, placement.get(module)
+            )
         )
-        for module in modules
-    ]  # fmt: skip
+    return children
+
+
+def replicated(services: tuple[str, ...], replicas: Mapping[str, int]) -> tuple[str, ...]:
+    """`services` with each repeated as many times as `replicas` says (short names: env,
+    rollout, trainer); raises ValueError naming what is not a service or not a count >= 1."""
+    counts = dict.fromkeys(services, 1)
+    for name, count in replicas.items():
+        module = name if name in counts else f"{name}_svc"
+        if module not in counts:
+            known = ", ".join(m.removesuffix("_svc") for m in services)
+            raise ValueError(f"--replicas: {name!r} is not a service ({known})")
+        if count < 1:
+            raise ValueError(f"--replicas: {name}={count}; at least 1 replica")
+        counts[module] = count
+    return tuple(module for module in services for _ in range(counts[module]))
 
 
 def core_placement(

@@ -29,6 +29,8 @@ def main() -> int:
         model, max_loras=shared.max_loras, max_lora_rank=shared.max_lora_rank,
         lora_target_modules=shared.lora_target_modules,
         max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
     ) if settings.engine == "vllm" else load_object(settings.engine)(model)  # fmt: skip
     service = RolloutService(shared, settings, engine)
     return asyncio.run(

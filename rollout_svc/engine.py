@@ -44,6 +44,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """`max_lora_rank` values vLLM accepts; an adapter's rank must not exceed the chosen one."""
 
 _GIB = 1 << 30
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of a CPU engine when none is set: vLLM's CPU backend cannot size it itself."""
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,10 @@ class RolloutEngine:
         lora_target_modules: Sequence[str] | None = None,
         max_model_len: int = 1024,
         max_num_seqs: int | None = None,
-        kv_cache_gib: float | None = 1.0,
+        kv_cache_gib: float | None = None,
+        gpu_memory_utilization: float = 0.85,
         dtype: str = "bfloat16",
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
         seed: int = 0,
     ) -> None:
@@ -133,8 +136,9 @@ class RolloutEngine:
         loaded (least recently used ones are evicted and reloaded from their path on next
         use; default `max_loras`). `lora_target_modules`: the modules (PEFT names) that get
         LoRA slots; None lets vLLM give every supported linear layer one, which costs compute
-        on layers no adapter targets. `kv_cache_gib`: KV cache size; required on CPU, None
-        lets a GPU size it from free memory. `logprobs_mode`: `raw_logprobs` returns the
+        on layers no adapter targets. `kv_cache_gib`: KV cache size; None: 1 GiB on a CPU, and
+        on a GPU what `gpu_memory_utilization` leaves. `enforce_eager` None: eager on a CPU,
+        CUDA graphs on a GPU. `logprobs_mode`: `raw_logprobs` returns the
         model's log-softmax before temperature/top-p, the quantity the trainer recomputes;
         `processed_logprobs` returns the distribution actually sampled from.
         """
@@ -151,6 +155,7 @@ class RolloutEngine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.kv_cache_gib = kv_cache_gib
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = dtype
         self.enforce_eager = enforce_eager
         self.logprobs_mode = logprobs_mode
@@ -192,10 +197,13 @@ class RolloutEngine:
                 Path(self.model), Path(tempfile.mkdtemp(prefix="marlaas-null-lora-"))
             )
             extra_slots = 1
+        on_cpu = current_platform.is_cpu()
+        kv_cache_gib = self.kv_cache_gib or (CPU_KV_CACHE_GIB if on_cpu else None)
         args = AsyncEngineArgs(
             model=self.model,
             dtype=self.dtype,  # type: ignore[arg-type]
-            enforce_eager=self.enforce_eager,
+            enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             enable_lora=self.enable_lora,
             max_loras=self.max_loras + extra_slots,
             max_cpu_loras=(
@@ -205,9 +213,7 @@ class RolloutEngine:
             lora_target_modules=self.lora_target_modules,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=(
-                None if self.kv_cache_gib is None else int(self.kv_cache_gib * _GIB)
-            ),
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * _GIB),
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
             seed=self.seed,
             # Per-request stats carry the engine's queued/scheduled timestamps (queue_s).

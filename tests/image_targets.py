@@ -21,18 +21,30 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "marlaas"
 
 
+def dockerfile_stages(dockerfile_text: str) -> dict[str, list[str]]:
+    """Stage name -> its instruction lines (continuations joined), for `FROM ... AS name`."""
+    joined = re.sub(r"\\\n\s*", " ", dockerfile_text)
+    stages: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if from_match := re.match(r"FROM\s+(?:--\S+\s+)*\S+\s+AS\s+(\S+)$", line, re.IGNORECASE):
+            current = stages.setdefault(from_match.group(1), [])
+        elif line.upper().startswith("FROM "):
+            current = None
+        if current is not None:
+            current.append(line)
+    return stages
+
+
 def stages(dockerfile: str) -> dict[str, tuple[str, list[str]]]:
-    """name -> (parent, its RUN commands), for every `FROM parent AS name` stage."""
-    found: dict[str, tuple[str, list[str]]] = {}
-    text = re.sub(r"\\\n", " ", dockerfile)
-    current = None
-    for line in text.splitlines():
-        if match := re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line.strip(), re.IGNORECASE):
-            current = match[2]
-            found[current] = (match[1], [])
-        elif current and line.strip().upper().startswith("RUN "):
-            found[current][1].append(line.strip()[4:])
-    return found
+    """name -> (the image or stage it is built FROM, its RUN commands)."""
+    return {
+        name: (lines[0].split()[1], [line[4:] for line in lines if line.upper().startswith("RUN ")])
+        for name, lines in dockerfile_stages(dockerfile).items()
+    }
 
 
 def requirement_lines(dockerfile: str, target: str) -> list[tuple[str, bool]]:

@@ -9,7 +9,6 @@ and storage the design relies on (docs/architecture.md, "Two deployments, one co
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from common.config import SharedSettings
 from common.lifecycle import SERVICES
+from tests.image_targets import dockerfile_stages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
@@ -40,24 +40,6 @@ def load_compose_schema() -> dict[str, Any]:
 def load_compose() -> Compose:
     # safe_load resolves the x-* anchors and `<<` merge keys as compose does.
     return yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
-
-
-def dockerfile_stages(dockerfile_text: str) -> dict[str, list[str]]:
-    """Stage name -> its instruction lines (continuations joined), for `FROM ... AS name`."""
-    joined = re.sub(r"\\\n\s*", " ", dockerfile_text)
-    stages: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in joined.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if from_match := re.match(r"FROM\s+(?:--\S+\s+)*\S+\s+AS\s+(\S+)$", line, re.IGNORECASE):
-            current = stages.setdefault(from_match.group(1), [])
-        elif line.upper().startswith("FROM "):
-            current = None
-        if current is not None:
-            current.append(line)
-    return stages
 
 
 def environment_of(service: Compose) -> dict[str, str]:
@@ -241,7 +223,8 @@ def test_each_service_image_runs_its_own_module(compose: Compose, dockerfile_tex
     for name, target in SERVICE_TARGETS.items():
         assert compose["services"][name]["build"]["target"] == target
         cmd = [line for line in stages[target] if line.startswith("CMD ")][-1]
-        assert json.loads(cmd.removeprefix("CMD ")) == ["python", "-m", name]
+        python, *module = json.loads(cmd.removeprefix("CMD "))
+        assert python in ("python", "python3") and module == ["-m", name]
 
 
 def test_images_install_only_what_their_service_needs(dockerfile_text: str) -> None:
