@@ -284,3 +284,31 @@ def test_checks_catch_a_broken_copy(
     breakage(broken)
     problems = compose_problems(broken, dockerfile_text)
     assert any(expected in problem for problem in problems), problems
+
+
+def test_each_gpu_gets_its_own_rollout_or_trainer_service(compose: Compose) -> None:
+    from console.compose_gpus import gpu_override
+
+    override = gpu_override(compose, {"rollout": ["0", "1"], "trainer": ["2"]})
+    services = override["services"]
+    assert services["rollout_svc"] == {"deploy": {"replicas": 0}}
+    assert services["trainer_svc"] == {"deploy": {"replicas": 0}}
+    devices = {
+        name: service["deploy"]["resources"]["reservations"]["devices"]
+        for name, service in services.items()
+        if name.endswith(("gpu0", "gpu1", "gpu2"))
+    }
+    assert {name: d[0]["device_ids"] for name, d in devices.items()} == {
+        "rollout_svc_gpu0": ["0"], "rollout_svc_gpu1": ["1"], "trainer_svc_gpu2": ["2"]
+    }  # fmt: skip
+    assert all("count" not in d[0] for d in devices.values())
+    copy_ = dict(services["rollout_svc_gpu1"])
+    base = dict(compose["services"]["rollout_svc"])
+    assert {k: v for k, v in copy_.items() if k != "deploy"} == {
+        k: v for k, v in base.items() if k != "deploy"
+    }
+    copies = {name: services[name] for name in devices}
+    merged = {**compose, "services": {**compose["services"], **copies}}
+    jsonschema.validate(merged, load_compose_schema())
+    with pytest.raises(ValueError, match="both rollout and trainer"):
+        gpu_override(compose, {"rollout": ["0"], "trainer": ["0"]})
