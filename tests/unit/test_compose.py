@@ -123,7 +123,8 @@ def test_compose_file_is_valid(compose: Compose, dockerfile_text: str) -> None:
 
 def test_compose_runs_the_stack_and_the_three_services(compose: Compose) -> None:
     assert "version" not in compose, "the compose spec dropped the top-level version"
-    assert set(compose["services"]) == {"kafka", "redis", "topics", *MARLAAS_SERVICES}
+    assert set(compose["services"]) == {"kafka", "redis", "topics", "cli", *MARLAAS_SERVICES}
+    assert compose["services"]["cli"]["profiles"] == ["cli"]  # run on demand, not by `up`
 
 
 def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
@@ -137,7 +138,7 @@ def test_kafka_bootstrap_is_what_the_broker_advertises(compose: Compose) -> None
     services = compose["services"]
     advertised = environment_of(services["kafka"])["KAFKA_ADVERTISED_LISTENERS"]
     advertised_addresses = {listener.split("://", 1)[1] for listener in advertised.split(",")}
-    assert set(marlaas_containers(compose)) == {"topics", *MARLAAS_SERVICES}
+    assert set(marlaas_containers(compose)) == {"topics", "cli", *MARLAAS_SERVICES}
     for name in marlaas_containers(compose):
         bootstrap = environment_of(services[name])["MARLAAS_KAFKA_BOOTSTRAP"]
         for address in bootstrap.split(","):

@@ -21,7 +21,12 @@ from tests.image_targets import ROOT, allowed_distributions, guarded, requiremen
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 STARTS = {
-    "base": "import console.topics, runpy; sys.argv = ['marlaas', 'topics', '--help']; "
+    # compose's `topics` and `cli` services: topics, and job files read for `submit`.
+    "base": "import console.topics, console.export, console.report, console.audit, runpy\n"
+            "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
+            f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
+            "load_job_file(f, base_model='smollm2-135m-instruct')\n"
+            "sys.argv = ['marlaas', 'topics', '--help']\n"
             "runpy.run_module('console.cli', run_name='__main__')",
     "env": "import runpy; sys.argv = ['env_svc', '--check']; "
            "runpy.run_module('env_svc', run_name='__main__')",
