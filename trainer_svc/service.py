@@ -338,19 +338,24 @@ class TrainerService(Service):
 
     async def _drop_unusable(self, job: OwnedJob) -> None:
         """Drop ready groups that cannot be trained, and filling ones already too stale to
-        ever be (their late samples then find the group closed). Trajectories keep arriving
-        while a drop is sent: a group may complete, and new ones become ready, meanwhile."""
+        ever be or waiting past `group_timeout_s` for trajectories that are not coming (their
+        late samples then find the group closed). Trajectories keep arriving while a drop is
+        sent: a group may complete, and new ones become ready, meanwhile."""
         for group in list(job.filling.values()):
             if job.filling.get(group.group_id) is not group:
                 continue  # it completed while an earlier drop was sent
-            if (
-                group.trajectories
-                and job.version - group.oldest_version > job.spec.rl.max_staleness
-            ):
-                del job.filling[group.group_id]
-                job.closed.add(group.group_id)
-                lag = job.version - group.oldest_version
-                await self._drop(job, group, "dropped_stale", f"{lag} versions behind, unfinished")
+            lag = job.version - group.oldest_version if group.trajectories else 0
+            waited = time.monotonic() - group.started
+            if lag > job.spec.rl.max_staleness:
+                reason = f"{lag} versions behind, unfinished"
+            elif waited > self.settings.group_timeout_s:
+                have, size = len(group.trajectories), job.spec.rl.group_size
+                reason = f"{have} of {size} trajectories after {waited:.0f}s; the rest are lost"
+            else:
+                continue
+            del job.filling[group.group_id]
+            job.closed.add(group.group_id)
+            await self._drop(job, group, "dropped_stale", reason)
             if job.spec.job_id not in self.jobs:
                 return  # the drop failed the job
         pending, job.ready = job.ready, deque()

@@ -153,6 +153,7 @@ class Chaos:
             "MARLAAS_ENVIRONMENTS": "chaos=tests.chaos_env:ChaosEnv",
             "ENV_SVC_CLAIM_TIMEOUT_S": "10", "ENV_SVC_CLAIM_SWEEP_S": "2",
             "ENV_SVC_ENV_CALL_TIMEOUT_S": "5", "TRAINER_SWEEP_INTERVAL_S": "2",
+            "TRAINER_GROUP_TIMEOUT_S": "30",
             "MARLAAS_CONSUMER_SESSION_TIMEOUT_S": str(SESSION_TIMEOUT_S),
             "PYTHONPATH": str(ROOT), "MARLAAS_LOG_LEVEL": "INFO",
         }  # fmt: skip

@@ -24,6 +24,7 @@ from common.messages import (
     EnvSettings,
     GenerationRequest,
     GenerationResult,
+    GroupDropped,
     JobSpec,
     Message,
     MessageDecodeError,
@@ -359,6 +360,31 @@ async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
     assert pointer is not None and pointer.version == 1
     assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
     assert inbox.committable == 4
+
+
+async def test_a_group_whose_last_trajectories_never_come_is_dropped_and_replaced(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The chaos run's stall: a prompt the rollout group committed whose result never
+    reached the topic (Tansu's s3 engine) left a group one trajectory short, and a job
+    with S=0 waited for it forever. Past `group_timeout_s` the group is dropped, which
+    makes env_svc issue a replacement, and its commits are released."""
+    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.2)
+    await service.load_model()
+    spec = await running_job(backend, "short")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
+    assert not await service.train_once()
+    assert (await backend.store.flow(spec.job_id)).dropped_groups == 0  # still waiting
+    await asyncio.sleep(0.3)
+    assert not await service.train_once()
+    (dropped,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+    assert isinstance(dropped, GroupDropped) and dropped.verdict == "dropped_stale"
+    assert "1 of 2 trajectories after" in dropped.reason
+    assert (await backend.store.flow(spec.job_id)).dropped_groups == 1
+    assert inbox.committable == 1
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 0.0, 0))  # too late
+    assert inbox.committable == 2 and not service.jobs[spec.job_id].filling
 
 
 async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
