@@ -1,0 +1,110 @@
+"""Two replicas of every service on the embedded stack (`marlaas up --replicas`): the
+consumer groups split the partitions, each trainer owns its own jobs, every rollout replica
+loads every adapter update, and when a trainer replica dies (kill -9) its jobs move to the
+other from their checkpoints and every job completes.
+
+The rollout replicas run the chaos run's deterministic engine (two vLLM engines do not fit
+this machine's two cores beside the trainers); broker, Redis, env_svc, the trainers on the
+tiny model and every hand-off between them are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import SharedSettings
+from common.lifecycle import SERVICES, TERMINAL_STATES
+from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings, new_id
+from common.models import tiny_model
+from console.client import MarlaasClient
+from console.stack import LocalStack, replicated
+
+pytestmark = pytest.mark.kafka
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def jobs(n: int) -> list[JobSpec]:
+    return [
+        JobSpec(
+            job_id=f"replica-{i}-{new_id()[:6]}", tenant=f"tenant-{i % 2}",
+            env=EnvSettings(name="arithmetic", seed=i),
+            rl=RLSettings(group_size=2, groups_per_step=1, max_steps=STEPS, max_staleness=1,
+                          max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8)),
+            lora=LoraSettings(rank=4),
+        )
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def log_of(state_dir: Path, name: str) -> str:
+    return (state_dir / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUT_ENGINE", "tests.chaos.scripted_engine:ScriptedEngine")
+    monkeypatch.setenv("MARLAAS_CONSUMER_SESSION_TIMEOUT_S", "6")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    settings = SharedSettings(
+        state_dir=tmp_path, base_model=str(tiny_model()), connect_timeout_s=60
+    )
+    services = replicated(SERVICES, {"env": 2, "rollout": 2, "trainer": 2})
+    specs = jobs(8)
+    async with LocalStack(settings, use_existing_from_env=False, services=services) as stack:
+        connected = settings.model_copy(
+            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
+        )
+        async with MarlaasClient(connected, connect_timeout_s=60) as client:
+            await client.submit(specs)
+            trainers = [c for c in stack.children if c.name == "trainer_svc"]
+            killed: int | None = None
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                records = [await client.store.job(s.job_id) for s in specs]
+                if all(r is not None and r.status in TERMINAL_STATES for r in records):
+                    break
+                for index, trainer in enumerate(trainers):
+                    if killed is None and "step 2/" in log_of(tmp_path, f"trainer_svc-{index}"):
+                        trainer.process.kill()  # its jobs move to the other replica
+                        killed = index
+                await asyncio.sleep(1)
+            records = [await client.store.job(s.job_id) for s in specs]
+            statuses = {
+                s.job_id: r.status if r else "missing" for s, r in zip(specs, records, strict=True)
+            }
+            audits = {s.job_id: await client.audit(s.job_id) for s in specs}
+    assert killed is not None and set(statuses.values()) == {"completed"}, statuses
+    assert all(not a.problems for a in audits.values()), {j: a.problems for j, a in audits.items()}
+
+    trainer_logs = [log_of(tmp_path, f"trainer_svc-{i}") for i in range(2)]
+    rollout_logs = [log_of(tmp_path, f"rollout_svc-{i}") for i in range(2)]
+    env_logs = [log_of(tmp_path, f"env_svc-{i}") for i in range(2)]
+    for logs, topic in ((env_logs, "marlaas.rollouts"), (rollout_logs, "marlaas.prompts"),
+                        (trainer_logs, "marlaas.trajectories")):  # fmt: skip
+        # Both replicas of each group held partitions of its topic at some point.
+        assert all(
+            re.search(rf"partitions assigned: [^\n]*{re.escape(topic)}\[\d", log) for log in logs
+        )
+    stepped_by = {
+        s.job_id: {
+            i for i, log in enumerate(trainer_logs)
+            if re.search(rf"step \d+/{STEPS} .*job={s.job_id}", log)
+        }
+        for s in specs
+    }  # fmt: skip
+    assert all(stepped_by.values()), stepped_by
+    moved = [j for j, owners in stepped_by.items() if owners == {0, 1}]
+    resumed = [
+        j for j in moved if re.search(rf"resumed from \S+ at v\d+ .*job={j}", "".join(trainer_logs))
+    ]
+    assert moved and resumed == moved  # jobs of the killed replica went on from checkpoints
+    for s in specs:  # every rollout replica loaded every job's final adapter
+        assert all(f"samples with v{STEPS} job={s.job_id}" in log for log in rollout_logs), s.job_id
