@@ -190,10 +190,11 @@ class TrainerSettings(BaseSettings):
     """How often owned jobs' status is checked, to release the held groups of jobs that
     ended elsewhere (cancelled)."""
     group_timeout_s: float = Field(default=600.0, gt=0)
-    """A group still incomplete this long after its first trajectory arrived is dropped
-    (`dropped_stale`) and env_svc issues a replacement: its missing trajectories are not
-    coming (a record the broker lost, an episode that never ended). Without it a job whose
-    window is full (S=0) waits forever. Longer than any episode takes."""
+    """A running job whose ledger has not moved this long (no group issued, trained or
+    dropped) has its incomplete groups dropped (`dropped_stale`) and env_svc issues
+    replacements: their missing trajectories are not coming (a record the broker lost, an
+    episode that never ended), and a job whose window is full would wait forever. Longer
+    than any episode takes."""
     max_jobs_per_step: int = Field(default=1, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""

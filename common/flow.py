@@ -113,9 +113,13 @@ return taken
 """
 
 RECORD_DROP = """
--- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set, KEYS[3] ledger:{job};
--- ARGV group id, invalid 0/1, drop kind -> {counted 0/1, dropped_groups, failed_in_a_row}
-local counted = redis.call('SADD', KEYS[2], ARGV[1])
+-- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set, KEYS[3] ledger:{job}, KEYS[4]
+-- the job's trained-groups set; ARGV group id, invalid 0/1, drop kind -> {counted 0/1,
+-- dropped_groups, failed_in_a_row}. A group a published version trained is never dropped.
+local counted = 0
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then
+  counted = redis.call('SADD', KEYS[2], ARGV[1])
+end
 if counted == 1 then
   redis.call('HINCRBY', KEYS[1], 'dropped_groups', 1)
   if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[1], 'failed_in_a_row', 1) end

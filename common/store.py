@@ -231,6 +231,25 @@ class RedisStore:
         entries = await self._redis.xrange(ledger_key(job_id)) or []
         return [{_text(k): _text(v) for k, v in (fields or {}).items()} for _, fields in entries]
 
+    async def last_activity(self, job_id: str) -> float | None:
+        """When the job's ledger last moved (a group issued, sent, trained or dropped), unix
+        s; None before its first entry."""
+        entries = await self._redis.xrevrange(ledger_key(job_id), count=1) or []
+        if not entries or entries[0][0] is None:
+            return None
+        return int(_text(entries[0][0]).split("-")[0]) / 1000  # the entry id's milliseconds
+
+    async def live_groups(self, job_id: str) -> list[str]:
+        """Ids of the job's issued groups neither trained nor dropped, oldest first."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(flow_key(job_id), ISSUED_GROUPS)
+            pipe.smembers(_dedup_key(TRAINED, job_id))
+            pipe.smembers(_dedup_key(DROPPED, job_id))
+            issued, trained, dropped = await pipe.execute()
+        done = {_text(g) for g in trained | dropped}
+        ids = (f"{job_id}/g{index}" for index in range(int(issued or 0)))
+        return [group_id for group_id in ids if group_id not in done]
+
     async def published_uri(self, job_id: str, version: int) -> str | None:
         """Where version `version` of the job's adapter was published (None: never, or
         published before versions were recorded)."""
@@ -325,7 +344,12 @@ class RedisStore:
         """Count a group out of the job's window (it is replaced), once per group id; an
         `invalid` one (no usable rewards) also extends the job's run of failed groups."""
         counted, dropped, failed = await self._record_drop(
-            keys=[flow_key(job_id), _dedup_key(DROPPED, job_id), ledger_key(job_id)],
+            keys=[
+                flow_key(job_id),
+                _dedup_key(DROPPED, job_id),
+                ledger_key(job_id),
+                _dedup_key(TRAINED, job_id),
+            ],
             args=[group_id, int(invalid), kind],
         )
         return DroppedGroup(bool(counted), int(dropped), int(failed))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,8 +22,6 @@ class Group:
     group_id: str
     trajectories: dict[str, Trajectory] = field(default_factory=dict)
     releases: list[Callable[[], None]] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    """When its first trajectory arrived (monotonic s)."""
 
     def add(self, trajectory: Trajectory, release: Callable[[], None]) -> None:
         """Keep a new episode's trajectory and the function that releases its commit."""

@@ -319,6 +319,31 @@ class TrainerService(Service):
                 job_logger(log, job_id, job.spec.tenant).info(
                     "job %s: its held groups released", record.status if record else "gone"
                 )
+            elif record.status == "running":
+                async with self._stepping:
+                    await self._drop_lost(job)
+
+    async def _drop_lost(self, job: OwnedJob) -> None:
+        """Drop the live groups of a job whose ledger has not moved for `group_timeout_s`
+        (nothing issued, trained or dropped) but those complete here: their missing
+        trajectories are not coming (a record the broker lost; an episode that never
+        ended), and a job whose window is full would wait for them forever. env_svc issues
+        replacements; late trajectories find the groups dropped. The time is the ledger's,
+        so it outlives hand-overs between replicas."""
+        store, job_id = self.io.require_store(), job.spec.job_id
+        last = await store.last_activity(job_id)
+        quiet = time.time() - last if last is not None else 0.0
+        if quiet <= self.settings.group_timeout_s or job_id not in self.jobs:
+            return
+        ready = {group.group_id for group in job.ready}
+        for group_id in await store.live_groups(job_id):
+            if group_id in ready or job.spec.job_id not in self.jobs:
+                continue
+            group = job.filling.pop(group_id, None) or Group(group_id)
+            job.closed.add(group_id)
+            have = f"{len(group.trajectories)} of {job.spec.rl.group_size} trajectories"
+            reason = f"{have} after {quiet:.0f}s without progress; the rest are lost"
+            await self._drop(job, group, "dropped_stale", reason)
 
     async def _ready_jobs(self) -> list[OwnedJob]:
         """Jobs with B usable groups, round-robin from a moving start: no tenant waits
@@ -338,24 +363,17 @@ class TrainerService(Service):
 
     async def _drop_unusable(self, job: OwnedJob) -> None:
         """Drop ready groups that cannot be trained, and filling ones already too stale to
-        ever be or waiting past `group_timeout_s` for trajectories that are not coming (their
-        late samples then find the group closed). Trajectories keep arriving while a drop is
-        sent: a group may complete, and new ones become ready, meanwhile."""
+        ever be (their late samples then find the group closed). Trajectories keep arriving
+        while a drop is sent: a group may complete, and new ones become ready, meanwhile."""
         for group in list(job.filling.values()):
             if job.filling.get(group.group_id) is not group:
                 continue  # it completed while an earlier drop was sent
             lag = job.version - group.oldest_version if group.trajectories else 0
-            waited = time.monotonic() - group.started
-            if lag > job.spec.rl.max_staleness:
-                reason = f"{lag} versions behind, unfinished"
-            elif waited > self.settings.group_timeout_s:
-                have, size = len(group.trajectories), job.spec.rl.group_size
-                reason = f"{have} of {size} trajectories after {waited:.0f}s; the rest are lost"
-            else:
+            if lag <= job.spec.rl.max_staleness:
                 continue
             del job.filling[group.group_id]
             job.closed.add(group.group_id)
-            await self._drop(job, group, "dropped_stale", reason)
+            await self._drop(job, group, "dropped_stale", f"{lag} versions behind, unfinished")
             if job.spec.job_id not in self.jobs:
                 return  # the drop failed the job
         pending, job.ready = job.ready, deque()

@@ -24,7 +24,6 @@ from common.messages import (
     EnvSettings,
     GenerationRequest,
     GenerationResult,
-    GroupDropped,
     JobSpec,
     Message,
     MessageDecodeError,
@@ -362,29 +361,40 @@ async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
     assert inbox.committable == 4
 
 
-async def test_a_group_whose_last_trajectories_never_come_is_dropped_and_replaced(
+async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replaced(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """The chaos run's stall: a prompt the rollout group committed whose result never
-    reached the topic (Tansu's s3 engine) left a group one trajectory short, and a job
-    with S=0 waited for it forever. Past `group_timeout_s` the group is dropped, which
-    makes env_svc issue a replacement, and its commits are released."""
-    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.2)
+    """The chaos run's stalls: records the broker lost (a prompt, trajectories) left one
+    group a trajectory short and another without any, and jobs whose window was full
+    waited forever, also across hand-overs. When a running job's ledger has not moved for
+    `group_timeout_s`, its owner drops its live groups but complete ones; env_svc issues
+    replacements. Drops never touch a trained group."""
+    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=2.0)
     await service.load_model()
-    spec = await running_job(backend, "short")
+    spec = job_spec("quiet", group_size=2, groups_per_step=2, max_staleness=1, max_steps=3)
+    await backend.store.register_job(spec, status="running")
+    for index in range(3):  # issued and sent; g0 half-arrives, g1 and g2 never do
+        await backend.store.try_issue_group(
+            spec.job_id, max_staleness=1, groups_per_step=2, max_groups=6
+        )
+        await backend.store.finish_claim(spec.job_id, index)
     inbox = Inbox(Topic.TRAJECTORIES)
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
-    assert not await service.train_once()
-    assert (await backend.store.flow(spec.job_id)).dropped_groups == 0  # still waiting
-    await asyncio.sleep(0.3)
-    assert not await service.train_once()
-    (dropped,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
-    assert isinstance(dropped, GroupDropped) and dropped.verdict == "dropped_stale"
-    assert "1 of 2 trajectories after" in dropped.reason
-    assert (await backend.store.flow(spec.job_id)).dropped_groups == 1
-    assert inbox.committable == 1
+    await service.sweep_finished()
+    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g{i}" for i in range(3)]
+    await asyncio.sleep(2.1)
+    await service.sweep_finished()
+    drops = await backend.sent(Topic.CONTROL, spec.job_id, expect=3)
+    assert sorted(d.group_id for d in drops) == [f"{spec.job_id}/g{i}" for i in range(3)]  # type: ignore[union-attr]
+    assert any("1 of 2 trajectories after" in d.reason for d in drops)  # type: ignore[union-attr]
+    assert await backend.store.live_groups(spec.job_id) == []
+    assert inbox.committable == 1  # the half group's trajectory is released
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 0.0, 0))  # too late
     assert inbox.committable == 2 and not service.jobs[spec.job_id].filling
+    counted = await backend.store.record_dropped_group(
+        spec.job_id, f"{spec.job_id}/g0", invalid=False
+    )
+    assert not counted.counted  # dropped once
 
 
 async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
