@@ -234,12 +234,16 @@ class EnvService(Service):
 
     async def sweep_claims(self) -> int:
         """Send again every group claimed more than `claim_timeout_s` ago and never finished
-        (its replica died or lost Kafka mid-group); returns how many."""
+        (its replica died or lost Kafka mid-group), and issue what each running job's window
+        allows (in case the record that should have prompted it, an AdapterUpdate or a
+        GroupDropped, never arrived); returns how many groups were sent again."""
         store, resent = self.io.require_store(), 0
         for job_id in await store.job_ids():
             record = await store.job(job_id)
             if record is None:
                 continue
+            if record.status == "running":
+                await self.issue_groups(job_id)
             for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):
                 if record.status in TERMINAL_STATES:
                     await store.finish_claim(job_id, group.index)

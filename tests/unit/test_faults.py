@@ -487,8 +487,8 @@ async def test_env_svc_rejects_a_context_longer_than_the_engine_serves(
 async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
-    service = env_service(backend, tokenizer, claim_timeout_s=0.05)
-    spec = job_spec("orphan", group_size=2, groups_per_step=1, max_staleness=1, max_steps=2)
+    service = env_service(backend, tokenizer, claim_timeout_s=1.0)
+    spec = job_spec("orphan", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await backend.store.register_job(spec, status="running")
     # Another replica claimed group 0, then died before sending its requests.
     claimed = await backend.store.try_issue_group(
@@ -496,20 +496,26 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
     )
     assert claimed is not None and claimed.index == 0
     assert await service.sweep_claims() == 0  # not old enough yet
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(1.1)
     assert await service.sweep_claims() == 1
     requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
     assert sorted(r.episode_id for r in requests) == [  # type: ignore[union-attr]
         f"{spec.job_id}/0/0", f"{spec.job_id}/0/1",
     ]  # fmt: skip
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(1.1)
     assert await service.sweep_claims() == 0  # sent in full: the claim is done
 
-    # Groups this replica issues itself finish their claims as they go.
-    await Inbox(Topic.JOBS).hand(service.handle, spec)
-    assert len(await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)) == 4  # group 1
-    await asyncio.sleep(0.1)
+    # The trainer dropped group 0, and the GroupDropped that should have prompted a
+    # replacement never arrived: the sweep issues it (its claim finished as it goes).
+    await backend.store.record_dropped_group(spec.job_id, f"{spec.job_id}/g0", invalid=False)
     assert await service.sweep_claims() == 0
+    requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)
+    assert sorted(r.episode_id for r in requests)[2:] == [  # type: ignore[union-attr]
+        f"{spec.job_id}/1/0", f"{spec.job_id}/1/1",
+    ]  # fmt: skip
+    await asyncio.sleep(1.1)
+    assert await service.sweep_claims() == 0
+    assert len(await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)) == 4
 
 
 async def test_a_new_owner_publishes_a_step_that_was_saved_but_never_announced(
