@@ -8,6 +8,7 @@ for a while, Redis that drops the connection in the middle of a trained step.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -593,16 +594,11 @@ async def test_a_replica_that_lost_a_job_can_neither_publish_nor_overwrite_it(
     assert (published.parent / "v1.e1").is_dir()  # the loser's bytes went elsewhere
 
 
-async def test_a_revocation_waits_for_the_step_in_progress(
-    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import threading
-
-    from aiokafka.structs import TopicPartition
-
-    service = trainer_service(backend, tiny_dir, tmp_path)
-    await service.load_model()
-    spec = await running_job(backend, "revoked")
+async def step_in_progress(
+    service: TrainerService, spec: JobSpec, inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Task[bool], threading.Event]:
+    """A step of `spec` (one group handed in through `inbox`) held inside its thread until
+    the returned event is set."""
     train_steps, started, release = service.policy.train_steps, threading.Event(), threading.Event()
 
     def slow(batches: Any) -> Any:
@@ -611,11 +607,23 @@ async def test_a_revocation_waits_for_the_step_in_progress(
         return train_steps(batches)
 
     monkeypatch.setattr(service.policy, "train_steps", slow)
-    inbox = Inbox(Topic.TRAJECTORIES)
     for sample in range(2):
         await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
     step = asyncio.create_task(service.train_once())
     await asyncio.to_thread(started.wait, 10)
+    return step, release
+
+
+async def test_a_revocation_waits_for_the_step_in_progress(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiokafka.structs import TopicPartition
+
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "revoked")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    step, release = await step_in_progress(service, spec, inbox, monkeypatch)
     revoke = asyncio.create_task(
         service.on_revoked({TopicPartition(Topic.TRAJECTORIES.value, inbox.partition)})
     )
@@ -635,24 +643,11 @@ async def test_a_new_job_is_taken_on_only_between_steps(
     """Adding an adapter changes the model's modules; a step's thread iterating them (its
     checkpoint's state_dict) crashed the chaos run's trainer with `dictionary changed size
     during iteration`. A trajectory of a new job waits for the step in progress."""
-    import threading
-
     service = trainer_service(backend, tiny_dir, tmp_path)
     await service.load_model()
     busy, newcomer = await running_job(backend, "busy"), await running_job(backend, "newcomer")
-    train_steps, started, release = service.policy.train_steps, threading.Event(), threading.Event()
-
-    def slow(batches: Any) -> Any:
-        started.set()
-        release.wait(10)
-        return train_steps(batches)
-
-    monkeypatch.setattr(service.policy, "train_steps", slow)
     inbox = Inbox(Topic.TRAJECTORIES)
-    for sample in range(2):
-        await inbox.hand(service.on_trajectory, trajectory(busy, 0, sample, float(sample), 0))
-    step = asyncio.create_task(service.train_once())
-    await asyncio.to_thread(started.wait, 10)
+    step, release = await step_in_progress(service, busy, inbox, monkeypatch)
     arrival = asyncio.create_task(
         inbox.hand(service.on_trajectory, trajectory(newcomer, 0, 0, 1.0, 0))
     )
