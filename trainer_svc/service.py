@@ -301,27 +301,30 @@ class TrainerService(Service):
 
     async def sweep_finished(self) -> None:
         """Let go of jobs that ended elsewhere (cancelled, failed): their groups' commits
-        would otherwise be held forever, stopping commits of the whole partition."""
-        store = self.io.require_store()
+        would otherwise be held forever, stopping commits of the whole partition. Drop the
+        lost groups of running jobs that stopped moving."""
         for job in list(self.jobs.values()):
-            job_id = job.spec.job_id
             try:
-                record = await store.job(job_id)
-            except Exception as exc:
+                await self._sweep(job)
+            except Exception as exc:  # Redis down: the loop goes on training what it has
                 if not is_transient(exc):
                     raise
-                log.warning("job status not checked (%r); next sweep retries", exc)
+                log.warning("sweep stopped (%r); the next sweep retries", exc)
                 return
-            if record is None or record.status in TERMINAL_STATES:
-                async with self._stepping:  # an adapter is not removed under a resume
-                    self._release_all(job)
-                    self._disown(job_id)
-                job_logger(log, job_id, job.spec.tenant).info(
-                    "job %s: its held groups released", record.status if record else "gone"
-                )
-            elif record.status == "running":
-                async with self._stepping:
-                    await self._drop_lost(job)
+
+    async def _sweep(self, job: OwnedJob) -> None:
+        job_id = job.spec.job_id
+        record = await self.io.require_store().job(job_id)
+        if record is None or record.status in TERMINAL_STATES:
+            async with self._stepping:  # an adapter is not removed under a resume
+                self._release_all(job)
+                self._disown(job_id)
+            job_logger(log, job_id, job.spec.tenant).info(
+                "job %s: its held groups released", record.status if record else "gone"
+            )
+        elif record.status == "running":
+            async with self._stepping:
+                await self._drop_lost(job)
 
     async def _drop_lost(self, job: OwnedJob) -> None:
         """Drop the live groups of a job whose ledger has not moved for `group_timeout_s`

@@ -398,6 +398,34 @@ async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replace
     assert not counted.counted  # dropped once
 
 
+async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chaos run 7: Redis restarted while the sweep read a job's ledger, and the error
+    stopped the trainer's step loop, so the replica exited."""
+    store = FlakyStore(backend.store, "last_activity", times=1)
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(group_timeout_s=0.5), lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer, store=store,  # type: ignore[arg-type]
+    )  # fmt: skip
+    await service.load_model()
+    spec = await running_job(backend, "blip-sweep")
+    await backend.store.try_issue_group(
+        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
+    )
+    await backend.store.finish_claim(spec.job_id, 0)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
+    await asyncio.sleep(0.6)
+    await service.sweep_finished()  # the blip: nothing dropped, nothing raised
+    assert store.left == 0 and await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    await service.sweep_finished()
+    (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+    assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
+    assert await backend.store.live_groups(spec.job_id) == []
+
+
 async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
