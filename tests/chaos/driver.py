@@ -13,7 +13,8 @@ G in {2, 8}; some with rewards that raise, return NaN or sleep). Three phases:
    `initech` must finish within 1.5x its fault-free time;
 3. chaos: rounds under every fault, seeded, every `interval_s`: kill -9 a random service
    replica and start it again; SIGSTOP a trainer replica past its consumer session timeout,
-   then SIGCONT it; kill -9 Valkey or the broker (the stack restarts them with their data);
+   then SIGCONT it; kill -9 Valkey or the broker (the stack restarts them with their data;
+   every 25th fault does, Valkey and the broker in turn, so each run has both);
    pause, resume or cancel a job; fuzz any tenant. It goes on until every job has ended and
    at least `min_kills` replicas were killed.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -76,6 +78,7 @@ TENANTS = ("acme", "globex", "initech")
 FUZZED_TENANTS = ("acme", "globex")  # in the fuzzed phase; `initech` is the one timed
 MAX_SLOWDOWN = 1.5  # the unfuzzed tenant's time under fuzzing / its fault-free time
 FAULTS = ("kill", "stop", "redis", "broker", "command", "fuzz")
+SERVER_EVERY = 25  # besides random ones, every 25th fault restarts Valkey or the broker in turn
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -198,9 +201,14 @@ class Chaos:
         touch the jobs of `tenants`."""
         weights = {"kill": 70, "stop": 5, "redis": 3, "broker": 1, "command": 11, "fuzz": 10}
         stopped: set[asyncio.Task[None]] = set()
-        while not done.is_set():
+        servers = itertools.cycle(k for k in ("redis", "broker") if k in kinds)
+        for count in itertools.count(1):
             await asyncio.sleep(self.args.interval_s * self.rng.uniform(0.5, 1.5))
+            if done.is_set():
+                break
             (kind,) = self.rng.choices(kinds, [weights[k] for k in kinds])
+            if count % SERVER_EVERY == 0:
+                kind = next(servers, kind)
             targets = sorted(j for j, spec in self.jobs.items() if spec.tenant in tenants)
             try:
                 if kind == "kill":
@@ -457,6 +465,8 @@ class Chaos:
                 problems.append(f"initech (not fuzzed) took {slowdown}x its fault-free time")
         else:
             problems.append(f"phases not finished: {sorted(times)}")
+        if not (self.tally.redis_restarts and self.tally.broker_restarts):
+            problems.append("the run restarted neither Valkey nor the broker, or not both")
         return {
             "seed": self.args.seed,
             "kills": self.tally.kills,
