@@ -222,14 +222,16 @@ class EnvService(Service):
         """The first request of each of the group's G episodes, then the claim is done.
         Episode ids are deterministic, so sending a group again only makes duplicates that
         env_svc (results by request id) and the trainer (episodes by id) de-duplicate."""
+        firsts = []
         for sample_index in range(spec.rl.group_size):
             # Sample with at least the version training had reached when it was issued.
             first = await self._first_request(spec, group.index, sample_index)
             if isinstance(first, GenerationRequest):
                 first = msgspec.structs.replace(first, min_adapter_version=group.trained_version)
-            await self.io.send(first)
-            if sample_index == 0:
-                fault_point("env.mid_group")
+            firsts.append(first)
+        await self.io.send(firsts[0])
+        fault_point("env.mid_group")
+        await self.io.send_all(firsts[1:])  # one round trip, not G - 1
         await self.io.require_store().finish_claim(spec.job_id, group.index)
 
     async def sweep_claims(self) -> int:
