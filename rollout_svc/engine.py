@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,6 +106,15 @@ class _LoadedAdapter:
     in_flight: int = 0
     retiring: bool = False
     """Remove from the engine as soon as `in_flight` drops to 0."""
+    loaded: bool = False
+    """The engine accepted it (`add_lora`): requests with it cannot fail its loading."""
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class AdapterUnavailableError(RuntimeError):
+    """An adapter version the engine cannot load (files missing or unreadable): its request
+    fails alone. Handed to vLLM with the request instead, the load would fail inside the
+    engine's step and kill the engine, and with it every tenant's requests."""
 
 
 class RolloutEngine:
@@ -302,6 +311,7 @@ class RolloutEngine:
         self._engine_request_ids.add(engine_request_id)
         started = time.monotonic()
         try:
+            await self._ensure_loaded(adapter, lora)
             final = None
             async for output in engine.generate(
                 TokensPrompt(prompt_token_ids=list(request.context_token_ids)),
@@ -365,10 +375,30 @@ class RolloutEngine:
         """Load `adapter` now, so its first request does not stall a batch step loading it."""
         lora = self._acquire(adapter)
         try:
-            if lora is not None:
-                await self._require_engine().add_lora(lora)
+            await self._ensure_loaded(adapter, lora)
         finally:
             await self._release(adapter)
+
+    async def _ensure_loaded(self, adapter: AdapterRef | None, lora: LoRARequest | None) -> None:
+        """Have the engine load an adapter version once, before any request uses it; raise
+        AdapterUnavailableError when it cannot (and try again with the next request)."""
+        entry = self._adapters.get((adapter.job_id, adapter.version)) if adapter else None
+        if adapter is None or lora is None or entry is None or entry.loaded:
+            return
+        async with entry.loading:
+            if entry.loaded:
+                return
+            if not (Path(adapter.path) / "adapter_config.json").is_file():
+                raise AdapterUnavailableError(
+                    f"adapter {adapter.lora_name}: no adapter_config.json in {adapter.path}"
+                )
+            try:
+                await self._require_engine().add_lora(lora)
+            except Exception as exc:
+                raise AdapterUnavailableError(
+                    f"adapter {adapter.lora_name} not loaded from {adapter.path}: {exc}"
+                ) from exc
+            entry.loaded = True
 
     async def retire(self, job_id: str, version: int) -> None:
         """Remove an adapter version from the engine once no request in flight uses it.

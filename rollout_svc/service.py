@@ -93,6 +93,10 @@ def aborted(request: GenerationRequest) -> GenerationResult:
     )  # fmt: skip
 
 
+class _EngineDied(Exception):
+    """The engine died under a request."""
+
+
 class RolloutService(Service):
     name = SERVICE
 
@@ -124,6 +128,7 @@ class RolloutService(Service):
         self._generations: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
         self._stopping = asyncio.Event()
+        self._engine_died = asyncio.Event()
         self._tenants: dict[str, str] = {}
         """Tenant of each job this replica logged about, read from the registry once."""
         export_service_metrics(SERVICE)
@@ -151,7 +156,14 @@ class RolloutService(Service):
             "rollout-consume": self.consumer.run(),
             "rollout-adapters": self.adapters.run(),
             "rollout-stats": self._report_stats(),
+            "rollout-engine": self._watch_engine(),
         }
+
+    async def _watch_engine(self) -> None:
+        """End the replica when its engine dies: a restart serves the requests it held (their
+        offsets were not committed), where staying up would fail every request it reads."""
+        await self._engine_died.wait()
+        raise RuntimeError("the generation engine died; the replica stops to be restarted")
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -191,7 +203,11 @@ class RolloutService(Service):
         """Sample, send the result, and only then let the request's offset be committed: a
         result that never reached the broker leaves its request to be read again."""
         try:
-            result = await self._sample(request)
+            try:
+                result = await self._sample(request)
+            except _EngineDied:  # left uncommitted for the restarted replica
+                log.warning("request %s not served: the engine died", request.request_id)
+                return
             ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
             try:
                 await self.io.send(result)
@@ -210,6 +226,9 @@ class RolloutService(Service):
         try:
             return await self.engine.generate(request, adapter)
         except Exception as exc:
+            if not self.engine.ready:  # not this request's fault
+                self._engine_died.set()
+                raise _EngineDied from exc
             await self._give_up(request, exc)
             return aborted(request)  # the episode ends with an error instead of hanging
 

@@ -22,7 +22,7 @@ from common.messages import (
     new_id,
 )
 from common.models import tiny_model
-from rollout_svc.engine import AdapterRef, RolloutEngine
+from rollout_svc.engine import AdapterRef, AdapterUnavailableError, RolloutEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -232,6 +232,31 @@ async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, A
     assert 0 < busy <= wall + 1e-3
     assert all(r.queue_s >= 0 and r.generate_s > 0 for r in results)
     assert all(r.queue_s + r.generate_s <= wall + 1e-3 for r in results)
+
+
+async def test_an_adapter_that_cannot_load_fails_its_requests_alone(
+    engine: RolloutEngine, adapters: dict[str, AdapterRef], tmp_path: Path
+) -> None:
+    """The CI run that found it: an AdapterUpdate pointing at a missing directory reached
+    vLLM with its requests; the load failed inside the engine's step and killed the engine,
+    so every tenant's requests were aborted from then on."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    missing = AdapterRef("job-missing", 1, str(tmp_path / "nonexistent" / "v1"))
+    unreadable = AdapterRef("job-broken", 1, str(broken))
+    results = await asyncio.gather(
+        *(engine.generate(request(), bad) for bad in (missing, unreadable) for _ in range(3)),
+        engine.generate(request(), adapters["a"]),
+        engine.generate(request(), None),
+        return_exceptions=True,
+    )
+    failed, served = results[:6], results[6:]
+    assert all(isinstance(r, AdapterUnavailableError) for r in failed), failed
+    assert "no adapter_config.json" in str(failed[0]) and "not loaded from" in str(failed[3])
+    assert all(isinstance(r, GenerationResult) for r in served), served
+    assert engine.ready
+    assert len((await engine.generate(request(), adapters["b"])).completion_token_ids) == 8
 
 
 async def test_stop_aborts_requests_in_flight(engine: RolloutEngine) -> None:

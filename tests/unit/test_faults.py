@@ -235,6 +235,38 @@ async def test_rollout_dead_letters_a_result_the_broker_refuses_and_ends_the_epi
     assert isinstance(result, GenerationResult) and result.finish_reason == "abort"
 
 
+class DyingEngine(GatedEngine):
+    """Its core process dies under the requests in flight (vLLM's EngineDeadError)."""
+
+    async def generate(self, request: Any, adapter: Any = None) -> GenerationResult:
+        await self.gate.wait()
+        self.ready = False
+        raise RuntimeError("EngineCore encountered an issue")
+
+
+async def test_rollout_leaves_requests_to_a_restart_when_its_engine_dies(
+    backend: Backend,
+) -> None:
+    """Before: every request the dead engine was given, and every one read after, was
+    dead-lettered and aborted, so each job's groups failed until the job did."""
+    engine = DyingEngine()
+    service = RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
+        store=backend.store,
+    )  # fmt: skip
+    job_id = f"rollout-{new_id()[:8]}"
+    prompts = Inbox(Topic.PROMPTS)
+    for index in range(2):
+        await prompts.hand(service.on_request, request_for(job_id, index, min_adapter_version=0))
+    watch = asyncio.create_task(service._watch_engine())
+    engine.gate.set()
+    with pytest.raises(RuntimeError, match="engine died"):
+        await asyncio.wait_for(watch, 10)  # the replica stops, to be restarted
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    assert prompts.committable == 0  # both read again by the restarted replica
+    assert await backend.sent(Topic.ROLLOUTS, job_id, expect=0) == []  # no aborts
+
+
 # --- trainer_svc: a trained step is published even when Redis blips ----------------------
 
 
