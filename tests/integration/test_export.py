@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+import yaml
 
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from common.models import tiny_model
@@ -23,9 +24,9 @@ LORA = LoraSettings(rank=4, alpha=8)
 TOKENS = [1, 420, 1337, 99, 2024, 7, 300, 451, 12, 880]
 
 
-def spec(job_id: str) -> JobSpec:
+def spec(job_id: str, base_model: str = "tiny") -> JobSpec:
     return JobSpec(
-        job_id=job_id, tenant="acme", base_model="tiny", env=EnvSettings(name="arithmetic"),
+        job_id=job_id, tenant="acme", base_model=base_model, env=EnvSettings(name="arithmetic"),
         lora=LORA, rl=RLSettings(learning_rate=0.05),
     )  # fmt: skip
 
@@ -103,6 +104,42 @@ def test_the_export_loads_with_peft_and_changes_the_output_as_trained(
     torch.testing.assert_close(
         logprobs_T, torch.tensor(policy.logprobs(job_id, TOKENS)[1:]), atol=1e-4, rtol=0
     )
+
+
+def model_card(out: Path) -> tuple[dict[str, object], str]:
+    _, front, body = (out / "README.md").read_text().split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def test_an_export_of_a_known_base_names_its_public_id(
+    trained: tuple[MultiAdapterPolicy, str, Path], redis_url_module: str, tmp_path: Path
+) -> None:
+    """Usable outside this machine: the config and the card name the Hub's model, not the
+    trainer's local copy; a base without a public id is left as it is, and the card says so."""
+    _, trained_id, artifacts = trained
+    known = f"known-{new_id()[:6]}"
+
+    async def publish(registry: RedisStore) -> None:
+        await registry.register_job(spec(known, "smollm2-135m-instruct"), status="completed")
+        uri = (artifacts / "adapters" / trained_id / "v1").resolve().as_uri()
+        await registry.publish_adapter(known, 1, uri, 1)
+
+    with_store(redis_url_module, publish)
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with_store(redis_url_module, lambda r: export_adapter(r, known, tmp_path / "known"))
+    config = json.loads((tmp_path / "known" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == hub_id
+    front, body = model_card(tmp_path / "known")
+    assert front == {
+        "base_model": hub_id, "library_name": "peft",
+        "tags": ["lora", "marlaas", "grpo", "arithmetic"],
+    }  # fmt: skip
+    assert f'from_pretrained("{hub_id}")' in body and "de-quantised" in body
+
+    with_store(redis_url_module, lambda r: export_adapter(r, trained_id, tmp_path / "tiny"))
+    front, body = model_card(tmp_path / "tiny")
+    assert "base_model" not in front and front["library_name"] == "peft"
+    assert "without a public id" in body
 
 
 def test_vllm_accepts_the_exported_config(

@@ -18,6 +18,7 @@ from common.models import (
     ModelNotFoundError,
     build_once,
     build_tiny_model,
+    public_model_id,
     resolve_base_model,
     tiny_model,
 )
@@ -92,6 +93,14 @@ def test_local_dir_with_config_is_returned_as_is(
     assert resolve_base_model(str(model_dir)) == model_dir.resolve()
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_base_model("~/my-model") == model_dir.resolve()
+
+
+def test_public_ids_are_known_for_known_models_only(smollm2_dir: Path) -> None:
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert public_model_id("smollm2-135m-instruct") == hub_id
+    assert public_model_id(str(smollm2_dir)) == hub_id  # the trainer's converted copy
+    assert public_model_id(str(tiny_model())) is None
+    assert public_model_id("/elsewhere/smollm2-135m-instruct") is None  # not our conversion
 
 
 def test_build_once_builds_once_under_concurrency(tmp_path: Path) -> None:
