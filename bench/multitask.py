@@ -36,7 +36,7 @@ from rich.console import Console
 
 from common.config import SharedSettings, load
 from common.lifecycle import REPLICA_COUNTERS, SERVICES, STATE_AFTER, TERMINAL_STATES
-from common.messages import Event, JobSpec
+from common.messages import EvalSettings, Event, JobSpec
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.jobwatch import JobProgress, watch_jobs
@@ -92,6 +92,7 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
                 job_id=f"{tag}-{index}-{template.env.name}",
                 env=msgspec.structs.replace(template.env, seed=100 + index),
                 rl=msgspec.structs.replace(template.rl, max_steps=steps),
+                eval=EvalSettings(tasks=0),  # training throughput only
             )
         )
     return specs

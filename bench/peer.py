@@ -34,7 +34,15 @@ from typing import Any
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
-from common.messages import EnvSettings, Event, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from common.messages import (
+    EnvSettings,
+    EvalSettings,
+    Event,
+    JobSpec,
+    LoraSettings,
+    RLSettings,
+    SamplingSettings,
+)
 from common.models import resolve_base_model
 from console.client import MarlaasClient
 from console.stack import LocalStack
@@ -102,6 +110,7 @@ def marlaas_job(config: dict[str, Any], base_model: str, run_id: str) -> JobSpec
                 temperature=config["temperature"], max_new_tokens=config["max_new_tokens"]
             ),
         ),
+        eval=EvalSettings(tasks=0),  # TRL's run evaluates nothing either
         submitted_at=time.time(),
     )
 

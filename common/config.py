@@ -129,6 +129,9 @@ class EnvServiceSettings(BaseSettings):
     died, or Kafka was away) is sent again by whichever replica's sweep finds it."""
     claim_sweep_s: float = Field(default=10.0, gt=0)
     """How often each replica looks for such claims."""
+    eval_timeout_s: float = Field(default=600.0, gt=0)
+    """An evaluation not finished this long after its requests were sent is finished by
+    the sweep if all its episodes are in, else its requests are sent again."""
     env_workers: int = Field(default=4, ge=1)
     """Threads running environment and reward code; a replica whose every worker hangs in a
     timed-out call exits, to be restarted with fresh ones."""

@@ -27,6 +27,9 @@ def is_name(text: str) -> bool:
     return _NAME.fullmatch(text) is not None
 
 
+MAX_EVAL_TASKS = 1024
+
+
 class JobSpecError(ValueError):
     """A job that cannot run as specified; the text names the field."""
 
@@ -55,7 +58,7 @@ def _problems(
     lora_target_modules: Sequence[str] | None,
     max_model_len: int | None,
 ) -> list[str]:
-    rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
+    rl, lora, sampling, evals = spec.rl, spec.lora, spec.rl.sampling, spec.eval
     checks: list[tuple[str, bool, str]] = [
         ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
         ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
@@ -98,7 +101,10 @@ def _problems(
         ("lora.alpha", lora.alpha > 0, f"must be > 0, got {lora.alpha}"),
         ("lora.dropout", 0 <= lora.dropout < 1, f"must be in [0, 1), got {lora.dropout}"),
         ("lora.target_modules", bool(lora.target_modules), "must name at least one module"),
-    ]
+        ("eval.tasks", 0 <= evals.tasks <= MAX_EVAL_TASKS,
+         f"must be in [0, {MAX_EVAL_TASKS}], got {evals.tasks}"),
+        ("eval.every_steps", evals.every_steps >= 0, f"must be >= 0, got {evals.every_steps}"),
+    ]  # fmt: skip
     if max_lora_rank is not None:
         checks.append(
             (

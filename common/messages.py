@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 2
-"""The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name. Up by
-one with every field added to any message."""
+SCHEMA_VERSION = 3
+"""The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
+`JobSpec.eval` and `GenerationRequest.pinned_adapter_version`. Up by one with every field
+added to any message."""
 
 
 class Topic(StrEnum):
@@ -151,6 +152,18 @@ class RLSettings(_Part):
     """How rollout_svc samples every turn of the job's episodes."""
 
 
+class EvalSettings(_Part):
+    tasks: int = 32
+    """Held-out tasks per evaluation, 0..1024 (0 = no evaluation): one greedy episode each,
+    from the environment's evaluation stream (`Environment.eval_task_for`), never trained."""
+    every_steps: int = 0
+    """Also evaluate every this many adapter versions, >= 0; 0 = only the base model
+    (version 0) and the final adapter."""
+    seed: int = 0
+    """Seeds the evaluation task stream; the same seed evaluates every version on the same
+    tasks."""
+
+
 # --- marlaas.jobs ---------------------------------------------------------------------
 
 
@@ -166,6 +179,7 @@ class JobSpec(_Wire, tag="job_spec", kw_only=True):
     env: EnvSettings
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
     rl: RLSettings = msgspec.field(default_factory=RLSettings)
+    eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
     submitted_at: float = 0.0
 
     @property
@@ -217,6 +231,9 @@ class GenerationRequest(_Wire, tag="generation_request"):
     issued_at: float = 0.0
     min_adapter_version: int = 0
     """The job's trained version when the group was issued; sampling waits for it."""
+    pinned_adapter_version: int = -1
+    """Sample with exactly this adapter version (0: the base model), as evaluations do; -1:
+    the job's latest, at least `min_adapter_version`."""
 
     @property
     def dedup_id(self) -> str:
@@ -380,6 +397,7 @@ EventKind = Literal[
     "cancelled",
     "completed",
     "failed",
+    "eval",
 ]
 
 

@@ -7,9 +7,10 @@ in-memory bus and a store over fakeredis (tests/fakes.py): the same scenarios ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from common.evals import EvalTally
 from common.flow import DroppedGroup, IssuedGroup
 from common.lifecycle import JobState, RolloutReplicaStats
 from common.messages import JobSpec, Message
@@ -79,6 +80,20 @@ class StateStore(Protocol):
     async def replica_stats(self) -> dict[str, RolloutReplicaStats]: ...
 
     # de-duplication
+    # evaluations
+    async def claim_eval(self, job_id: str, version: int) -> bool: ...
+
+    async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]: ...
+
+    async def record_eval(
+        self, job_id: str, version: int, episode_id: str, *, reward: float, solved: bool,
+        components: Mapping[str, float],
+    ) -> int: ...  # fmt: skip
+
+    async def eval_tally(self, job_id: str, version: int) -> EvalTally: ...
+
+    async def finish_eval(self, job_id: str, version: int) -> None: ...
+
     async def mark_seen(self, scope: str, job_id: str, item_id: str) -> bool: ...
 
     async def seen(self, scope: str, job_id: str, item_id: str) -> bool: ...

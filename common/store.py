@@ -31,6 +31,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.backoff import connect_with_backoff
+from common.evals import (
+    CLAIM_EVAL,
+    DONE,
+    RECORD_EVAL,
+    TAKE_STALE_EVALS,
+    EvalTally,
+    evals_key,
+    record_args,
+    tally_keys,
+)
 from common.flow import (
     DROPPED_GROUPS,
     FAILED_IN_A_ROW,
@@ -166,6 +176,9 @@ class RedisStore:
         self._record_drop = client.register_script(RECORD_DROP)
         self._take_stale_claims = client.register_script(TAKE_STALE_CLAIMS)
         self._finish_claim = client.register_script(FINISH_CLAIM)
+        self._claim_eval = client.register_script(CLAIM_EVAL)
+        self._take_stale_evals = client.register_script(TAKE_STALE_EVALS)
+        self._record_eval = client.register_script(RECORD_EVAL)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
@@ -417,6 +430,48 @@ class RedisStore:
     async def restarts(self) -> dict[str, int]:
         """Restarts per service since the stack's Redis was created (status shows them)."""
         return {_text(k): int(v) for k, v in (await self._redis.hgetall(_RESTARTS)).items()}
+
+    # --- evaluations (common/evals.py) ----------------------------------------------
+
+    async def claim_eval(self, job_id: str, version: int) -> bool:
+        """True for the one caller that sends the evaluation of `version`."""
+        return bool(await self._claim_eval(keys=[evals_key(job_id)], args=[version, time.time()]))
+
+    async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]:
+        """Evaluations sent more than `older_than_s` ago and not done, each handed to one
+        caller per `older_than_s`: the caller finishes it or sends its requests again."""
+        now = time.time()
+        taken = await self._take_stale_evals(
+            keys=[evals_key(job_id)], args=[now - older_than_s, now]
+        )
+        return [int(version) for version in taken]
+
+    async def record_eval(
+        self, job_id: str, version: int, episode_id: str, *, reward: float, solved: bool,
+        components: Mapping[str, float],
+    ) -> int:  # fmt: skip
+        """Count one finished evaluation episode; returns the episodes counted so far, or -1
+        when this one was counted before."""
+        return int(
+            await self._record_eval(
+                keys=tally_keys(job_id, version),
+                args=record_args(episode_id, reward, solved, dict(components)),
+            )
+        )
+
+    async def eval_tally(self, job_id: str, version: int) -> EvalTally:
+        return EvalTally.from_hash(
+            version, await self._redis.hgetall(tally_keys(job_id, version)[1])
+        )
+
+    async def finish_eval(self, job_id: str, version: int) -> None:
+        """Its `eval` event is out: the sweeper leaves it alone."""
+        await self._redis.hset(evals_key(job_id), str(version), DONE)
+
+    async def evals(self, job_id: str) -> dict[int, str]:
+        """Evaluated versions: when their requests were last sent, or `done`."""
+        raw = await self._redis.hgetall(evals_key(job_id))
+        return {int(_text(k)): _text(v) for k, v in raw.items()}
 
     # --- de-duplication -------------------------------------------------------------
 

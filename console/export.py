@@ -84,8 +84,8 @@ async def export_adapter(
     """Copy the job's adapter (latest, or `version`) to `out_dir` as a standalone PEFT dir.
 
     The config's `base_model_name_or_path` becomes the base model's Hub id when it has one,
-    else `base_model_path` when given (where the base model lies on the exporting machine). `out_dir` must not exist or be empty; it appears whole
-    or not at all.
+    else `base_model_path` when given (where the base model lies on the exporting machine).
+    `out_dir` must not exist or be empty; it appears whole or not at all.
     """
     record = await store.job(job_id)
     if record is None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.bus import Producer
+from common.evals import evaluated
 from common.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
 from common.messages import Event, JobSpec, Message
 from console.eventfeed import EventFeed
@@ -36,12 +37,17 @@ class JobProgress:
     started_at: float | None = None
     """When env_svc accepted the job."""
     finished_at: float | None = None
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Metrics of each evaluated adapter version (`eval` events), by version."""
+    final_eval_due: bool = False
+    """The job evaluates its final adapter: a completed job reports once that is in."""
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobProgress:
         return cls(
             spec.job_id, spec.tenant, spec.env.name, spec.rl.max_steps,
             submitted_at=spec.submitted_at or time.time(),
+            final_eval_due=evaluated(spec, spec.rl.max_steps),
         )  # fmt: skip
 
     @property
@@ -55,6 +61,17 @@ class JobProgress:
     @property
     def done(self) -> bool:
         return self.lifecycle.done
+
+    @property
+    def reported(self) -> bool:
+        """Ended, and a completed job's final evaluation is in when it has one."""
+        if not self.done:
+            return False
+        return self.status != "completed" or not self.final_eval_due or self.max_steps in self.evals
+
+    def eval_accuracy(self, version: int) -> float | None:
+        metrics = self.evals.get(version)
+        return None if metrics is None else metrics.get("eval_accuracy")
 
     @property
     def wall_s(self) -> float:
@@ -103,6 +120,8 @@ class JobProgress:
             self.max_staleness_seen = max(self.max_staleness_seen, self.last_staleness)
         elif event.event in DROPPED_EVENTS:
             self.dropped_groups += 1
+        elif event.event == "eval":
+            self.evals[event.step] = dict(event.metrics)
         elif event.event in ("accepted", "resumed"):
             self.started_at = self.started_at or event.at
         if self.done and self.finished_at is None:
@@ -113,6 +132,13 @@ class JobProgress:
         return sum(values) / len(values) if values else None
 
     def summary(self, window: int) -> dict[str, object]:
+        """The job in numbers; evaluation: the base model's and the last evaluated version's
+        accuracy and the larger of their standard errors."""
+        versions = sorted(self.evals)
+        final = versions[-1] if versions and versions[-1] > 0 else None
+        stderrs = [
+            self.evals[v].get("eval_accuracy_stderr", 0.0) for v in {0, final} if v in self.evals
+        ]
         return {
             "job_id": self.job_id,
             "tenant": self.tenant,
@@ -125,6 +151,10 @@ class JobProgress:
             "dropped_groups": self.dropped_groups,
             "wall_s": round(self.wall_s, 1),
             "rewards": self.rewards,
+            "eval_accuracy_base": self.eval_accuracy(0),
+            "eval_accuracy_final": None if final is None else self.eval_accuracy(final),
+            "eval_stderr": max(stderrs) if stderrs else None,
+            "evals": {str(v): self.evals[v] for v in versions},
         }
 
 
@@ -148,15 +178,16 @@ async def watch_jobs(
     timeout_s: float,
     on_event: Callable[[Event], None] | None = None,
 ) -> None:
-    """Apply every event of `jobs` (from the topic's start) until all are done.
+    """Apply every event of `jobs` (from the topic's start) until all are done (and the
+    completed ones' final evaluations are in).
 
     Raises TimeoutError when they are not done within `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
     async with EventFeed(bootstrap, jobs) as feed:
-        while not all(job.done for job in jobs.values()):
+        while not all(job.reported for job in jobs.values()):
             if time.monotonic() > deadline:
-                pending = [j for j, p in jobs.items() if not p.done]
+                pending = [j for j, p in jobs.items() if not p.reported]
                 raise TimeoutError(f"jobs not finished after {timeout_s:.0f}s: {pending}")
             for event in await feed.poll(0.5):
                 jobs[event.job_id].apply(event)

@@ -29,11 +29,13 @@ from typing import Any
 import msgspec
 from transformers import PreTrainedTokenizerFast
 
+from common.evals import eval_group_id
 from common.messages import (
     ContextTooLongError,
     GenerationRequest,
     GenerationResult,
     JobSpec,
+    SamplingSettings,
     Trajectory,
 )
 from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state
@@ -144,6 +146,9 @@ class EpisodeCarry(msgspec.Struct, array_like=True, kw_only=True, tag="episode_c
     """Adapter version of each sampled turn."""
     turn: int = 0
     """Model turns completed; also the `turn` of the pending request."""
+    eval_version: int = -1
+    """The adapter version an evaluation episode evaluates (greedy, pinned to it); -1 for
+    training episodes."""
 
 
 _carry_decoder = msgspec.msgpack.Decoder(EpisodeCarry)
@@ -196,7 +201,38 @@ def start_episode(
     sample_index: int,
 ) -> GenerationRequest:
     """The first request of one episode; all G samples of a group share `group_index`'s task."""
-    state, messages = env.reset(env.task_for(job.env.seed, group_index))
+    episode_id = episode_id_for(job.job_id, group_index, sample_index)
+    task = env.task_for(job.env.seed, group_index)
+    return _first_request(
+        env, tokenizer, job, task, episode_id, group_id, group_index, sample_index
+    )
+
+
+def start_eval_episode(
+    env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, *, version: int, index: int
+) -> GenerationRequest:
+    """The first request of evaluation episode `index` of adapter `version`: task `index` of
+    the evaluation stream, decoded greedily with exactly that version (common/evals.py)."""
+    group_id = eval_group_id(job.job_id, version)
+    task = env.eval_task_for(job.eval.seed, index)
+    return _first_request(
+        env, tokenizer, job, task, f"{group_id}/{index}", group_id, index, 0, eval_version=version
+    )
+
+
+def _first_request(
+    env: Environment[Any],
+    tokenizer: ChatTokenizer,
+    job: JobSpec,
+    task: Any,
+    episode_id: str,
+    group_id: str,
+    group_index: int,
+    sample_index: int,
+    *,
+    eval_version: int = -1,
+) -> GenerationRequest:
+    state, messages = env.reset(task)
     prompt_ids = tokenizer.prompt_ids(messages)
     room = job.rl.max_context_tokens - job.rl.sampling.max_new_tokens
     if len(prompt_ids) > room:
@@ -210,8 +246,8 @@ def start_episode(
         group_index=group_index,
         prompt_len=len(prompt_ids),
         context_len=len(prompt_ids),
+        eval_version=eval_version,
     )
-    episode_id = episode_id_for(job.job_id, group_index, sample_index)
     return _request(job, episode_id, group_id, sample_index, prompt_ids, carry)
 
 
@@ -259,10 +295,12 @@ def advance_episode(
 
     carry.env_state = encode_state(step.state)
     carry.context_len = len(context_ids)
-    # A later turn never samples with an older adapter than an earlier one did.
     follow_up = _request(
         job, result.episode_id, result.group_id, result.sample_index, context_ids, carry
     )
+    if carry.eval_version >= 0:
+        return follow_up  # pinned to its version
+    # A later turn never samples with an older adapter than an earlier one did.
     return msgspec.structs.replace(follow_up, min_adapter_version=result.adapter_version)
 
 
@@ -318,6 +356,7 @@ def _request(
     context_ids: list[int],
     carry: EpisodeCarry,
 ) -> GenerationRequest:
+    evaluating = carry.eval_version >= 0
     return GenerationRequest(
         request_id=f"{episode_id}/t{carry.turn}",
         job_id=job.job_id,
@@ -326,10 +365,16 @@ def _request(
         sample_index=sample_index,
         turn=carry.turn,
         context_token_ids=context_ids,
-        sampling=job.rl.sampling,
+        sampling=greedy(job.rl.sampling) if evaluating else job.rl.sampling,
         env_state=encode_carry(carry),
         issued_at=time.time(),
+        pinned_adapter_version=carry.eval_version,
     )
+
+
+def greedy(sampling: SamplingSettings) -> SamplingSettings:
+    """Evaluation decodes the most likely tokens, with the job's own length and stops."""
+    return msgspec.structs.replace(sampling, temperature=0.0, top_p=1.0)
 
 
 def _trajectory(

@@ -225,6 +225,22 @@ class Environment(ABC, Generic[T]):
         String seeds are hashed with SHA-512 by `random`, so streams agree across processes."""
         return self.sample_task(random.Random(f"{self.name}:{seed}:{index}"))
 
+    def eval_task_for(self, seed: int, index: int) -> T:
+        """Task number `index` of the evaluation stream seeded by `seed` (EvalSettings.seed):
+        a stream apart from every training stream. Environments with a held-out split (a
+        dataset's test set) return its tasks here; procedural ones with few distinct tasks
+        may repeat training tasks, as any fresh sample would."""
+        return self.sample_task(random.Random(f"{self.name}:eval:{seed}:{index}"))
+
+    def solved(self, reward: RewardResult) -> bool:
+        """Whether a scored episode counts as solved (the accuracy of evaluations): its
+        `correct` component is 1 when it has one, else every component is at least 1."""
+        if reward.error:
+            return False
+        if "correct" in reward.components:
+            return reward.components["correct"] >= 1.0
+        return bool(reward.components) and all(v >= 1.0 for v in reward.components.values())
+
     def reset(self, task: T) -> tuple[EpisodeState[T], list[ChatMessage]]:
         return EpisodeState(env=self.name, task=task), self.initial_messages(task)
 

@@ -17,6 +17,7 @@ import msgspec
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
+from common.evals import eval_group_id, eval_version_of, evaluated
 from common.faults import fault_point
 from common.flow import IssuedGroup
 from common.health import redis_ready
@@ -45,6 +46,7 @@ from common.messages import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
+from common.store import JobRecord
 from env_svc.calls import EnvCalls
 from env_svc.episodes import (
     ChatTokenizer,
@@ -52,9 +54,10 @@ from env_svc.episodes import (
     advance_episode,
     failed_trajectory,
     start_episode,
+    start_eval_episode,
     unstarted_trajectory,
 )
-from env_svc.protocol import Environment, EnvSpecError, environment_for
+from env_svc.protocol import Environment, EnvSpecError, RewardResult, environment_for
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +124,11 @@ class EnvService(Service):
                 await self.on_command(message)
             case GenerationResult():
                 await self.on_result(message)
-            case AdapterUpdate() | GroupDropped():
-                # A trained version widens the job's window; a dropped group frees a slot.
-                await self.issue_groups(message.job_id)
+            case AdapterUpdate():
+                await self.issue_groups(message.job_id)  # a trained version widens the window
+                await self.evaluate(message.job_id, message.version)
+            case GroupDropped():
+                await self.issue_groups(message.job_id)  # a dropped group frees a slot
 
     async def on_undecodable(
         self, topic: str, raw: bytes | None, error: MessageDecodeError
@@ -169,6 +174,7 @@ class EnvService(Service):
             job_log.info("job accepted: env %s", spec.env.name)
             await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
+        await self.evaluate(spec.job_id, 0)  # the base model, to compare the adapters with
 
     async def _engine_context(self) -> int | None:
         """The shortest `max_model_len` of the live rollout replicas (None: none reports)."""
@@ -234,6 +240,83 @@ class EnvService(Service):
         await self.io.send_all(firsts[1:])  # one round trip, not G - 1
         await self.io.require_store().finish_claim(spec.job_id, group.index)
 
+    # --- evaluation (common/evals.py) ----------------------------------------------
+
+    async def evaluate(self, job_id: str, version: int) -> None:
+        """Send the evaluation of adapter `version` when the job evaluates it, once."""
+        store = self.io.require_store()
+        record = await store.job(job_id)
+        if record is None or record.status in _NOT_EVALUATED or not evaluated(record.spec, version):
+            return
+        if await store.claim_eval(job_id, version):
+            await self._send_eval(record.spec, version)
+
+    async def _send_eval(self, spec: JobSpec, version: int) -> None:
+        """The first request of every evaluation episode; one whose task cannot start is
+        counted at once as unsolved."""
+        firsts: list[Message] = []
+        for index in range(spec.eval.tasks):
+            start = partial(
+                start_eval_episode, self._env(spec), self.tokenizer, spec, version=version,
+                index=index,
+            )  # fmt: skip
+            try:
+                firsts.append(await self.calls.run(f"{spec.job_id}: eval {index}", start))
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                episode_id = f"{eval_group_id(spec.job_id, version)}/{index}"
+                await self._count_eval(spec, version, episode_id, 0.0, {}, _reason(exc))
+        await self.io.send_all(firsts)
+        job_logger(log, spec.job_id, spec.tenant).info(
+            "evaluating v%d on %d held-out tasks", version, spec.eval.tasks
+        )
+
+    async def _count_eval(
+        self, spec: JobSpec, version: int, episode_id: str, reward: float,
+        components: dict[str, float], error: str,
+    ) -> None:  # fmt: skip
+        """Tally one finished evaluation episode; the last one sends the `eval` event."""
+        solved = not error and self._env(spec).solved(
+            RewardResult(total=reward, components=components)
+        )
+        counted = await self.io.require_store().record_eval(
+            spec.job_id, version, episode_id, reward=reward, solved=solved, components=components
+        )
+        if counted >= spec.eval.tasks:
+            await self._finish_eval(spec, version)
+
+    async def _finish_eval(self, spec: JobSpec, version: int) -> None:
+        store = self.io.require_store()
+        tally = await store.eval_tally(spec.job_id, version)
+        await self.io.send(
+            job_event(
+                spec.job_id, "eval", SERVICE, tenant=spec.tenant, step=version,
+                metrics=tally.metrics(),
+            )
+        )  # fmt: skip
+        await store.finish_eval(spec.job_id, version)
+        job_logger(log, spec.job_id, spec.tenant).info(
+            "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)", version,
+            tally.accuracy, tally.accuracy_stderr, tally.reward_sum / max(tally.episodes, 1),
+            tally.episodes,
+        )  # fmt: skip
+
+    async def _sweep_evals(self, record: JobRecord) -> None:
+        """Finish evaluations whose episodes are all in (their event was not sent), and
+        send the requests of unfinished ones again."""
+        store, spec = self.io.require_store(), record.spec
+        for version in await store.take_stale_evals(spec.job_id, self.settings.eval_timeout_s):
+            if record.status in _NOT_EVALUATED:
+                await store.finish_eval(spec.job_id, version)
+            elif (await store.eval_tally(spec.job_id, version)).episodes >= spec.eval.tasks:
+                await self._finish_eval(spec, version)
+            else:
+                job_logger(log, spec.job_id, spec.tenant).warning(
+                    "evaluation of v%d unfinished; sending its requests again", version
+                )
+                await self._send_eval(spec, version)
+
     async def sweep_claims(self) -> int:
         """Send again every group claimed more than `claim_timeout_s` ago and never finished
         (its replica died or lost Kafka mid-group), and issue what each running job's window
@@ -246,6 +329,7 @@ class EnvService(Service):
                 continue
             if record.status == "running":
                 await self.issue_groups(job_id)
+            await self._sweep_evals(record)
             for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):
                 if record.status in TERMINAL_STATES:
                     await store.finish_claim(job_id, group.index)
@@ -299,7 +383,10 @@ class EnvService(Service):
         if await store.seen("results", result.job_id, result.request_id):
             return  # redelivered: its successor was already sent
         record = await store.job(result.job_id)
-        if record is None or record.status in ("cancelled", "completed", "failed"):
+        version = eval_version_of(result.job_id, result.group_id)
+        # A completed job's final version is evaluated after its last step.
+        ended = _NOT_EVALUATED if version is not None else TERMINAL_STATES
+        if record is None or record.status in ended:
             return
         spec = record.spec
         follow_up: GenerationRequest | Trajectory
@@ -309,7 +396,13 @@ class EnvService(Service):
                 f"episode {result.episode_id} turn {result.turn}",
                 partial(advance_episode, env, self.tokenizer, spec, result),
             )
-            await self.producer.send(follow_up)
+            if version is not None and isinstance(follow_up, Trajectory):
+                await self._count_eval(
+                    spec, version, follow_up.episode_id, follow_up.reward,
+                    dict(follow_up.reward_components), follow_up.error,
+                )  # fmt: skip
+            else:
+                await self.producer.send(follow_up)
         except Exception as exc:  # environment, reward or encoding: the episode ends here
             if is_transient(exc):
                 raise
@@ -317,7 +410,10 @@ class EnvService(Service):
             job_logger(log, spec.job_id, spec.tenant).warning(
                 "episode %s failed: %s", result.episode_id, error
             )
-            await self.io.send(failed_trajectory(spec, result, error))
+            if version is not None:
+                await self._count_eval(spec, version, result.episode_id, 0.0, {}, error)
+            else:
+                await self.io.send(failed_trajectory(spec, result, error))
         fault_point("env.after_send")
         await store.mark_seen("results", result.job_id, result.request_id)
 
@@ -328,6 +424,10 @@ class EnvService(Service):
         if spec.job_id not in self._envs:
             self._envs[spec.job_id] = environment_for(spec.env)
         return self._envs[spec.job_id]
+
+
+_NOT_EVALUATED = frozenset({"cancelled", "failed", "rejected"})
+"""States in which a job's evaluations stop (a completed job's final one goes on)."""
 
 
 def _reason(exc: BaseException) -> str:

@@ -220,11 +220,15 @@ class RolloutService(Service):
             self._slots.release()
 
     async def _sample(self, request: GenerationRequest) -> GenerationResult:
-        adapter = await retry_transient(
-            f"adapter of {request.job_id}", lambda: self._adapter_for(request), logger=log
-        )
         try:
-            return await self.engine.generate(request, adapter)
+            adapter = await retry_transient(
+                f"adapter of {request.job_id}", lambda: self._adapter_for(request), logger=log
+            )
+            try:
+                return await self.engine.generate(request, adapter)
+            finally:
+                if adapter is not None and request.pinned_adapter_version > 0:
+                    await self._retire_if_old(adapter)
         except Exception as exc:
             if not self.engine.ready:  # not this request's fault
                 self._engine_died.set()
@@ -249,6 +253,8 @@ class RolloutService(Service):
         )  # fmt: skip
 
     async def _adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
+        if request.pinned_adapter_version >= 0:
+            return await self._pinned(request.job_id, request.pinned_adapter_version)
         current = self.latest.get(request.job_id)
         if (current.version if current else 0) < request.min_adapter_version:
             # The broadcast has not reached this replica yet; Redis already has the pointer.
@@ -261,6 +267,22 @@ class RolloutService(Service):
                     )
                 )  # fmt: skip
         return self.latest.get(request.job_id)
+
+    async def _pinned(self, job_id: str, version: int) -> AdapterRef | None:
+        """Exactly adapter `version` of the job (an evaluation's); 0 is the base model."""
+        current = self.latest.get(job_id)
+        if version == 0 or (current is not None and current.version == version):
+            return current if version else None
+        uri = await self.io.require_store().published_uri(job_id, version)
+        if uri is None:
+            raise ValueError(f"adapter v{version} of job {job_id} was never published")
+        return AdapterRef(job_id, version, str(adapter_path(uri)))
+
+    async def _retire_if_old(self, adapter: AdapterRef) -> None:
+        """An older version loaded for an evaluation leaves the engine with its last request."""
+        current = self.latest.get(adapter.job_id)
+        if current is None or current.version != adapter.version:
+            await self.engine.retire(adapter.job_id, adapter.version)
 
     async def on_adapter(self, update: AdapterUpdate) -> None:
         current = self.latest.get(update.job_id)

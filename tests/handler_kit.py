@@ -10,6 +10,7 @@ from common.config import EnvServiceSettings, SharedSettings
 from common.messages import (
     AdapterUpdate,
     EnvSettings,
+    EvalSettings,
     Event,
     GenerationRequest,
     GenerationResult,
@@ -30,8 +31,10 @@ BASE_MODEL = "smollm2-135m-instruct"
 
 def job_spec(
     name: str, *, env: str = "arithmetic", group_size: int, groups_per_step: int,
-    max_staleness: int, max_steps: int,
+    max_staleness: int, max_steps: int, evals: EvalSettings | None = None,
 ) -> JobSpec:  # fmt: skip
+    """A job on the tiny model; without `evals` it evaluates nothing, so tests of training
+    see only training requests."""
     return JobSpec(
         job_id=f"{name}-{new_id()[:8]}", tenant="acme", base_model=BASE_MODEL,
         env=EnvSettings(name=env, params={"max_operand": 9}),
@@ -40,6 +43,7 @@ def job_spec(
             max_staleness=max_staleness, max_context_tokens=128,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
+        eval=evals or EvalSettings(tasks=0),
     )  # fmt: skip
 
 
@@ -80,6 +84,8 @@ class GatedEngine:
         self.in_flight = 0
         self.generated_tokens = 0
         self.loaded: list[AdapterRef] = []
+        self.used: list[AdapterRef | None] = []
+        self.retired: list[tuple[str, int]] = []
 
     async def start(self) -> None:
         pass
@@ -90,6 +96,7 @@ class GatedEngine:
     async def generate(
         self, request: GenerationRequest, adapter: AdapterRef | None = None
     ) -> GenerationResult:
+        self.used.append(adapter)
         self.in_flight += 1
         await self.gate.wait()
         self.in_flight -= 1
@@ -103,7 +110,7 @@ class GatedEngine:
         self.loaded.append(adapter)
 
     async def retire(self, job_id: str, version: int) -> None:
-        pass
+        self.retired.append((job_id, version))
 
 
 def request_for(job_id: str, index: int, min_adapter_version: int) -> GenerationRequest:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import msgspec
+
 from common.messages import (
     AdapterUpdate,
     DeadLetter,
     EnvSettings,
+    EvalSettings,
     Event,
     GenerationRequest,
     GenerationResult,
@@ -24,6 +27,22 @@ from common.messages import (
     Trajectory,
 )
 
+ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
+    2: {"job_spec": {"eval": EvalSettings()}, "generation_request": {"pinned_adapter_version": -1}},
+}
+"""Fields each schema's writers did not know yet, by schema and kind: read from such a
+writer's bytes, they hold their defaults."""
+
+
+def as_read_from(schema: int, kind: str) -> Message:
+    """The sample as this build reads it from a `schema` writer's bytes."""
+    defaults: dict[str, object] = {"schema": schema}
+    for older, kinds in ADDED_AFTER.items():
+        if schema <= older:
+            defaults |= kinds.get(kind, {})
+    return msgspec.structs.replace(SAMPLES[kind], **defaults)
+
+
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=["\n\n"])
 
 SAMPLES: dict[str, Message] = {
@@ -36,6 +55,7 @@ SAMPLES: dict[str, Message] = {
             clip_low=0.1, clip_high=0.3, is_cap=3.0, std_normalize=True, max_turns=3,
             max_context_tokens=256, sampling=SAMPLING,
         ),
+        eval=EvalSettings(tasks=16, every_steps=3, seed=5),
         submitted_at=1_796_300_000.25,
     ),
     "job_command": JobCommand(
@@ -45,7 +65,7 @@ SAMPLES: dict[str, Message] = {
         request_id="r1", job_id="acme-calc-1", episode_id="acme-calc-1/0/1",
         group_id="acme-calc-1/g0", sample_index=1, turn=2, context_token_ids=[1, 2, 3],
         sampling=SAMPLING, env_state=b"\x00state", issued_at=1_796_300_002.0,
-        min_adapter_version=2,
+        min_adapter_version=2, pinned_adapter_version=4,
     ),
     "generation_result": GenerationResult(
         request_id="r1", job_id="acme-calc-1", episode_id="acme-calc-1/0/1",

@@ -53,6 +53,7 @@ from common.messages import (
     AdapterUpdate,
     DeadLetter,
     EnvSettings,
+    EvalSettings,
     JobAction,
     JobCommand,
     JobSpec,
@@ -124,6 +125,7 @@ def chaos_jobs(round_: int, rng: random.Random, max_steps: int) -> list[JobSpec]
                         max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8),
                     ),
                     lora=LoraSettings(rank=4),
+                    eval=EvalSettings(tasks=0),  # the verifier accounts for training groups
                 )
             )  # fmt: skip
     return jobs

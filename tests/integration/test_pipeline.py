@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.bus import Producer
 from common.messages import (
     EnvSettings,
+    EvalSettings,
     Event,
     JobSpec,
     RLSettings,
@@ -36,6 +37,7 @@ from tests.conftest import RunningServices
 pytestmark = pytest.mark.kafka
 
 G, B = 4, 2
+EVAL_TASKS = 4
 
 
 def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> JobSpec:
@@ -47,6 +49,7 @@ def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> Jo
             learning_rate=1e-3, max_context_tokens=128,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
+        eval=EvalSettings(tasks=EVAL_TASKS, every_steps=2),
     )  # fmt: skip
 
 
@@ -148,6 +151,13 @@ async def test_concurrent_jobs_run_to_max_steps(
             assert (Path(pointer.uri.removeprefix("file://")) / "adapter_config.json").is_file()
             record = await registry.job(spec.job_id)
             assert record is not None and record.status == "completed"
+            # Evaluated greedily: the base model, every 2nd version and the final one, each
+            # once, over every held-out task; none of it trained (samples above).
+            evaluated = {e.step: e.metrics for e in job_events if e.event == "eval"}
+            assert sorted(evaluated) == sorted({0, *range(2, spec.rl.max_steps + 1, 2),
+                                                spec.rl.max_steps})  # fmt: skip
+            assert {m["eval_episodes"] for m in evaluated.values()} == {EVAL_TASKS}
+            assert all(0 <= m["eval_accuracy"] <= 1 for m in evaluated.values())
     finally:
         await registry.close()
 

@@ -20,7 +20,15 @@ import pytest
 
 from common.config import SharedSettings
 from common.lifecycle import SERVICES, TERMINAL_STATES
-from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings, new_id
+from common.messages import (
+    EnvSettings,
+    EvalSettings,
+    JobSpec,
+    LoraSettings,
+    RLSettings,
+    SamplingSettings,
+    new_id,
+)
 from common.models import tiny_model
 from console.client import MarlaasClient
 from console.stack import LocalStack, replicated
@@ -38,7 +46,7 @@ def jobs(n: int) -> list[JobSpec]:
             env=EnvSettings(name="arithmetic", seed=i),
             rl=RLSettings(group_size=2, groups_per_step=1, max_steps=STEPS, max_staleness=1,
                           max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8)),
-            lora=LoraSettings(rank=4),
+            lora=LoraSettings(rank=4), eval=EvalSettings(tasks=0),
         )
         for i in range(n)
     ]  # fmt: skip

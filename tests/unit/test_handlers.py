@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
+import pytest
+
 from common.config import RolloutSettings, SharedSettings, TrainerSettings
 from common.flow import issue_limit
 from common.messages import (
     AdapterUpdate,
+    EvalSettings,
     GenerationRequest,
     GroupDropped,
     JobCommand,
@@ -24,6 +28,7 @@ from common.messages import (
     result_for,
 )
 from env_svc.episodes import ChatTokenizer
+from env_svc.protocol import environment_for
 from rollout_svc.service import RolloutService
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
@@ -129,6 +134,82 @@ async def test_env_svc_turns_a_result_into_a_trajectory_once(
     assert trajectory.episode_id == first.episode_id and not trajectory.error
     assert trajectory.token_ids == [*first.context_token_ids, *completion]
     assert sum(trajectory.loss_mask) == len(completion)
+
+
+async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_greedily(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    spec = job_spec(
+        "evals", group_size=2, groups_per_step=1, max_staleness=0, max_steps=3,
+        evals=EvalSettings(tasks=3, every_steps=2, seed=4),
+    )  # fmt: skip
+    job_id = spec.job_id
+
+    async def evaluations(expect: int) -> dict[str, list[GenerationRequest]]:
+        sent = await backend.sent(Topic.PROMPTS, job_id, expect=expect)
+        found: dict[str, list[GenerationRequest]] = {}
+        for request in sent:
+            assert isinstance(request, GenerationRequest)
+            if "/eval" in request.group_id:
+                found.setdefault(request.group_id, []).append(request)
+        for requests in found.values():  # the bus keeps no order across episodes
+            requests.sort(key=lambda r: r.episode_id)
+        return found
+
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    (base,) = (await evaluations(2 + 3)).values()
+    assert [r.episode_id for r in base] == [f"{job_id}/eval0/{i}" for i in range(3)]
+    assert {(r.pinned_adapter_version, r.sampling.temperature) for r in base} == {(0, 0.0)}
+    assert base[0].context_token_ids != base[1].context_token_ids  # three distinct tasks
+    adapters = Inbox(Topic.ADAPTERS)
+    for version in (1, 2, 2, 3):  # v2 redelivered: evaluated once
+        await backend.store.publish_adapter(job_id, version, f"/nowhere/v{version}", version)
+        await adapters.hand(service.handle, adapter_update(job_id, version))
+    found = await evaluations(2 * 3 + 3 * 3)
+    assert sorted(found) == [f"{job_id}/eval{v}" for v in (0, 2, 3)]
+    assert all(len(requests) == 3 for requests in found.values())
+    assert {r.pinned_adapter_version for r in found[f"{job_id}/eval2"]} == {2}
+    # The same held-out tasks for every version.
+    assert [r.context_token_ids for r in found[f"{job_id}/eval3"]] == [
+        r.context_token_ids for r in base
+    ]
+
+
+async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """Evaluation episodes never reach the trainer; the last one in sends `eval` with the
+    accuracy and its standard error; a redelivered result is not counted twice."""
+    service = env_service(backend, tokenizer)
+    spec = job_spec(
+        "tally", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2,
+        evals=EvalSettings(tasks=4),
+    )  # fmt: skip
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    sent = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2 + 4)
+    evals = [r for r in sent if isinstance(r, GenerationRequest) and "/eval0/" in r.episode_id]
+    env = environment_for(spec.env)
+    results = Inbox(Topic.ROLLOUTS)
+    for request in evals:
+        index = int(request.episode_id.rsplit("/", 1)[1])
+        task = env.eval_task_for(spec.eval.seed, index)
+        answer = str(task.answer) if index < 3 else "no idea"  # type: ignore[attr-defined]
+        completion = [*tokenizer.encode(answer), tokenizer.eos_token_id]
+        result = result_for(
+            request, completion_token_ids=completion, logprobs=[-0.1] * len(completion),
+            adapter_version=0, finish_reason="stop",
+        )  # fmt: skip
+        await results.hand(service.handle, result)
+        if index == 0:
+            await results.hand(service.handle, result)  # redelivered: counted once
+    assert await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=0) == []
+    (event,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=2), "eval")
+    assert event.step == 0
+    assert event.metrics["eval_episodes"] == 4 and event.metrics["eval_accuracy"] == 0.75
+    assert event.metrics["eval_accuracy_stderr"] == pytest.approx((0.75 * 0.25 / 4) ** 0.5)
+    assert event.metrics["eval_reward/correct"] == 0.75
+    assert await backend.store.evals(spec.job_id) == {0: "done"}
 
 
 # --- trainer_svc ------------------------------------------------------------------------
@@ -249,3 +330,33 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
         (f"{job_id}/0/0/t0", 0), (f"{job_id}/1/0/t0", 1),
     ]  # fmt: skip
     assert [(a.job_id, a.version) for a in engine.loaded] == [(job_id, 1)]
+
+
+async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
+    backend: Backend,
+) -> None:
+    engine = GatedEngine()
+    engine.gate.set()
+    service = RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
+        store=backend.store,
+    )  # fmt: skip
+    job_id = f"pinned-{new_id()[:8]}"
+    for version in (1, 2):
+        await backend.store.publish_adapter(
+            job_id, version, f"file:///artifacts/adapters/{job_id}/v{version}", version
+        )
+    await service.on_adapter(adapter_update(job_id, 2))
+    prompts = Inbox(Topic.PROMPTS)
+    for index, pinned in enumerate((0, 1, 2, 7)):  # 7 was never published
+        request = request_for(job_id, index, min_adapter_version=2)
+        request = msgspec.structs.replace(request, pinned_adapter_version=pinned)
+        await prompts.hand(service.on_request, request)
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    used = sorted((a.version, a.path) if a else (0, "base") for a in engine.used)
+    latest = service.latest[job_id].path  # v2 as its broadcast named it
+    assert used == [(0, "base"), (1, f"/artifacts/adapters/{job_id}/v1"), (2, latest)]
+    assert engine.retired == [(job_id, 1)]  # an older version leaves after its request
+    results = {r.request_id: r for r in await backend.sent(Topic.ROLLOUTS, job_id, expect=4)}  # type: ignore[union-attr]
+    assert [results[f"{job_id}/{i}/0/t0"].adapter_version for i in range(3)] == [0, 1, 2]  # type: ignore[union-attr]
+    assert results[f"{job_id}/3/0/t0"].finish_reason == "abort"  # type: ignore[union-attr]

@@ -1,0 +1,149 @@
+"""Held-out evaluation of a job's adapter versions, in one place: which versions are
+evaluated, how evaluation episodes are named, and how their results are tallied in Redis.
+
+Training reward at temperature 1 on a few samples per step is too noisy to say whether a job
+learned. So env_svc evaluates the base model (version 0), every `eval.every_steps` versions
+and the final one: one greedy episode (temperature 0) per task of the environment's
+evaluation stream (`Environment.eval_task_for`, never a training task stream), sampled with
+exactly that adapter version (`GenerationRequest.pinned_adapter_version`). Evaluation
+episodes never reach the trainer: env_svc tallies each finished one here and, when the last
+one is in, sends an `eval` event with the mean reward, the accuracy (share of episodes the
+environment counts as solved, `Environment.solved`) and its standard error.
+
+State: `evals:{job}` maps each evaluated version to when its requests were last sent (a
+claim, re-sent by the sweeper when old) or `done`; `evalseen:{job}:{v}` holds the episodes
+counted, so a redelivered result is counted once; `eval:{job}:{v}` holds the tally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.messages import JobSpec
+
+DONE = "done"
+_COMPONENT = "component:"
+
+
+def eval_group_id(job_id: str, version: int) -> str:
+    return f"{job_id}/eval{version}"
+
+
+def eval_version_of(job_id: str, group_id: str) -> int | None:
+    """The version an evaluation group evaluates, or None for a training group."""
+    prefix = f"{job_id}/eval"
+    suffix = group_id[len(prefix) :] if group_id.startswith(prefix) else ""
+    return int(suffix) if suffix.isdigit() else None
+
+
+def evaluated(spec: JobSpec, version: int) -> bool:
+    """Whether `version` of the job is evaluated: the base model, every `every_steps`-th
+    version and the final one, when the job evaluates at all."""
+    settings = spec.eval
+    if settings.tasks <= 0 or not 0 <= version <= spec.rl.max_steps:
+        return False
+    every = settings.every_steps
+    return version in (0, spec.rl.max_steps) or (every > 0 and version % every == 0)
+
+
+def evals_key(job_id: str) -> str:
+    return f"evals:{job_id}"
+
+
+def tally_keys(job_id: str, version: int) -> list[str]:
+    return [f"evalseen:{job_id}:{version}", f"eval:{job_id}:{version}"]
+
+
+@dataclass(frozen=True)
+class EvalTally:
+    """One version's evaluation so far."""
+
+    version: int
+    episodes: int
+    reward_sum: float
+    solved: int
+    component_sums: dict[str, float]
+
+    @classmethod
+    def from_hash(cls, version: int, fields: Mapping[Any, Any]) -> EvalTally:
+        def text(value: Any) -> str:
+            return value.decode() if isinstance(value, bytes) else str(value)
+
+        values = {text(k): float(text(v)) for k, v in fields.items()}
+        return cls(
+            version=version,
+            episodes=int(values.get("episodes", 0)),
+            reward_sum=values.get("reward", 0.0),
+            solved=int(values.get("solved", 0)),
+            component_sums={
+                k[len(_COMPONENT) :]: v for k, v in values.items() if k.startswith(_COMPONENT)
+            },
+        )
+
+    @property
+    def accuracy(self) -> float:
+        return self.solved / self.episodes if self.episodes else 0.0
+
+    @property
+    def accuracy_stderr(self) -> float:
+        """Binomial standard error of the accuracy, sqrt(p (1 - p) / n)."""
+        p, n = self.accuracy, self.episodes
+        return math.sqrt(p * (1 - p) / n) if n else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The `eval` event's metrics; components as `reward/<name>` means."""
+        n = max(self.episodes, 1)
+        return {
+            "eval_reward": self.reward_sum / n,
+            "eval_accuracy": self.accuracy,
+            "eval_accuracy_stderr": self.accuracy_stderr,
+            "eval_episodes": float(self.episodes),
+            **{f"eval_reward/{name}": total / n for name, total in self.component_sums.items()},
+        }
+
+
+def record_args(
+    episode_id: str, reward: float, solved: bool, components: dict[str, float]
+) -> list[Any]:
+    flat: list[Any] = [episode_id, reward, int(solved)]
+    for name, value in sorted(components.items()):
+        flat += [f"{_COMPONENT}{name}", value]
+    return flat
+
+
+CLAIM_EVAL = """
+-- KEYS[1] evals:{job}; ARGV version, now -> 1 when this caller claimed the version's
+-- evaluation (and sends its requests), 0 when it was claimed before
+return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+TAKE_STALE_EVALS = """
+-- KEYS[1] evals:{job}; ARGV cutoff, now -> versions whose requests were sent before cutoff
+-- and whose evaluation is not done, each re-armed to now so that one sweeper takes it
+local taken = {}
+local claims = redis.call('HGETALL', KEYS[1])
+for i = 1, #claims, 2 do
+  local at = tonumber(claims[i + 1])
+  if at ~= nil and at < tonumber(ARGV[1]) then
+    redis.call('HSET', KEYS[1], claims[i], ARGV[2])
+    table.insert(taken, tonumber(claims[i]))
+  end
+end
+return taken
+"""
+
+RECORD_EVAL = """
+-- KEYS[1] evalseen:{job}:{v}, KEYS[2] eval:{job}:{v}; ARGV episode id, reward, solved 0/1,
+-- then component name/value pairs -> episodes counted so far, or -1 for an episode counted
+-- before (a redelivered result)
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return -1 end
+redis.call('HINCRBYFLOAT', KEYS[2], 'reward', ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'solved', ARGV[3])
+for i = 4, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+return redis.call('HINCRBY', KEYS[2], 'episodes', 1)
+"""
