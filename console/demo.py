@@ -79,16 +79,33 @@ def demo_jobs(base_model: str, run_id: str) -> list[JobSpec]:
 def progress_table(jobs: dict[str, JobProgress], *, final: bool = False) -> Table:
     table = Table(title="MARLaaS demo" + (" — final" if final else ""))
     for column in ("job", "tenant", "env", "state", "steps", "reward start", "reward end",
-                   "max staleness", "dropped", "wall s"):  # fmt: skip
+                   "eval acc base", "eval acc final", "max staleness", "dropped",
+                   "wall s"):  # fmt: skip
         table.add_column(column)
     for job in jobs.values():
         start, end = job.reward_window(True, REWARD_WINDOW), job.reward_window(False, REWARD_WINDOW)
+        numbers = job.summary(REWARD_WINDOW)
+        base, last, stderr = (
+            numbers["eval_accuracy_base"], numbers["eval_accuracy_final"], numbers["eval_stderr"]
+        )  # fmt: skip
         table.add_row(
             job.job_id, job.tenant, job.env, job.status, f"{job.steps}/{job.max_steps}",
             "-" if start is None else f"{start:.3f}", "-" if end is None else f"{end:.3f}",
+            _accuracy(base, stderr), _accuracy(last, stderr),
             str(job.max_staleness_seen), str(job.dropped_groups), f"{job.wall_s:.0f}",
         )  # fmt: skip
+    if final:
+        table.caption = (
+            "eval acc: share of held-out tasks solved, greedy decoding, ± the larger standard "
+            "error of the two evaluations"
+        )
     return table
+
+
+def _accuracy(value: object, stderr: object) -> str:
+    if not isinstance(value, float):
+        return "-"
+    return f"{value:.3f}" + (f" ±{stderr:.3f}" if isinstance(stderr, float) else "")
 
 
 async def run_demo(

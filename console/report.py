@@ -78,6 +78,20 @@ STEP_COLUMNS = tuple(f.name for f in fields(StepRow) if f.name in StepMetrics.na
 
 
 @dataclass
+class EvalRow:
+    """One evaluated adapter version of a job (its `eval` event; version 0: the base)."""
+
+    job_id: str
+    tenant: str
+    version: int
+    at: float
+    accuracy: float | None
+    accuracy_stderr: float | None
+    reward: float | None
+    episodes: float | None
+
+
+@dataclass
 class UtilisationRow:
     replica: str
     segment: int
@@ -102,6 +116,7 @@ class Report:
     """Earliest event or replica sample: time zero of the charts over time."""
     jobs: list[JobSummary] = field(default_factory=list)
     steps: list[StepRow] = field(default_factory=list)
+    evals: list[EvalRow] = field(default_factory=list)
     utilisation: list[UtilisationRow] = field(default_factory=list)
 
 
@@ -134,6 +149,7 @@ def build_report(
         rows = _step_rows(tenant, job_events)
         report.jobs.append(_job_summary(job_id, tenant, spec, job_events, rows))
         report.steps += rows
+        report.evals += _eval_rows(tenant, job_events)
     for replica, samples in sorted(histories.items()):
         report.utilisation += _utilisation_rows(replica, samples, report.started_at or 0.0)
     return report
@@ -168,6 +184,20 @@ def _step_rows(tenant: str, job_events: Sequence[Event]) -> list[StepRow]:
             latest[event.step] = event
     first_at = job_events[0].at if job_events else 0.0
     return [_step_row(event, tenant, first_at) for _, event in sorted(latest.items())]
+
+
+def _eval_rows(tenant: str, job_events: Sequence[Event]) -> list[EvalRow]:
+    latest = {event.step: event for event in job_events if event.event == "eval"}
+    rows = []
+    for version, event in sorted(latest.items()):
+        metrics = event.metrics
+        row = EvalRow(
+            event.job_id, tenant, version, event.at, metrics.get("eval_accuracy"),
+            metrics.get("eval_accuracy_stderr"), metrics.get("eval_reward"),
+            metrics.get("eval_episodes"),
+        )  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def _step_row(event: Event, tenant: str, first_at: float) -> StepRow:

@@ -16,16 +16,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from console.report import JobSummary, Report, StepRow, UtilisationRow
+from console.report import EvalRow, JobSummary, Report, StepRow, UtilisationRow
 from console.svgchart import Point, Series, line_chart, plottable
 
 # --- files ------------------------------------------------------------------------------
 
 
 def write_report(report: Report, out_dir: Path) -> Path:
-    """Write index.html, steps.csv, utilisation.csv and report.json; returns index.html."""
+    """Write index.html, steps.csv, evals.csv, utilisation.csv and report.json; returns
+    index.html."""
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_csv(out_dir / "steps.csv", report.steps, StepRow)
+    _write_csv(out_dir / "evals.csv", report.evals, EvalRow)
     _write_csv(out_dir / "utilisation.csv", report.utilisation, UtilisationRow)
     # Strict JSON: a NaN or infinite metric (a diverged loss) becomes null.
     report_json = json.dumps(_finite_or_none(asdict(report)), indent=2, allow_nan=False)
@@ -35,7 +37,7 @@ def write_report(report: Report, out_dir: Path) -> Path:
     return index
 
 
-def _write_csv(path: Path, rows: Sequence[StepRow | UtilisationRow], kind: type) -> None:
+def _write_csv(path: Path, rows: Sequence[StepRow | EvalRow | UtilisationRow], kind: type) -> None:
     with path.open("w", newline="", encoding="utf-8") as out:
         writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(kind)])
         writer.writeheader()
@@ -87,6 +89,13 @@ def _charts(report: Report) -> list[str]:
             for job_id, rows in steps_by_job.items()
         ]
 
+    evals_by_job: dict[str, list[EvalRow]] = {}
+    for evaluated in report.evals:
+        evals_by_job.setdefault(evaluated.job_id, []).append(evaluated)
+    held_out = [
+        Series(job_id, job_id, [plottable((r.version, r.accuracy) for r in rows)])
+        for job_id, rows in evals_by_job.items()
+    ]
     trainer_throughput = [
         Series(
             job_id,
@@ -110,6 +119,14 @@ def _charts(report: Report) -> list[str]:
             "step",
             "mean reward",
             per_step("mean_reward"),
+            whole_x=True,
+        ),
+        line_chart(
+            "eval",
+            "Held-out accuracy (greedy) per evaluated adapter version (0: the base model)",
+            "adapter version",
+            "accuracy",
+            held_out,
             whole_x=True,
         ),
         line_chart(

@@ -48,7 +48,7 @@ class JobRow:
             "best_reward": p.best_reward, "rewards": p.rewards, "staleness": p.last_staleness,
             "max_staleness_seen": p.max_staleness_seen, "dropped_groups": p.dropped_groups,
             "in_flight_episodes": self.in_flight_episodes, "eta_s": p.eta_s(now),
-            "reason": p.reason,
+            "reason": p.reason, "evals": {str(v): m for v, m in sorted(p.evals.items())},
         }  # fmt: skip
 
 
@@ -211,7 +211,8 @@ async def live_view(
     interval_s: float = 2.0,
     timeout_s: float | None = None,
 ) -> StatusSnapshot:
-    """Refresh the view until Ctrl-C, or (until_done) until every job has ended.
+    """Refresh the view until Ctrl-C, or (until_done) until every job has ended and the
+    final evaluations of completed ones are in.
 
     Raises TimeoutError when `timeout_s` passes first.
     """
@@ -219,9 +220,9 @@ async def live_view(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     snapshot = await board.snapshot()
     with Live(render(snapshot, detail=detail), console=console, auto_refresh=False) as live:
-        while not (until_done and all(row.progress.done for row in snapshot.jobs)):
+        while not (until_done and all(row.progress.reported for row in snapshot.jobs)):
             if deadline is not None and time.monotonic() > deadline:
-                pending = [row.progress.job_id for row in snapshot.jobs if not row.progress.done]
+                pending = [r.progress.job_id for r in snapshot.jobs if not r.progress.reported]
                 raise TimeoutError(f"jobs not finished after {timeout_s:.0f}s: {pending}")
             await asyncio.sleep(interval_s)
             snapshot = await board.snapshot()
@@ -248,12 +249,14 @@ def render(snapshot: StatusSnapshot, *, detail: bool = False) -> RenderableType:
 def _jobs_table(snapshot: StatusSnapshot) -> Table:
     table = Table(
         title=f"MARLaaS jobs — {time.strftime('%H:%M:%S')}", title_justify="left",
-        caption=None if snapshot.jobs else "no jobs yet: marlaas submit examples/jobs/*.toml",
+        caption="eval acc: held-out accuracy (greedy), base model → latest evaluated version"
+        if snapshot.jobs
+        else "no jobs yet: marlaas submit examples/jobs/*.toml",
     )  # fmt: skip
     table.add_column("job", no_wrap=True, overflow="fold")
     for column in ("tenant", "env", "state", "progress"):
         table.add_column(column)
-    for column in ("reward", "best", "stale", "in flight", "ETA"):
+    for column in ("reward", "best", "eval acc", "stale", "in flight", "ETA"):
         table.add_column(column, justify="right")
     for row in snapshot.jobs:
         p = row.progress
@@ -268,10 +271,25 @@ def _jobs_table(snapshot: StatusSnapshot) -> Table:
         )
         table.add_row(
             p.job_id, p.tenant, p.env, state, progress, _reward(p.latest_reward),
-            _reward(p.best_reward), f"{p.last_staleness}/{p.max_staleness_seen}",
+            _reward(p.best_reward), eval_accuracy_text(p),
+            f"{p.last_staleness}/{p.max_staleness_seen}",
             str(row.in_flight_episodes), _duration(p.eta_s(snapshot.taken_at)),
         )  # fmt: skip
     return table
+
+
+def eval_accuracy_text(progress: JobProgress) -> str:
+    """Held-out accuracy of the base model -> the latest evaluated version (v<n>), with the
+    latest's standard error; "-" before the first evaluation."""
+    if not progress.evals:
+        return "-"
+    latest = max(progress.evals)
+    metrics = progress.evals[latest]
+    text = f"{metrics.get('eval_accuracy', 0.0):.2f}±{metrics.get('eval_accuracy_stderr', 0.0):.2f}"
+    base = progress.eval_accuracy(0)
+    if latest == 0 or base is None:
+        return f"{text} (v{latest})"
+    return f"{base:.2f} → {text} (v{latest})"
 
 
 def _services_table(snapshot: StatusSnapshot) -> Table:
@@ -316,7 +334,10 @@ def _events_table(row: JobRow) -> Table:
     return table
 
 
-BRIEF_METRICS = ("mean_reward", "loss", "staleness_max", "tokens", "step_s")
+BRIEF_METRICS = (
+    "mean_reward", "loss", "staleness_max", "tokens", "step_s", "eval_accuracy",
+    "eval_accuracy_stderr", "eval_reward",
+)  # fmt: skip
 """The step metrics `marlaas status JOB` shows; `marlaas logs` shows them all."""
 
 
@@ -327,7 +348,8 @@ def event_cells(event: Event, *, brief: bool = False) -> tuple[str, str, str, st
         metrics = [(k, event.metrics[k]) for k in BRIEF_METRICS if k in event.metrics]
     details = event.reason or " ".join(f"{k}={v:.4g}" for k, v in metrics)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
-    return stamp, event.service, event.event, str(event.step) if event.step else "", details
+    step = str(event.step) if event.step or event.event == "eval" else ""
+    return stamp, event.service, event.event, step, details
 
 
 def _busy(replica: ReplicaRow) -> str:

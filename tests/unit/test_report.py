@@ -16,7 +16,7 @@ from console.report import Report, build_report
 from console.report_page import write_report
 
 T0 = 1_800_000_000.0
-CHARTS = {"reward", "staleness", "throughput", "utilisation"}
+CHARTS = {"reward", "eval", "staleness", "throughput", "utilisation"}
 EVIL_JOB = 'evil"<job>&'
 
 
@@ -40,6 +40,12 @@ def step(job_id: str, n: int, reward: float, seconds: float, staleness: int = 0)
     return msgspec.structs.replace(sent, at=T0 + seconds)
 
 
+def evaluation(job_id: str, version: int, accuracy: float, seconds: float) -> Event:
+    metrics = {"eval_accuracy": accuracy, "eval_accuracy_stderr": 0.1, "eval_episodes": 32.0}
+    sent = job_event(job_id, "eval", "env_svc", tenant="acme", step=version, metrics=metrics)
+    return msgspec.structs.replace(sent, at=T0 + seconds)
+
+
 def spec(job_id: str, env: str) -> JobSpec:
     return JobSpec(
         job_id=job_id,
@@ -60,6 +66,8 @@ EVENTS = [
     ],
     event("job-a", "dropped_stale", 25, reason="group g3: 2 versions behind"),
     event("job-a", "completed", 31),
+    evaluation("job-a", 0, 0.25, 1),
+    evaluation("job-a", 3, 0.5, 33),
     event("job-b", "accepted", 2),
     *[step("job-b", i + 1, r, 12 * (i + 1)) for i, r in enumerate(REWARDS["job-b"])],
     event(EVIL_JOB, "rejected", 3, reason="<script>alert(1)</script>", tenant="<b>x</b>"),
@@ -157,6 +165,12 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
     assert set(page.charts) == CHARTS
     assert page.charts["reward"] == {job: steps_of(job, "mean_reward") for job in REWARDS}
     assert page.charts["staleness"] == {job: steps_of(job, "staleness_max") for job in REWARDS}
+    assert page.charts["eval"] == {"job-a": [[0, 0.25], [3, 0.5]]}
+    with (tmp_path / "evals.csv").open(encoding="utf-8") as evals_file:
+        rows = list(csv.DictReader(evals_file))
+    assert [(r["job_id"], r["version"], r["accuracy"]) for r in rows] == [
+        ("job-a", "0", "0.25"), ("job-a", "3", "0.5"),
+    ]  # fmt: skip
     # x: seconds since the report's first event or sample; 800 tokens in 4 s per step
     assert page.charts["throughput"] == {
         "trainer:job-a": [[10.0, 200.0], [20.0, 200.0], [30.0, 200.0]],
