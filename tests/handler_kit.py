@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from common.config import EnvServiceSettings, SharedSettings
 from common.messages import (
@@ -55,9 +56,9 @@ def adapter_update(job_id: str, version: int) -> AdapterUpdate:
     return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
 
 
-def env_service(backend: Backend, tokenizer: ChatTokenizer) -> EnvService:
+def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:
     return EnvService(
-        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(), tokenizer,
+        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(**settings), tokenizer,
         producer=backend.producer, store=backend.store,
     )  # fmt: skip
 

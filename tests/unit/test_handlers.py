@@ -212,6 +212,37 @@ async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event
     assert await backend.store.evals(spec.job_id) == {0: "done"}
 
 
+async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A replica died after the last episode was counted (no event), or requests were lost:
+    the sweep sends the missing event, or sends the evaluation's requests again."""
+    service = env_service(backend, tokenizer, eval_timeout_s=0.2)
+    spec = job_spec(
+        "sweep", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2,
+        evals=EvalSettings(tasks=2),
+    )  # fmt: skip
+    job_id = spec.job_id
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    first_sent = await backend.sent(Topic.PROMPTS, job_id, expect=2 + 2)
+    for index in range(2):  # both counted, the event never sent
+        await backend.store.record_eval(
+            job_id, 0, f"{job_id}/eval0/{index}", reward=1.0, solved=index == 0, components={}
+        )
+    await backend.store.publish_adapter(job_id, 2, "/nowhere/v2", 2)
+    await backend.store.claim_eval(job_id, 2)  # claimed, its requests lost
+    await asyncio.sleep(0.3)
+    await service.sweep_claims()
+    (event,) = events(await backend.sent(Topic.EVENTS, job_id, expect=2), "eval")
+    assert (event.step, event.metrics["eval_accuracy"]) == (0, 0.5)
+    sent = await backend.sent(Topic.PROMPTS, job_id, expect=len(first_sent) + 2)
+    evaluating = sorted(r.episode_id for r in sent if "/eval" in r.episode_id)  # type: ignore[union-attr]
+    assert evaluating == [f"{job_id}/eval0/0", f"{job_id}/eval0/1", f"{job_id}/eval2/0",
+                          f"{job_id}/eval2/1"]  # fmt: skip
+    evals = await backend.store.evals(job_id)
+    assert evals[0] == "done" and evals[2] != "done"
+
+
 # --- trainer_svc ------------------------------------------------------------------------
 
 
