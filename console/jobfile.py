@@ -27,6 +27,7 @@ import msgspec
 from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, validate_job
 from common.messages import (
     EnvSettings,
+    EvalSettings,
     JobSpec,
     LoraSettings,
     RLSettings,
@@ -41,7 +42,7 @@ class JobFileError(ValueError):
 
 _TOP_LEVEL: dict[str, type] = {"job_id": str, "tenant": str, "base_model": str}
 _TABLES: dict[str, type[msgspec.Struct]] = {
-    "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings,
+    "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings, "eval": EvalSettings,
 }  # fmt: skip
 _REQUIRED = ("tenant", "env")
 _NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")

@@ -84,6 +84,8 @@ def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> 
         (GOOD.replace('tenant = "acme"', "tenant = 3"), "tenant: expected str, got int"),
         (GOOD.replace('name = "arithmetic"', 'seed = 1'), "env.name: missing (required)"),
         ("colour = 'red'\n" + GOOD, "colour: unknown field"),
+        (GOOD + "\n[eval]\ntasks = 5000\n", "eval.tasks: must be in [0, 1024], got 5000"),
+        (GOOD + "\n[eval]\nevery = 2\n", "eval.every: unknown field"),
         (GOOD.replace("max_operand = 20", "max_operand = 'x'"),
          "env: environment 'arithmetic': bad param 'max_operand'"),
         ('base_model = "llama-70b"\n' + GOOD, "base_model: this deployment serves"),
