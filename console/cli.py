@@ -12,7 +12,7 @@ from rich.table import Table
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
 from common.logs import setup_logging
-from console import cli_jobs
+from console import cli_envs, cli_jobs
 from console.cli_support import (
     USER_ERRORS,
     console,
@@ -32,6 +32,7 @@ topics_app = typer.Typer(help="Kafka topics of MARLaaS.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 
 cli_jobs.register(app)
+cli_envs.register(app)
 
 
 @app.callback()

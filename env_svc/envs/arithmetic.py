@@ -30,10 +30,18 @@ _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _JUST_A_NUMBER = re.compile(r"\s*-?\d+\.?\s*")
 
 
+MAX_DIGITS = 100
+"""Longer numbers are no answer to a task here (and Python refuses to convert those past
+4,300 digits: the reward would fail instead of scoring 0)."""
+
+
 def last_number(text: str) -> Fraction | None:
-    """The last number written in `text` ("1,234" and "12.0" included), or None."""
+    """The last number written in `text` ("1,234" and "12.0" included), or None (also for
+    a number of more than `MAX_DIGITS` digits)."""
     matches = _NUMBER.findall(text)
-    return Fraction(matches[-1].replace(",", "")) if matches else None
+    if not matches or len(matches[-1]) > MAX_DIGITS:
+        return None
+    return Fraction(matches[-1].replace(",", ""))
 
 
 def is_just_a_number(text: str) -> bool:
