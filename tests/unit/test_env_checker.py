@@ -3,7 +3,9 @@ flagged for each thing env_svc would trip over."""
 
 from __future__ import annotations
 
+import re
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +102,36 @@ def test_the_cli_lists_environments_and_exits_1_on_a_failed_check(broken_env: st
     assert good.exit_code == 0 and "every check passed" in good.output, good.output
     bad = runner.invoke(app, ["envs", "check", "arithmetic", "--params", "[1]"])
     assert bad.exit_code != 0 and "JSON object" in bad.output
+
+
+def readme_environment() -> tuple[str, str]:
+    """The README's "Write an environment" example: its module and its pyproject.toml."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Write an environment", 1)[1].split("\n### ", 1)[0]
+    python, toml = re.findall(r"```(?:python|toml)\n(.*?)```", section, re.DOTALL)[:2]
+    return python, toml
+
+
+def test_the_readme_example_is_found_by_its_entry_point_and_passes_the_checker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, toml = readme_environment()
+    (tmp_path / "reverse_env").mkdir()
+    (tmp_path / "reverse_env" / "__init__.py").write_text(python)
+    # What `pip install` leaves: the package, and its entry points in a .dist-info.
+    (entry,) = tomllib.loads(toml)["project"]["entry-points"]["marlaas.envs"].items()
+    dist_info = tmp_path / "reverse_env-0.1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: reverse-env\nVersion: 0.1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(f"[marlaas.envs]\n{entry[0]} = {entry[1]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert "reverse" in available_environments()
+        report = check_environment("reverse", tasks=8)
+        assert report.ok, [f for f in report.findings if not f.ok]
+        bad = check_environment("reverse", {"min_length": 0})
+        assert "min_length" in bad.findings[0].detail and not bad.ok
+    finally:
+        sys.modules.pop("reverse_env", None)
