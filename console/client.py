@@ -143,21 +143,31 @@ class MarlaasClient:
         """Account for every group of the job (console/audit.py): its ledger against the
         pointer, the latest checkpoint (when the artifact store is here) and the last
         AdapterUpdate on the broker."""
-        record = await self.job(job_id)
-        pointer = await self.store.adapter(job_id)
-        checkpoint: int | None = None
-        if (self.settings.artifacts / "checkpoints").is_dir():
-            checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
+        return (await self.audits([job_id]))[job_id]
+
+    async def audits(self, job_ids: Collection[str]) -> dict[str, Audit]:
+        """`audit` of each job, reading `marlaas.adapters` once for all of them."""
+        records = {job_id: await self.job(job_id) for job_id in job_ids}
         async with AdapterFeed(
-            self.settings.kafka_bootstrap, {job_id}, connect_timeout_s=self.connect_timeout_s
+            self.settings.kafka_bootstrap, set(job_ids), connect_timeout_s=self.connect_timeout_s
         ) as feed:
             updates = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
-        return audit(
-            job_id, await self.store.ledger(job_id), status=record.status,
-            groups_per_step=record.spec.rl.groups_per_step,
-            pointer_version=pointer.version if pointer else 0, checkpoint_version=checkpoint,
-            announced_version=max((u.version for u in updates), default=0),
-        )  # fmt: skip
+        announced: dict[str, int] = {}
+        for update in updates:
+            announced[update.job_id] = max(announced.get(update.job_id, 0), update.version)
+        audits = {}
+        for job_id, record in records.items():
+            pointer = await self.store.adapter(job_id)
+            checkpoint: int | None = None
+            if (self.settings.artifacts / "checkpoints").is_dir():
+                checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
+            audits[job_id] = audit(
+                job_id, await self.store.ledger(job_id), status=record.status,
+                groups_per_step=record.spec.rl.groups_per_step,
+                pointer_version=pointer.version if pointer else 0,
+                checkpoint_version=checkpoint, announced_version=announced.get(job_id, 0),
+            )  # fmt: skip
+        return audits
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""

@@ -433,6 +433,7 @@ class Chaos:
         problems = [*self.tally.invariant_breaks, *self.tally.crashes]
         lost = double = unexpected = 0
         statuses: dict[str, int] = {}
+        audits = await self.client.audits(sorted(self.jobs))  # marlaas.adapters read once
         for job_id in sorted(self.jobs):
             record = await self.client.store.job(job_id)
             status = record.status if record else "missing"
@@ -441,7 +442,7 @@ class Chaos:
                 problems.append(f"{job_id} ended {status}")
             if status == "failed" and record is not None and not record.reason:
                 problems.append(f"{job_id} failed without a reason")
-            report = await self.client.audit(job_id)
+            report = audits[job_id]
             lost += len(report.lost)
             double += len(report.double_trained)
             unexpected += len(report.unexpected)

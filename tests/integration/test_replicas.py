@@ -91,7 +91,7 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
             statuses = {
                 s.job_id: r.status if r else "missing" for s, r in zip(specs, records, strict=True)
             }
-            audits = {s.job_id: await client.audit(s.job_id) for s in specs}
+            audits = await client.audits([s.job_id for s in specs])
     assert killed is not None and set(statuses.values()) == {"completed"}, statuses
     assert all(not a.problems for a in audits.values()), {j: a.problems for j, a in audits.items()}
 
