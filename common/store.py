@@ -263,6 +263,13 @@ class RedisStore:
         ids = (f"{job_id}/g{index}" for index in range(int(issued or 0)))
         return [group_id for group_id in ids if group_id not in done]
 
+    async def dropped_among(self, job_id: str, group_ids: Sequence[str]) -> set[str]:
+        """Those of `group_ids` counted as dropped (by any replica, at any time)."""
+        if not group_ids:
+            return set()
+        found = await self._redis.smismember(_dedup_key(DROPPED, job_id), list(group_ids))
+        return {group_id for group_id, hit in zip(group_ids, found, strict=True) if hit}
+
     async def published_uri(self, job_id: str, version: int) -> str | None:
         """Where version `version` of the job's adapter was published (None: never, or
         published before versions were recorded)."""

@@ -338,9 +338,10 @@ class TrainerService(Service):
         quiet = time.time() - last if last is not None else 0.0
         if quiet <= self.settings.group_timeout_s or job_id not in self.jobs:
             return
-        ready = {group.group_id for group in job.ready}
         for group_id in await store.live_groups(job_id):
-            if group_id in ready or job.spec.job_id not in self.jobs:
+            # Closed here: complete (ready or trained) or dropped. Checked at each group, not
+            # once: a group may complete while an earlier drop is being recorded.
+            if group_id in job.closed or job.spec.job_id not in self.jobs:
                 continue
             group = job.filling.pop(group_id, None) or Group(group_id)
             job.closed.add(group_id)
@@ -379,7 +380,18 @@ class TrainerService(Service):
             await self._drop(job, group, "dropped_stale", f"{lag} versions behind, unfinished")
             if job.spec.job_id not in self.jobs:
                 return  # the drop failed the job
+        # A group dropped elsewhere (a replica that owned the job before, dropping it as lost
+        # while its trajectories were only late) was replaced: it must never be trained too.
+        store = self.io.require_store()
+        elsewhere = await store.dropped_among(job.spec.job_id, [g.group_id for g in job.ready])
         pending, job.ready = job.ready, deque()
+        for group in [g for g in pending if g.group_id in elsewhere]:
+            pending.remove(group)
+            job.closed.add(group.group_id)
+            group.release()
+            job_logger(log, job.spec.job_id, job.spec.tenant).info(
+                "group %s was dropped elsewhere; not trained", group.group_id
+            )
         keep: deque[Group] = deque()
         while pending:
             group = pending.popleft()

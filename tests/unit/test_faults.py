@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -456,6 +456,92 @@ async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep
     (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
     assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
     assert await backend.store.live_groups(spec.job_id) == []
+
+
+class CompletingDuringDrop:
+    """The backend's store; while the first drop is being recorded, the last trajectory of
+    another group arrives (the chaos run's interleaving)."""
+
+    def __init__(self, store: Any, arrive: Callable[[], Awaitable[None]]) -> None:
+        self._store, self._arrive = store, arrive
+        self.arrived = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def record_dropped_group(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.arrived:
+            self.arrived = True
+            await self._arrive()
+        return await self._store.record_dropped_group(*args, **kwargs)
+
+
+async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_dropped(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chaos run 8: the lost-group sweep listed the job's ready groups once, then dropped the
+    others one by one; a group that completed meanwhile was dropped (and replaced) and then
+    trained as well."""
+    inbox = Inbox(Topic.TRAJECTORIES)
+    spec = job_spec("race", group_size=2, groups_per_step=2, max_staleness=0, max_steps=2)
+    service: TrainerService | None = None
+
+    async def last_of_g1() -> None:
+        assert service is not None
+        await inbox.hand(service.on_trajectory, trajectory(spec, 1, 1, 1.0, 0))
+
+    store = CompletingDuringDrop(backend.store, last_of_g1)
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(group_timeout_s=0.5), lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer, store=store,  # type: ignore[arg-type]
+    )  # fmt: skip
+    await service.load_model()
+    await backend.store.register_job(spec, status="running")
+    for _ in range(2):
+        await backend.store.try_issue_group(
+            spec.job_id, max_staleness=0, groups_per_step=2, max_groups=4
+        )
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
+    await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, 0))
+    await asyncio.sleep(0.6)
+    await service.sweep_finished()  # drops g0; g1 completes meanwhile
+    assert store.arrived
+    groups = [f"{spec.job_id}/g{i}" for i in (0, 1)]
+    assert await backend.store.dropped_among(spec.job_id, groups) == {groups[0]}
+    assert [g.group_id for g in service.jobs[spec.job_id].ready] == [f"{spec.job_id}/g1"]
+
+
+async def test_a_group_another_replica_dropped_is_never_trained_here(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chaos run 8: a replica dropped a job's groups as lost; their trajectories were only
+    late, reached the job's next owner, and it trained them, so two groups were both dropped
+    (and replaced) and trained, and the job completed with its replacements never trained."""
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    spec = await running_job(backend, "dropped-elsewhere")
+    for index in range(2):  # g0 issued and dropped as lost elsewhere, g1 its replacement
+        await backend.store.try_issue_group(
+            spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
+        )
+        if index == 0:
+            await backend.store.record_dropped_group(
+                spec.job_id, f"{spec.job_id}/g0", invalid=False
+            )
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for group in (0, 1):
+        for sample in range(2):
+            await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, sample, 0))
+    assert await service.train_once()
+    assert inbox.committable == 4  # g0's trajectories released, g1 trained
+    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
+    assert not await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    report = audit(
+        spec.job_id, await backend.store.ledger(spec.job_id), status="running",
+        groups_per_step=1, pointer_version=1,
+    )  # fmt: skip
+    assert not report.problems, report.problems
 
 
 async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not_held(
