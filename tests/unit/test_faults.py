@@ -498,10 +498,11 @@ async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_d
     )  # fmt: skip
     await service.load_model()
     await backend.store.register_job(spec, status="running")
-    for _ in range(2):
+    for index in range(2):  # issued and sent
         await backend.store.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=2, max_groups=4
         )
+        await backend.store.finish_claim(spec.job_id, index)
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
     await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, 0))
     await asyncio.sleep(0.6)
@@ -525,6 +526,7 @@ async def test_a_group_another_replica_dropped_is_never_trained_here(
         await backend.store.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
         )
+        await backend.store.finish_claim(spec.job_id, index)
         if index == 0:
             await backend.store.record_dropped_group(
                 spec.job_id, f"{spec.job_id}/g0", invalid=False
