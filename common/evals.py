@@ -11,8 +11,9 @@ one is in, sends an `eval` event with the mean reward, the accuracy (share of ep
 environment counts as solved, `Environment.solved`) and its standard error.
 
 State: `evals:{job}` maps each evaluated version to when its requests were last sent (a
-claim, re-sent by the sweeper when old) or `done`; `evalseen:{job}:{v}` holds the episodes
-counted, so a redelivered result is counted once; `eval:{job}:{v}` holds the tally.
+claim, re-sent by the sweeper when old) or `done`; `evalresends:{job}` counts the re-sends
+per version; `evalseen:{job}:{v}` holds the episodes counted, so a redelivered result is
+counted once; `eval:{job}:{v}` holds the tally.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from typing import Any
 from common.messages import JobSpec
 
 DONE = "done"
+MAX_RESENDS = 2
+"""An evaluation still short of episodes after its requests were sent again this often ends
+with the episodes it has (a result lost mid-episode never comes): `eval_episodes` says how
+many."""
 _COMPONENT = "component:"
 
 
@@ -51,6 +56,10 @@ def evaluated(spec: JobSpec, version: int) -> bool:
 
 def evals_key(job_id: str) -> str:
     return f"evals:{job_id}"
+
+
+def resends_key(job_id: str) -> str:
+    return f"evalresends:{job_id}"
 
 
 def tally_keys(job_id: str, version: int) -> list[str]:

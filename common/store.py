@@ -39,6 +39,7 @@ from common.evals import (
     EvalTally,
     evals_key,
     record_args,
+    resends_key,
     tally_keys,
 )
 from common.flow import (
@@ -470,6 +471,10 @@ class RedisStore:
         return EvalTally.from_hash(
             version, await self._redis.hgetall(tally_keys(job_id, version)[1])
         )
+
+    async def count_eval_resend(self, job_id: str, version: int) -> int:
+        """One more re-send of the evaluation of `version`; returns how many so far."""
+        return int(await self._redis.hincrby(resends_key(job_id), str(version), 1))
 
     async def finish_eval(self, job_id: str, version: int) -> None:
         """Its `eval` event is out: the sweeper leaves it alone."""

@@ -17,7 +17,7 @@ import msgspec
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
-from common.evals import eval_group_id, eval_version_of, evaluated
+from common.evals import MAX_RESENDS, eval_group_id, eval_version_of, evaluated
 from common.faults import fault_point
 from common.flow import IssuedGroup
 from common.health import redis_ready
@@ -303,13 +303,16 @@ class EnvService(Service):
         )  # fmt: skip
 
     async def _sweep_evals(self, record: JobRecord) -> None:
-        """Finish evaluations whose episodes are all in (their event was not sent), and
-        send the requests of unfinished ones again."""
+        """Finish evaluations whose episodes are all in (their event was not sent), or that
+        were sent `MAX_RESENDS` times (with the episodes they have), and send the requests of
+        other unfinished ones again."""
         store, spec = self.io.require_store(), record.spec
         for version in await store.take_stale_evals(spec.job_id, self.settings.eval_timeout_s):
             if record.status in _NOT_EVALUATED:
                 await store.finish_eval(spec.job_id, version)
             elif (await store.eval_tally(spec.job_id, version)).episodes >= spec.eval.tasks:
+                await self._finish_eval(spec, version)
+            elif await store.count_eval_resend(spec.job_id, version) > MAX_RESENDS:
                 await self._finish_eval(spec, version)
             else:
                 job_logger(log, spec.job_id, spec.tenant).warning(

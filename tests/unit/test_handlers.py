@@ -241,6 +241,14 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
                           f"{job_id}/eval2/1"]  # fmt: skip
     evals = await backend.store.evals(job_id)
     assert evals[0] == "done" and evals[2] != "done"
+    # Its results never come (lost mid-episode): sent again once more, then it ends with the
+    # episodes it has, so a watcher waiting for it is not left waiting forever.
+    for _ in range(2):
+        await asyncio.sleep(0.3)
+        await service.sweep_claims()
+    final = events(await backend.sent(Topic.EVENTS, job_id, expect=3), "eval")[-1]
+    assert (final.step, final.metrics["eval_episodes"]) == (2, 0)
+    assert (await backend.store.evals(job_id))[2] == "done"
 
 
 # --- trainer_svc ------------------------------------------------------------------------
