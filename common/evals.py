@@ -103,7 +103,7 @@ class EvalTally:
         return math.sqrt(p * (1 - p) / n) if n else 0.0
 
     def metrics(self) -> dict[str, float]:
-        """The `eval` event's metrics; components as `reward/<name>` means."""
+        """The `eval` event's metrics; reward components as `eval_reward/<name>` means."""
         n = max(self.episodes, 1)
         return {
             "eval_reward": self.reward_sum / n,
