@@ -104,6 +104,9 @@ class SharedSettings(BaseSettings):
     """Log lines as text (`... job=<id> tenant=<tenant>`) or as JSON objects, one a line."""
     metrics_host: str = "0.0.0.0"
     """Address each service's metrics and health endpoint listens on (port: per service)."""
+    chat_url: str = ""
+    """A rollout replica's chat completions (`http://host:ROLLOUT_API_PORT/v1`), where
+    `marlaas sample` asks; the embedded stack serves one and writes it to stack.env."""
 
     @property
     def artifacts(self) -> Path:
@@ -164,6 +167,9 @@ class RolloutSettings(BaseSettings):
     run's deterministic stand-in, tests/chaos/scripted_engine.py)."""
     metrics_port: int = Field(default=9102, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
+    api_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the OpenAI-compatible chat completions (`/v1/chat/completions`, a job id as
+    the model) for trying a job's adapter; None: not served; 0: a free port (logged)."""
     cpu_cores: CoreList = ""
     """CPU cores the whole rollout service runs on (its Python, vLLM's engine process and
     its OpenMP threads, which vLLM binds there unless `VLLM_CPU_OMP_THREADS_BIND` says

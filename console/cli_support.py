@@ -61,8 +61,9 @@ def one_line_errors(command: Callable[P, T]) -> Callable[P, T]:
 
 
 def say(line: str) -> None:
-    """One line of output, never wrapped (scripts split it) nor colour-highlighted."""
-    console.print(line, highlight=False, soft_wrap=True)
+    """One line of output as it is: never wrapped (scripts split it), colour-highlighted or
+    read as markup (job ids, paths and model text may hold brackets)."""
+    console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def fail(message: str) -> NoReturn:

@@ -207,21 +207,27 @@ def start_service(
 
 
 def start_services(
-    modules: tuple[str, ...], settings: SharedSettings, kafka_bootstrap: str, redis_url: str
+    modules: tuple[str, ...],
+    settings: SharedSettings,
+    kafka_bootstrap: str,
+    redis_url: str,
+    *,
+    chat_port: int | None = None,
 ) -> list[ChildServer]:
     """Start service processes with logs under `<state dir>/logs/<module>.log`; a module
     named more than once runs as that many replicas (in one consumer group, logs
-    `<module>-<n>.log`)."""
+    `<module>-<n>.log`). The first rollout replica serves chat completions on `chat_port`."""
     placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
     children, seen = [], dict.fromkeys(modules, 0)
     for module in modules:
         index, seen[module] = seen[module], seen[module] + 1
         name = module if modules.count(module) == 1 else f"{module}-{index}"
         log_path = settings.state_dir / "logs" / f"{name}.log"
+        extra = dict(placement.get(module) or {})
+        if module == "rollout_svc" and index == 0 and chat_port is not None:
+            extra["ROLLOUT_API_PORT"] = str(chat_port)
         children.append(
-            start_service(
-                module, settings, kafka_bootstrap, redis_url, log_path, placement.get(module)
-            )
+            start_service(module, settings, kafka_bootstrap, redis_url, log_path, extra)
         )
     return children
 
@@ -293,6 +299,8 @@ class LocalStack:
         self.kafka_bootstrap = self._external_kafka or ""
         self.redis_url = self._external_redis or ""
         self.children: list[ChildServer] = []
+        self.chat_url = ""
+        """The first rollout replica's chat completions (`marlaas sample`), once started."""
         self.topic_partitions: dict[str, int] = {}
         self.supervisor = Supervisor(self.children, restart_policy, on_restart=self._count_restart)
         self._supervision: asyncio.Task[None] | None = None
@@ -323,10 +331,15 @@ class LocalStack:
                 self.settings.connect_timeout_s,
                 self.children,
             )
+            chat_port = None
+            if "rollout_svc" in self.services:
+                chat_port = int(os.environ.get("ROLLOUT_API_PORT") or free_port())
+                self.chat_url = f"http://127.0.0.1:{chat_port}/v1"
             self._write_env_file()
             self.children += start_services(
-                self.services, self.settings, self.kafka_bootstrap, self.redis_url
-            )
+                self.services, self.settings, self.kafka_bootstrap, self.redis_url,
+                chat_port=chat_port,
+            )  # fmt: skip
         except BaseException:
             self.stop()
             raise
@@ -405,5 +418,6 @@ class LocalStack:
             f"MARLAAS_KAFKA_BOOTSTRAP={self.kafka_bootstrap}",
             f"MARLAAS_REDIS_URL={self.redis_url}",
             f"MARLAAS_STACK_PID={os.getpid()}",
+            *([f"MARLAAS_CHAT_URL={self.chat_url}"] if self.chat_url else []),
         ]
         atomic_write_text(self.env_file, "\n".join(lines) + "\n")

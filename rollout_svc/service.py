@@ -45,6 +45,7 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
+from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class RolloutService(Service):
         self._started_at = time.monotonic()
         self._stopping = asyncio.Event()
         self._engine_died = asyncio.Event()
+        self.chat: ChatAPI | None = None
+        self._slots_for_chat = asyncio.Semaphore(4)
+        """Chat requests in the engine at once, beside (not out of) the rollouts' slots."""
         self._tenants: dict[str, str] = {}
         """Tenant of each job this replica logged about, read from the registry once."""
         export_service_metrics(SERVICE)
@@ -145,10 +149,52 @@ class RolloutService(Service):
             )
         log.info("rollout_svc: %d adapters from Redis at start-up", len(self.latest))
         await self.engine.start()
+        if self.settings.api_port is not None:
+            self.chat = await self._start_chat(self.settings.api_port)
         self.consumer = await self.io.consume(
             SERVICE, self.settings.consumer_group, self.on_request
         )
         self._started_at = time.monotonic()
+
+    async def _start_chat(self, port: int) -> ChatAPI:
+        from transformers import AutoTokenizer
+
+        from common.models import resolve_tokenizer
+
+        directory = await asyncio.to_thread(
+            resolve_tokenizer, self.shared.base_model, self.shared.cache_dir
+        )
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(directory))
+        chat = ChatAPI(
+            tokenizer, self.sample_for_chat, lambda: list(self.latest),
+            host=self.shared.metrics_host, port=port,
+        )  # fmt: skip
+        await chat.start()
+        return chat
+
+    async def sample_for_chat(
+        self, request: GenerationRequest, job_id: str, version: int | None
+    ) -> GenerationResult:
+        """One chat completion with the job's latest adapter (`version` None), exactly
+        `version`, or the base model (no job); in the engine beside the rollouts."""
+        adapter: AdapterRef | None = None
+        if job_id:
+            store = self.io.require_store()
+            if await store.job(job_id) is None:
+                raise LookupError(f"unknown job {job_id!r}")
+            if version is None:  # the pointer: newer than a broadcast this replica awaits
+                pointer = await store.adapter(job_id)
+                version = pointer.version if pointer is not None else 0
+            try:
+                adapter = await self._pinned(job_id, version)
+            except ValueError as exc:
+                raise LookupError(str(exc)) from None
+        async with self._slots_for_chat:
+            try:
+                return await self.engine.generate(request, adapter)
+            finally:
+                if adapter is not None:
+                    await self._retire_if_old(adapter)
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -177,6 +223,8 @@ class RolloutService(Service):
         if self.consumer is not None:
             await self.consumer.close()
         await self.adapters.close()
+        if self.chat is not None:
+            await self.chat.stop()
         await self.engine.stop()
         await self.io.close()
 

@@ -128,10 +128,19 @@ def test_compose_runs_the_stack_and_the_three_services(compose: Compose) -> None
 
 
 def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
-    marlaas_envs = [
-        environment_of(compose["services"][name]) for name in marlaas_containers(compose)
-    ]
-    assert marlaas_envs and all(env == marlaas_envs[0] for env in marlaas_envs)
+    """The shared settings are the same everywhere; a container adds only its own (the
+    rollout replicas' chat port, the CLI's chat URL)."""
+    envs = {name: environment_of(compose["services"][name]) for name in marlaas_containers(compose)}
+    shared = envs["topics"]
+    assert shared and all({k: env.get(k) for k in shared} == shared for env in envs.values())
+    extras = {name: sorted(set(env) - set(shared)) for name, env in envs.items()}
+    assert extras == {
+        "topics": [], "env_svc": [], "trainer_svc": [], "rollout_svc": ["ROLLOUT_API_PORT"],
+        "cli": ["MARLAAS_CHAT_URL"],
+    }  # fmt: skip
+    port = envs["rollout_svc"]["ROLLOUT_API_PORT"]
+    assert envs["cli"]["MARLAAS_CHAT_URL"] == f"http://rollout_svc:{port}/v1"
+    assert port in compose["services"]["rollout_svc"]["expose"]
 
 
 def test_kafka_bootstrap_is_what_the_broker_advertises(compose: Compose) -> None:

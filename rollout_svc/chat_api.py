@@ -1,0 +1,174 @@
+"""Try a job's model: OpenAI-compatible chat completions served by a rollout replica.
+
+`POST /v1/chat/completions` with `model` = a job id (its latest adapter), `<job>@v<N>`
+(adapter version N; `@v0` is the base model) or `base`; `messages` as OpenAI's; `max_tokens`,
+`temperature` (default 0: greedy, as evaluations decode), `top_p` and `stop`. The prompt is
+the base model's chat template over the messages; generation runs in the same engine, batched
+with the jobs' rollouts. `GET /v1/models` lists the jobs whose adapters this replica knows.
+Any OpenAI client works against `http://<host>:<ROLLOUT_API_PORT>/v1`; `marlaas sample` uses it.
+Not authenticated: tenant keys belong to the tenant API (issue 14), not to this endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from common.messages import GenerationRequest, GenerationResult, SamplingSettings, new_id
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_LIMIT = 1024
+_MODEL = re.compile(r"^(?P<job>[^@]+?)(?:@v(?P<version>\d+))?$")
+
+Generate = Callable[[GenerationRequest, str, int | None], Awaitable[GenerationResult]]
+"""(request, job id, adapter version or None for the latest) -> the sampled turn."""
+
+
+class ChatError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_model(model: str) -> tuple[str, int | None]:
+    """`job` -> (job, None: latest); `job@v3` -> (job, 3); `base` -> ("", 0)."""
+    if model == "base":
+        return "", 0
+    match = _MODEL.match(model)
+    if match is None:
+        raise ChatError(400, f"model {model!r}: a job id, <job>@v<N> or 'base'")
+    version = match.group("version")
+    return match.group("job"), None if version is None else int(version)
+
+
+def sampling_of(body: dict[str, Any]) -> SamplingSettings:
+    try:
+        given = body.get("max_tokens", body.get("max_completion_tokens"))
+        max_tokens = 64 if given is None else int(given)
+        temperature = float(body.get("temperature", 0.0))
+        top_p = float(body.get("top_p", 1.0))
+    except (TypeError, ValueError) as exc:
+        raise ChatError(400, f"bad sampling parameter: {exc}") from None
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise ChatError(400, f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {max_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ChatError(400, "temperature must be >= 0 and top_p in (0, 1]")
+    if not all(isinstance(s, str) for s in stop):
+        raise ChatError(400, "stop must be a string or a list of strings")
+    return SamplingSettings(
+        temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, stop=list(stop)
+    )
+
+
+class ChatAPI:
+    """The HTTP server; `generate` samples with the named adapter, `models` lists job ids."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        generate: Generate,
+        models: Callable[[], Sequence[str]],
+        *,
+        host: str,
+        port: int,
+    ) -> None:
+        self._tokenizer, self._generate, self._models = tokenizer, generate, models
+        self._host, self._port = host, port
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._list_models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        addresses = self._runner.addresses
+        port = int(addresses[0][1]) if addresses else self._port
+        self.url = f"http://{'127.0.0.1' if self._host == '0.0.0.0' else self._host}:{port}/v1"
+        log.info("chat completions on %s", self.url)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _list_models(self, _: web.Request) -> web.Response:
+        models = ["base", *sorted(self._models())]
+        data = [{"id": m, "object": "model", "owned_by": "marlaas"} for m in models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        try:
+            try:
+                body = await request.json()
+            except json.JSONDecodeError as exc:
+                raise ChatError(400, f"the body is not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise ChatError(400, "the body must be a JSON object")
+            return web.json_response(await self.complete(body))
+        except ChatError as exc:
+            error = {"message": str(exc), "type": "invalid_request_error", "code": exc.status}
+            return web.json_response({"error": error}, status=exc.status)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        model = body.get("model")
+        messages = body.get("messages")
+        if not isinstance(model, str) or not model:
+            raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
+        if body.get("stream"):
+            raise ChatError(400, "stream: not supported")
+        if int(body.get("n", 1)) != 1:
+            raise ChatError(400, "n: only 1")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        ):
+            raise ChatError(400, "messages: a non-empty list of {role, content}")
+        job_id, version = parse_model(model)
+        sampling = sampling_of(body)
+        text = self._tokenizer.apply_chat_template(
+            [{"role": m.get("role", "user"), "content": m["content"]} for m in messages],
+            tokenize=False, add_generation_prompt=True,
+        )  # fmt: skip
+        # The template writes its special tokens as text; nothing may be added around them.
+        prompt_ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        call = new_id()
+        request = GenerationRequest(
+            request_id=f"chat-{call}", job_id=job_id or "base", episode_id=f"chat-{call}",
+            group_id="chat", sample_index=0, turn=0, context_token_ids=prompt_ids,
+            sampling=sampling, pinned_adapter_version=-1 if version is None else version,
+        )  # fmt: skip
+        try:
+            result = await self._generate(request, job_id, version)
+        except LookupError as exc:
+            raise ChatError(404, str(exc)) from None
+        except ValueError as exc:  # e.g. a context longer than the engine takes
+            raise ChatError(400, str(exc)) from None
+        text = self._tokenizer.decode(result.completion_token_ids, skip_special_tokens=True)
+        latest = version is None and job_id
+        served = f"{job_id}@v{result.adapter_version}" if latest else model
+        return {
+            "id": f"chatcmpl-{call}", "object": "chat.completion", "created": int(time.time()),
+            "model": served,
+            "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": result.finish_reason,
+            }],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(result.completion_token_ids),
+                "total_tokens": len(prompt_ids) + len(result.completion_token_ids),
+            },
+        }  # fmt: skip

@@ -1,0 +1,96 @@
+"""Try a job's model: the rollout service's OpenAI-compatible chat completions on vLLM's CPU
+engine (tiny model, a random adapter), called with OpenAI's own client and `marlaas sample`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from typer.testing import CliRunner
+
+from common.config import RolloutSettings, SharedSettings
+from common.messages import EnvSettings, JobSpec, new_id
+from common.models import tiny_model
+from common.store import RedisStore
+from console.cli import app
+from rollout_svc.engine import RolloutEngine
+from rollout_svc.service import RolloutService
+from tests.integration.test_rollout_engine import make_adapter
+
+pytestmark = [pytest.mark.kafka, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(
+    local_stack,
+    tmp_path_factory: pytest.TempPathFactory,  # type: ignore[no-untyped-def]
+) -> AsyncIterator[tuple[str, str]]:
+    """A rollout service's engine and chat endpoint (no Kafka consumer: only chat), with a
+    job whose v1 is a random adapter."""
+    base = tiny_model()
+    store = await RedisStore.connect(local_stack.redis_url)
+    job_id = f"chat-{new_id()[:8]}"
+    await store.register_job(
+        JobSpec(job_id=job_id, tenant="acme", base_model=str(base),
+                env=EnvSettings(name="arithmetic")),
+        status="running",
+    )  # fmt: skip
+    adapter = make_adapter(base, tmp_path_factory.mktemp("adapters") / "v1", seed=3)
+    await store.publish_adapter(job_id, 1, adapter.resolve().as_uri(), 1)
+    engine = RolloutEngine(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
+    await engine.start()
+    service = RolloutService(
+        SharedSettings(base_model=str(base), metrics_host="127.0.0.1"), RolloutSettings(),
+        engine, store=store,
+    )  # fmt: skip
+    chat = await service._start_chat(0)
+    try:
+        yield chat.url, job_id
+    finally:
+        await chat.stop()
+        await engine.stop()
+        await store.close()
+
+
+async def test_an_openai_client_talks_to_a_jobs_adapter(served: tuple[str, str]) -> None:
+    from openai import AsyncOpenAI, NotFoundError
+
+    url, job_id = served
+    client = AsyncOpenAI(base_url=url, api_key="unused")
+    question: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
+
+    async def ask(model: str) -> tuple[str, str]:
+        answer = await client.chat.completions.create(
+            model=model,
+            messages=question,
+            max_tokens=12,  # type: ignore[arg-type]
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        return answer.model, answer.choices[0].message.content or ""
+
+    latest_model, adapted = await ask(job_id)
+    assert latest_model == f"{job_id}@v1"  # the latest: read from Redis, not broadcast
+    assert (await ask(f"{job_id}@v1"))[1] == adapted  # greedy: the same answer again
+    _, base = await ask("base")
+    assert (await ask(f"{job_id}@v0"))[1] == base != adapted  # v0 is the base model
+    with pytest.raises(NotFoundError, match="unknown job"):
+        await ask("no-such-job")
+    with pytest.raises(NotFoundError, match="never published"):
+        await ask(f"{job_id}@v7")
+    listed = await client.models.list()
+    assert "base" in [m.id for m in listed.data]
+
+    def sample(*args: str) -> str:
+        result = CliRunner().invoke(app, ["sample", *args, "--url", url, "--max-tokens", "12"])
+        assert result.exit_code == 0, result.output
+        return result.output.strip()
+
+    said = await asyncio.to_thread(sample, job_id, "What is 2 + 3?")
+    assert said == f"[{job_id}@v1] {adapted}"
+    failed = await asyncio.to_thread(
+        CliRunner().invoke, app, ["sample", "nope", "hi", "--url", url]
+    )
+    assert failed.exit_code == 1 and "unknown job 'nope'" in failed.output

@@ -1,0 +1,59 @@
+"""The chat endpoint's request checks (the endpoint itself runs on vLLM in
+tests/integration/test_chat_api.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rollout_svc.chat_api import ChatAPI, ChatError, parse_model, sampling_of
+
+
+def test_model_names() -> None:
+    assert parse_model("acme-1") == ("acme-1", None)
+    assert parse_model("acme-1@v3") == ("acme-1", 3)
+    assert parse_model("base") == ("", 0)
+    with pytest.raises(ChatError, match="a job id"):
+        parse_model("@v2")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be in"),
+        ({"max_tokens": "lots"}, "bad sampling parameter"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"stop": [1]}, "stop must be a string"),
+    ],
+)
+def test_bad_sampling_is_a_clear_400(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(ChatError, match=message) as raised:
+        sampling_of(body)
+    assert raised.value.status == 400
+
+
+def test_defaults_decode_greedily() -> None:
+    sampling = sampling_of({"stop": "\n"})
+    assert (sampling.temperature, sampling.max_new_tokens, sampling.stop) == (0.0, 64, ["\n"])
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "model:"),
+        ({"model": "j", "messages": []}, "messages:"),
+        ({"model": "j", "messages": [{"role": "user"}]}, "messages:"),
+        ({"model": "j", "messages": [{"content": "hi"}], "stream": True}, "stream"),
+        ({"model": "j", "messages": [{"content": "hi"}], "n": 2}, "n: only 1"),
+    ],
+)
+async def test_bad_requests_are_refused_before_generation(
+    body: dict[str, Any], message: str
+) -> None:
+    async def never(*_: Any) -> Any:
+        raise AssertionError("generated")
+
+    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0)
+    with pytest.raises(ChatError, match=message):
+        await api.complete(body)
