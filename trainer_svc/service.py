@@ -382,8 +382,11 @@ class TrainerService(Service):
                 return  # the drop failed the job
         # A group dropped elsewhere (a replica that owned the job before, dropping it as lost
         # while its trajectories were only late) was replaced: it must never be trained too.
-        store = self.io.require_store()
-        elsewhere = await store.dropped_among(job.spec.job_id, [g.group_id for g in job.ready])
+        store, ready_ids = self.io.require_store(), [g.group_id for g in job.ready]
+        elsewhere = await durably(
+            "checking for groups dropped elsewhere",
+            lambda: store.dropped_among(job.spec.job_id, ready_ids),
+        )
         pending, job.ready = job.ready, deque()
         for group in [g for g in pending if g.group_id in elsewhere]:
             pending.remove(group)

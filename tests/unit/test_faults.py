@@ -513,6 +513,25 @@ async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_d
     assert [g.group_id for g in service.jobs[spec.job_id].ready] == [f"{spec.job_id}/g1"]
 
 
+async def test_a_redis_blip_while_checking_for_dropped_groups_is_waited_out(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chaos run 9: the check for groups dropped elsewhere met a Valkey restart and stopped
+    the trainer's step loop (the replica exited)."""
+    store = FlakyStore(backend.store, "dropped_among", times=2)
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
+        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=store,  # type: ignore[arg-type]
+    )  # fmt: skip
+    await service.load_model()
+    spec = await running_job(backend, "blip-dropped")
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample in range(2):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    assert await service.train_once()
+    assert store.left == 0 and inbox.committable == 2
+
+
 async def test_a_group_another_replica_dropped_is_never_trained_here(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
