@@ -180,5 +180,7 @@ def test_compose_healthchecks_probe_each_services_readyz_on_its_port() -> None:
     assert len(set(ports.values())) == 3
     for name, port in ports.items():
         service = compose["services"][name]
-        assert service["expose"] == [str(port)]
+        # Besides: the rollout replicas' chat completions (rollout_svc/chat_api.py).
+        api = [service["environment"]["ROLLOUT_API_PORT"]] if name == "rollout_svc" else []
+        assert service["expose"] == [str(port), *api]
         assert f"http://127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"])
