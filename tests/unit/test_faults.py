@@ -295,10 +295,7 @@ async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
 ) -> None:
     spec = job_spec("blip", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     store = FlakyStore(backend.store, "publish_adapter", times=2)
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
-        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=store,  # type: ignore[arg-type]
-    )  # fmt: skip
+    service = trainer_service(backend, tiny_dir, tmp_path, store=store)
     await service.load_model()
     await backend.store.register_job(spec, status="running")
     inbox = Inbox(Topic.TRAJECTORIES)
@@ -327,12 +324,13 @@ async def test_the_pointer_and_its_trained_groups_move_in_one_step(backend: Back
 
 
 def trainer_service(
-    backend: Backend, tiny_dir: Path, tmp_path: Path, **settings: Any
+    backend: Backend, tiny_dir: Path, tmp_path: Path, *, store: Any = None, **settings: Any
 ) -> TrainerService:
+    """A trainer on the backend; `store`: a wrapper around the backend's store instead."""
     return TrainerService(
         SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
         TrainerSettings(**settings), lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer, store=backend.store,
+        producer=backend.producer, store=store or backend.store,
     )  # fmt: skip
 
 
@@ -436,11 +434,7 @@ async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep
     """Chaos run 7: Redis restarted while the sweep read a job's ledger, and the error
     stopped the trainer's step loop, so the replica exited."""
     store = FlakyStore(backend.store, "last_activity", times=1)
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(group_timeout_s=0.5), lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer, store=store,  # type: ignore[arg-type]
-    )  # fmt: skip
+    service = trainer_service(backend, tiny_dir, tmp_path, store=store, group_timeout_s=0.5)
     await service.load_model()
     spec = await running_job(backend, "blip-sweep")
     await backend.store.try_issue_group(
@@ -491,11 +485,7 @@ async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_d
         await inbox.hand(service.on_trajectory, trajectory(spec, 1, 1, 1.0, 0))
 
     store = CompletingDuringDrop(backend.store, last_of_g1)
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(group_timeout_s=0.5), lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer, store=store,  # type: ignore[arg-type]
-    )  # fmt: skip
+    service = trainer_service(backend, tiny_dir, tmp_path, store=store, group_timeout_s=0.5)
     await service.load_model()
     await backend.store.register_job(spec, status="running")
     for index in range(2):  # issued and sent
@@ -519,10 +509,7 @@ async def test_a_redis_blip_while_checking_for_dropped_groups_is_waited_out(
     """Chaos run 9: the check for groups dropped elsewhere met a Valkey restart and stopped
     the trainer's step loop (the replica exited)."""
     store = FlakyStore(backend.store, "dropped_among", times=2)
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
-        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=store,  # type: ignore[arg-type]
-    )  # fmt: skip
+    service = trainer_service(backend, tiny_dir, tmp_path, store=store)
     await service.load_model()
     spec = await running_job(backend, "blip-dropped")
     inbox = Inbox(Topic.TRAJECTORIES)
