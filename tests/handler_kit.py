@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from common.config import EnvServiceSettings, SharedSettings
+from common.config import EnvServiceSettings, RolloutSettings, SharedSettings
 from common.messages import (
     AdapterUpdate,
     EnvSettings,
@@ -25,6 +25,7 @@ from common.messages import (
 from env_svc.episodes import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.engine import AdapterRef
+from rollout_svc.service import GenerationEngine, RolloutService
 from tests.fakes import Backend
 
 BASE_MODEL = "smollm2-135m-instruct"
@@ -54,6 +55,13 @@ def events(messages: Sequence[object], kind: str) -> list[Event]:
 
 def adapter_update(job_id: str, version: int) -> AdapterUpdate:
     return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
+
+
+def rollout_service(backend: Backend, engine: GenerationEngine) -> RolloutService:
+    return RolloutService(
+        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
+        store=backend.store,
+    )  # fmt: skip
 
 
 def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:

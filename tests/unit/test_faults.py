@@ -47,6 +47,7 @@ from tests.handler_kit import (
     events,
     job_spec,
     request_for,
+    rollout_service,
     trajectory,
 )
 from trainer_svc.policy import MultiAdapterPolicy
@@ -250,10 +251,7 @@ async def test_rollout_leaves_requests_to_a_restart_when_its_engine_dies(
     """Before: every request the dead engine was given, and every one read after, was
     dead-lettered and aborted, so each job's groups failed until the job did."""
     engine = DyingEngine()
-    service = RolloutService(
-        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
-        store=backend.store,
-    )  # fmt: skip
+    service = rollout_service(backend, engine)
     job_id = f"rollout-{new_id()[:8]}"
     prompts = Inbox(Topic.PROMPTS)
     for index in range(2):

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.config import RolloutSettings, SharedSettings, TrainerSettings
+from common.config import SharedSettings, TrainerSettings
 from common.flow import issue_limit
 from common.messages import (
     AdapterUpdate,
@@ -29,7 +29,6 @@ from common.messages import (
 )
 from env_svc.episodes import ChatTokenizer
 from env_svc.protocol import environment_for
-from rollout_svc.service import RolloutService
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     GatedEngine,
@@ -38,6 +37,7 @@ from tests.handler_kit import (
     events,
     job_spec,
     request_for,
+    rollout_service,
     trajectory,
 )
 from trainer_svc.policy import MultiAdapterPolicy
@@ -347,10 +347,7 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
     backend: Backend,
 ) -> None:
     engine = GatedEngine()
-    service = RolloutService(
-        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
-        store=backend.store,
-    )  # fmt: skip
+    service = rollout_service(backend, engine)
     job_id = f"rollout-{new_id()[:8]}"
     # The pointer is at v1 but this replica never saw the broadcast: it reads the store.
     await backend.store.publish_adapter(job_id, 1, "/artifacts/adapters/x/v1", 1)
@@ -376,10 +373,7 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
 ) -> None:
     engine = GatedEngine()
     engine.gate.set()
-    service = RolloutService(
-        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
-        store=backend.store,
-    )  # fmt: skip
+    service = rollout_service(backend, engine)
     job_id = f"pinned-{new_id()[:8]}"
     for version in (1, 2):
         await backend.store.publish_adapter(
