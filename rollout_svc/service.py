@@ -190,11 +190,7 @@ class RolloutService(Service):
             except ValueError as exc:
                 raise LookupError(str(exc)) from None
         async with self._slots_for_chat:
-            try:
-                return await self.engine.generate(request, adapter)
-            finally:
-                if adapter is not None:
-                    await self._retire_if_old(adapter)
+            return await self._generate_with(request, adapter)
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -272,11 +268,7 @@ class RolloutService(Service):
             adapter = await retry_transient(
                 f"adapter of {request.job_id}", lambda: self._adapter_for(request), logger=log
             )
-            try:
-                return await self.engine.generate(request, adapter)
-            finally:
-                if adapter is not None and request.pinned_adapter_version > 0:
-                    await self._retire_if_old(adapter)
+            return await self._generate_with(request, adapter)
         except Exception as exc:
             if not self.engine.ready:  # not this request's fault
                 self._engine_died.set()
@@ -325,6 +317,15 @@ class RolloutService(Service):
         if uri is None:
             raise ValueError(f"adapter v{version} of job {job_id} was never published")
         return AdapterRef(job_id, version, str(adapter_path(uri)))
+
+    async def _generate_with(
+        self, request: GenerationRequest, adapter: AdapterRef | None
+    ) -> GenerationResult:
+        try:
+            return await self.engine.generate(request, adapter)
+        finally:
+            if adapter is not None:
+                await self._retire_if_old(adapter)
 
     async def _retire_if_old(self, adapter: AdapterRef) -> None:
         """An older version loaded for an evaluation leaves the engine with its last request."""
