@@ -309,8 +309,11 @@ class Chaos:
             for name, child in list(self.replicas.items()):
                 if (code := child.process.poll()) is not None:
                     child.close_log()
-                    self.tally.crashes.append(f"{name} exited by itself ({code})")
-                    print(f"replica {name} exited by itself ({code})", file=sys.stderr)
+                    # The log tail goes with it: a replica that exits by itself is a bug to
+                    # diagnose, and the state dir of a chaos run is gone by the next session.
+                    tail = child.log_tail(40)
+                    self.tally.crashes.append(f"{name} exited by itself ({code}):\n{tail}")
+                    print(f"replica {name} exited by itself ({code}):\n{tail}", file=sys.stderr)
                     self._start(name)
             await asyncio.sleep(1.0)
 
