@@ -12,7 +12,7 @@ from rich.table import Table
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
 from common.logs import setup_logging
-from console import cli_envs, cli_jobs, cli_sample
+from console import cli_envs, cli_jobs, cli_sample, cli_track
 from console.cli_support import (
     USER_ERRORS,
     console,
@@ -34,6 +34,7 @@ app.add_typer(topics_app, name="topics")
 cli_jobs.register(app)
 cli_envs.register(app)
 cli_sample.register(app)
+cli_track.register(app)
 
 
 @app.callback()

@@ -17,6 +17,7 @@ from rich.console import Console
 from common.backoff import ServerUnreachable
 from common.store import UnknownJobError
 from console.stack import StackError
+from console.tracking import TrackingUnavailableError
 
 PIPED_WIDTH = 200
 """Columns of output that does not go to a terminal (a pipe, a log file): read by people
@@ -29,6 +30,7 @@ err_console = Console(stderr=True)
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     ServerUnreachable, StackError, UnknownJobError, KafkaError, RedisError, ValueError, OSError,
+    TrackingUnavailableError,
 )  # fmt: skip
 """Errors a user can cause or fix: printed as one line, never as a traceback."""
 

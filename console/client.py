@@ -27,6 +27,7 @@ from console.eventfeed import AdapterFeed, EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
 from console.status import StatusBoard
+from console.tracking import Tracker
 
 
 class JobStateError(ValueError):
@@ -184,6 +185,28 @@ class MarlaasClient:
                 specs[job_id] = record.spec
         report = build_report(events, await self.store.replica_stats_history(), specs=specs)
         return write_report(report, out_dir)
+
+    async def track(self, job_ids: Collection[str], tracker: Tracker, *, follow: bool) -> int:
+        """Write the jobs' (or every job's) metrics and settings to the tracker's sinks;
+        returns how many events were new. With `follow`, keep writing as events come,
+        until the named jobs have ended (no job named: until interrupted)."""
+        for job_id in job_ids:
+            await self.job(job_id)  # UnknownJobError for a typo, before anything is written
+        specs: dict[str, JobSpec] = {}
+        written, ended = 0, set[str]()
+        async with self._feed(set(job_ids) or None) as feed:
+            while True:
+                if follow:
+                    events = await feed.poll(0.5)
+                else:
+                    events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
+                for job_id in {event.job_id for event in events} - specs.keys():
+                    if (record := await self.store.job(job_id)) is not None:
+                        specs[job_id] = record.spec
+                written += await asyncio.to_thread(tracker.write, events, specs)
+                ended |= {e.job_id for e in events if STATE_AFTER.get(e.event) in TERMINAL_STATES}
+                if not follow or (job_ids and feed.caught_up and set(job_ids) <= ended):
+                    return written
 
     # --- helpers ----------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from common.store import RedisStore
 from console.cli import app
 from console.stack import LocalStack, free_port
 from tests.conftest import with_store
+from tests.track_readers import mlflow_run, tensorboard_hparams, tensorboard_scalars
 
 pytestmark = pytest.mark.kafka
 
@@ -384,3 +385,30 @@ def test_report_plots_the_rewards_of_the_events(
     assert [x for x, _ in charts.series[("reward", job.job_id)]] == [1, 2, 3]
     assert ("utilisation", f"cli-test-{job.job_id}") in charts.series
     assert (tmp_path / "report" / "steps.csv").read_text().count(job.job_id) == len(REWARDS)
+
+
+# --- track ----------------------------------------------------------------------------
+
+
+def test_track_writes_each_job_for_tensorboard_and_mlflow_once(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+) -> None:
+    job = history(kafka_bootstrap, redis_url, status="completed")
+    out = tmp_path / "track"
+    code, said, _ = invoke(cli, "track", job.job_id, "--out", str(out))
+    assert code == 0 and "track: 8 new events" in said, said  # 3 steps + the end, 2 sinks
+    log_dir = out / "tensorboard" / job.job_id
+    assert tensorboard_scalars(log_dir, "train/mean_reward") == list(enumerate(REWARDS, 1))
+    assert tensorboard_hparams(log_dir)["rl.group_size"] == G
+    run, metrics = mlflow_run(f"sqlite:///{(out / 'mlflow.db').resolve()}", job.job_id)
+    assert metrics["train/mean_reward"] == list(enumerate(REWARDS, 1))
+    assert run.info.status == "FINISHED" and run.data.tags["marlaas.tenant"] == job.tenant
+    # Again, and following: nothing new, and it returns because the job has ended.
+    code, said, _ = invoke(cli, "track", job.job_id, "--out", str(out), "--follow")
+    assert code == 0 and "track: 0 new events" in said, said
+
+
+def test_track_of_an_unknown_job_writes_nothing(cli: CliRunner, tmp_path: Path) -> None:
+    code, _, err = invoke(cli, "track", "no-such-job", "--out", str(tmp_path / "track"))
+    assert code == 1 and "no-such-job" in err
+    assert not (tmp_path / "track" / "track.json").exists()
