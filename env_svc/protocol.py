@@ -300,6 +300,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "env_svc.envs.arithmetic:ArithmeticEnv",
     "calculator": "env_svc.envs.calculator:CalculatorEnv",
     "countdown": "env_svc.envs.countdown:CountdownEnv",
+    "dataset": "env_svc.envs.dataset:DatasetEnv",
 }
 """Built-ins, imported on first use; they win over an entry point of the same name."""
 

@@ -471,7 +471,9 @@ def test_entry_point_environments_are_discovered(monkeypatch: pytest.MonkeyPatch
     assert isinstance(env, EchoEnv)
     task = env.task_for(seed=0, index=0)
     assert answer(env, task, "hi").components == {"said_it": 1.0}
-    with pytest.raises(UnknownEnvironmentError, match="arithmetic, calculator, countdown, echo"):
+    with pytest.raises(
+        UnknownEnvironmentError, match="arithmetic, calculator, countdown, dataset, echo"
+    ):
         get_environment("nope")
 
 

@@ -1,0 +1,177 @@
+"""`dataset`: single-turn tasks from a JSONL file, one `{"question": ..., "answer": ...}` per
+line (field names are params), checked against the reference answer.
+
+The file is read where the environment is built: by env_svc, and by `marlaas submit`,
+which checks a job's params when the environment is installed on its machine. A missing
+file, a line that is not a JSON object with both fields, or an empty split is a bad param,
+named with its line, so the job is refused before it runs.
+
+Held-out evaluation (`eval_task_for`) draws from `eval_path` when given; otherwise a share
+`eval_fraction` of the rows, chosen by a hash of each question (so the same question is
+never in both splits, and the split does not move when lines are added or reordered).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import random
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+from env_svc.envs.arithmetic import last_number
+from env_svc.protocol import ChatMessage, Environment, EnvParams, Reward, Task, last_assistant_text
+
+Match = Literal["auto", "number", "exact", "contains"]
+_NUMERIC = re.compile(r"\s*-?\d+(?:\.\d+)?(?:/\d+)?\s*")
+_EDGE_PUNCTUATION = " \t\n.!?\"'`*"
+
+
+class DatasetParams(EnvParams, frozen=True):
+    path: str
+    """The JSONL file of training tasks (absolute, or relative to the working directory)."""
+    eval_path: str = ""
+    """A JSONL file of held-out tasks; empty: hold out `eval_fraction` of `path`'s rows."""
+    eval_fraction: float = 0.1
+    """Share of `path`'s distinct questions held out for evaluation when there is no
+    `eval_path`, in (0, 0.5]."""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    match: Match = "auto"
+    """How a reply is checked: `number` (its last number equals the answer), `exact`
+    (equal ignoring case, surrounding whitespace and punctuation), `contains` (the answer
+    appears in it, ignoring case); `auto`: `number` for a numeric answer, else `exact`."""
+    prompt_suffix: str = ""
+    """Appended to every question, e.g. " Answer with just the number." """
+
+
+class DatasetTask(Task, frozen=True):
+    answer: str
+
+
+class DatasetEnv(Environment[DatasetTask]):
+    """Single-turn tasks from a JSONL file (question, reference answer)."""
+
+    name = "dataset"
+    params_type = DatasetParams
+    task_type = DatasetTask
+    params: DatasetParams
+
+    def check_params(self) -> None:
+        params = self.params
+        if not params.eval_path and not 0 < params.eval_fraction <= 0.5:
+            raise self.bad_param("eval_fraction", "must be in (0, 0.5] without an eval_path")
+        try:
+            rows = _read_rows(params.path, params.question_field, params.answer_field)
+            held_out = (
+                _read_rows(params.eval_path, params.question_field, params.answer_field)
+                if params.eval_path
+                else ()
+            )
+        except DatasetError as exc:
+            raise self.bad_param(exc.param, str(exc)) from None
+        if params.eval_path:
+            questions = {question for question, _ in held_out}
+            self.train = [row for row in rows if row[0] not in questions]
+            self.held_out = list(held_out)
+        else:
+            self.held_out = [row for row in rows if _held_out(row[0], params.eval_fraction)]
+            self.train = [row for row in rows if not _held_out(row[0], params.eval_fraction)]
+        if params.match == "number":
+            for question, answer in [*self.train, *self.held_out]:
+                if not _NUMERIC.fullmatch(answer):
+                    reason = f"answer {answer!r} of {question!r} is not a number"
+                    raise self.bad_param("match", reason)
+        if not self.train:
+            raise self.bad_param("path", "no training rows left after the held-out split")
+        if not self.held_out:
+            where = "eval_path" if params.eval_path else "eval_fraction"
+            raise self.bad_param(where, "no held-out rows for evaluation")
+
+    def make_rewards(self) -> list[Reward[DatasetTask]]:
+        return [Reward("correct", self._correct, 1.0)]
+
+    def sample_task(self, rng: random.Random) -> DatasetTask:
+        return self._task(rng.choice(self.train))
+
+    def eval_task_for(self, seed: int, index: int) -> DatasetTask:
+        # Without replacement: an evaluation of N <= len(held_out) tasks asks N questions.
+        order = list(range(len(self.held_out)))
+        random.Random(f"{self.name}:eval:{seed}").shuffle(order)
+        return self._task(self.held_out[order[index % len(order)]])
+
+    def _task(self, row: tuple[str, str]) -> DatasetTask:
+        question, answer = row
+        return DatasetTask(question=question + self.params.prompt_suffix, answer=answer)
+
+    def _correct(self, task: DatasetTask, completion: Sequence[ChatMessage]) -> float:
+        reply = last_assistant_text(completion)
+        match = self.params.match
+        if match == "auto":
+            match = "number" if _NUMERIC.fullmatch(task.answer) else "exact"
+        if match == "number":
+            return float(last_number(reply) == Fraction(task.answer.strip()))
+        if match == "contains":
+            return float(task.answer.strip().casefold() in reply.casefold())
+        return float(_normal(reply) == _normal(task.answer))
+
+
+class DatasetError(ValueError):
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(reason)
+        self.param = param
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.strip(_EDGE_PUNCTUATION).casefold().split())
+
+
+def _held_out(question: str, fraction: float) -> bool:
+    digest = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _read_rows(path: str, question_field: str, answer_field: str) -> tuple[tuple[str, str], ...]:
+    file = Path(path)
+    try:
+        stat = file.stat()
+    except OSError as exc:
+        raise DatasetError("path", f"{path}: {exc.strerror or exc}") from None
+    return _rows(str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field, answer_field)
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(
+    path: str, _mtime_ns: int, _size: int, question_field: str, answer_field: str
+) -> tuple[tuple[str, str], ...]:
+    """The file's (question, answer) rows, read once per version of the file (every job of
+    a dataset builds an environment; env_svc builds one per job)."""
+    rows: list[tuple[str, str]] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError("path", f"{path}:{number}: not JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise DatasetError("path", f"{path}:{number}: not a JSON object")
+            fields = []
+            for name in (question_field, answer_field):
+                value = row.get(name)
+                if isinstance(value, bool) or not isinstance(value, str | int | float):
+                    raise DatasetError(
+                        "path", f"{path}:{number}: field {name!r} missing or not text/number"
+                    )
+                fields.append(str(value))
+            if not fields[0].strip():
+                raise DatasetError("path", f"{path}:{number}: empty {question_field!r}")
+            rows.append((fields[0], fields[1]))
+    if not rows:
+        raise DatasetError("path", f"{path}: no rows")
+    return tuple(rows)
