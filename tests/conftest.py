@@ -14,6 +14,7 @@ import pytest
 from common.config import SharedSettings
 from common.store import RedisStore
 from console.stack import ChildServer, LocalStack
+from tests.readme_env import install_readme_environment
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +74,8 @@ def with_store(redis_url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
 class RunningServices:
     settings: SharedSettings
     children: list[ChildServer]
+    environments_site: Path
+    """Where the README's example environment is installed (on the services' Python path)."""
 
 
 @pytest.fixture(scope="session")
@@ -93,10 +96,15 @@ def pipeline_services(
         state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
     )
     os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
+    # The README's third-party environment, pip-installed where env_svc finds it, as a user
+    # installs theirs (tests/integration/test_cli_services.py runs a job of it).
+    site = install_readme_environment(tmp_path_factory.mktemp("readme-env"))
+    paths = [os.environ.get("PYTHONPATH", ""), str(site)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     children = start_services(
         SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
     )
-    yield RunningServices(settings, children)
+    yield RunningServices(settings, children, site)
     stop_services(children)
     for child in children:
         print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(40)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ tenant = "cli-tenant"
 base_model = "{base_model}"
 {job_id}
 [env]
-name = "arithmetic"
+name = "{env}"
 seed = 5
 [rl]
 group_size = 4
@@ -55,11 +56,13 @@ def invoke(runner: CliRunner, *args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def job_file(tmp_path: Path, base_model: str, *, max_steps: int, job_id: str = "") -> Path:
+def job_file(
+    tmp_path: Path, base_model: str, *, max_steps: int, job_id: str = "", env: str = "arithmetic"
+) -> Path:
     path = tmp_path / f"job-{max_steps}.toml"
     path.write_text(
         JOB_FILE.format(
-            base_model=base_model, max_steps=max_steps,
+            base_model=base_model, max_steps=max_steps, env=env,
             job_id=f'job_id = "{job_id}"' if job_id else "",
         )
     )  # fmt: skip
@@ -102,6 +105,31 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     accounting = json.loads(out)
     assert accounting["ok"] and accounting["versions"] == 2 and accounting["lost"] == []
     assert accounting["trained_groups"] + accounting["dropped"] == accounting["issued"]
+
+
+def test_a_job_of_a_pip_installed_environment_runs_to_completion(
+    cli: CliRunner,
+    pipeline_services: RunningServices,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's "Write an environment" example, pip-installed where env_svc runs (the
+    fixture) and here, where `submit` checks the job's params, trains like a built-in."""
+    monkeypatch.syspath_prepend(str(pipeline_services.environments_site))
+    try:
+        code, out, _ = invoke(cli, "envs")
+        assert code == 0 and "reverse_env:ReverseEnv" in out
+        path = job_file(tmp_path, pipeline_services.settings.base_model, max_steps=2, env="reverse")
+        code, out, err = invoke(cli, "submit", str(path), "--wait")
+        assert code == 0, out + err
+        job_id = out.split()[0]
+        code, out, _ = invoke(cli, "status", job_id, "--json")
+        (row,) = json.loads(out)["jobs"]
+        assert (row["env"], row["state"], row["step"]) == ("reverse", "completed", 2)
+        code, out, _ = invoke(cli, "audit", job_id)
+        assert code == 0, out
+    finally:
+        sys.modules.pop("reverse_env", None)
 
 
 def test_pause_resume_cancel_are_applied_by_env_svc(

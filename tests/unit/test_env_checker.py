@@ -3,9 +3,7 @@ flagged for each thing env_svc would trip over."""
 
 from __future__ import annotations
 
-import re
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from console.cli import app
 from env_svc.checker import check_environment
 from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import ENVIRONMENTS_VAR, available_environments
+from tests.readme_env import install_readme_environment
 
 BROKEN = '''
 import random
@@ -104,29 +103,11 @@ def test_the_cli_lists_environments_and_exits_1_on_a_failed_check(broken_env: st
     assert bad.exit_code != 0 and "JSON object" in bad.output
 
 
-def readme_environment() -> tuple[str, str]:
-    """The README's "Write an environment" example: its module and its pyproject.toml."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Write an environment", 1)[1].split("\n### ", 1)[0]
-    python, toml = re.findall(r"```(?:python|toml)\n(.*?)```", section, re.DOTALL)[:2]
-    return python, toml
-
-
 def test_the_readme_example_is_found_by_its_entry_point_and_passes_the_checker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python, toml = readme_environment()
-    (tmp_path / "reverse_env").mkdir()
-    (tmp_path / "reverse_env" / "__init__.py").write_text(python)
-    # What `pip install` leaves: the package, and its entry points in a .dist-info.
-    (entry,) = tomllib.loads(toml)["project"]["entry-points"]["marlaas.envs"].items()
-    dist_info = tmp_path / "reverse_env-0.1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: reverse-env\nVersion: 0.1.0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(f"[marlaas.envs]\n{entry[0]} = {entry[1]}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    site = install_readme_environment(tmp_path)  # a real `pip install`
+    monkeypatch.syspath_prepend(str(site))
     try:
         assert "reverse" in available_environments()
         report = check_environment("reverse", tasks=8)
