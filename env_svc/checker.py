@@ -124,8 +124,15 @@ def _play(report: CheckReport, env: Environment[Any], task: Any, rng: random.Ran
     if started is None:
         return
     state, messages = started
-    if not messages or any(m.get("role") not in ("system", "user") for m in messages):
-        report.add("reset", False, f"initial messages must be system/user turns: {messages!r}")
+    # Worked examples (assistant and tool turns) may precede the task; the model answers a
+    # user turn.
+    roles = [m.get("role") for m in messages] if messages else []
+    if (
+        not roles
+        or roles[-1] != "user"
+        or not set(roles) <= {"system", "user", "assistant", "tool"}
+    ):
+        report.add("reset", False, f"initial messages must end with a user turn: {messages!r}")
         return
     for turn in range(env.max_turns + 1):
         action = rng.choice(ACTIONS)

@@ -58,6 +58,21 @@ SYSTEM_PROMPT = (
     "the number."
 )
 
+DEMONSTRATION: list[ChatMessage] = [
+    {"role": "user", "content": "What is 23 + 48? Answer with just the number."},
+    {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "23 + 48"}}'
+        "</tool_call>",
+    },
+    {"role": "tool", "content": "71"},
+    {"role": "assistant", "content": "71"},
+]
+"""One worked exchange shown before the task (param `demonstration`). Measured on the base
+SmolLM2-135M-Instruct, 2-digit additions: with the system prompt alone it wrote no tool call
+in 64 samples at temperature 1 (so RL had nothing to reinforce); with this exchange 8 of 64
+samples called the tool and 3 of 32 greedy replies did (bench/results/, calculator)."""
+
 MAX_CALLS_PER_TURN = 4
 """Calls beyond this in one turn are answered with an error, not evaluated."""
 MAX_CALL_CHARS = 1000
@@ -107,6 +122,8 @@ class CalculatorParams(EnvParams, frozen=True):
     """Weight of the share of tool calls that are well-formed."""
     tool_use_weight: float = 0.1
     """Weight of "a tool call returned a value"."""
+    demonstration: bool = True
+    """Show one worked exchange (a tool call, its result, the answer) before the task."""
 
 
 class CalculatorTask(Task, frozen=True):
@@ -158,8 +175,10 @@ class CalculatorEnv(Environment[CalculatorTask]):
         return CalculatorTask(question=question, expression=expression, answer=int(answer))
 
     def initial_messages(self, task: CalculatorTask) -> list[ChatMessage]:
+        shown = DEMONSTRATION if self.params.demonstration else []
         return [
             {"role": "system", "content": SYSTEM_PROMPT},
+            *shown,
             {"role": "user", "content": task.question},
         ]
 

@@ -14,7 +14,14 @@ import pytest
 
 from common.messages import EnvSettings
 from env_svc.envs.arithmetic import ArithmeticEnv, ArithmeticTask
-from env_svc.envs.calculator import MAX_CALLS_PER_TURN, CalculatorEnv, CalculatorTask
+from env_svc.envs.calculator import (
+    DEMONSTRATION,
+    MAX_CALLS_PER_TURN,
+    CalculatorEnv,
+    CalculatorTask,
+    parse_tool_calls,
+    run_tool,
+)
 from env_svc.envs.countdown import CountdownEnv, CountdownTask
 from env_svc.protocol import (
     ChatMessage,
@@ -189,7 +196,16 @@ MULTIPLY = CalculatorTask(
 def test_calculator_full_episode() -> None:
     env = CalculatorEnv()
     state, messages = env.reset(MULTIPLY)
-    assert [m["role"] for m in messages] == ["system", "user"]
+    # System prompt, one worked exchange, the task.
+    assert [m["role"] for m in messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert messages[-1]["content"] == MULTIPLY.question
     assert '"name": "calculator"' in messages[0]["content"]  # the schema is in the prompt
     assert "<tool_call>" in messages[0]["content"]
 
@@ -204,6 +220,15 @@ def test_calculator_full_episode() -> None:
     assert final.reward.components == {"correct": 1.0, "tool_format": 1.0, "tool_use": 1.0}
     assert final.reward.total == pytest.approx(1.2)
     assert [m["role"] for m in final.state.completion] == ["assistant", "tool", "assistant"]
+
+
+def test_the_calculator_demonstration_is_a_true_exchange_and_can_be_left_out() -> None:
+    user, call, result, answer = (m["content"] for m in DEMONSTRATION)
+    (parsed,) = parse_tool_calls(call)
+    assert parsed.expression is not None and parsed.expression in user
+    assert run_tool(parsed) == result == answer
+    _, messages = CalculatorEnv({"demonstration": False}).reset(MULTIPLY)
+    assert [m["role"] for m in messages] == ["system", "user"]
 
 
 @pytest.mark.parametrize(
