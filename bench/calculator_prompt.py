@@ -32,6 +32,8 @@ from env_svc.envs.calculator import CalculatorEnv, parse_tool_calls
 from env_svc.protocol import ChatMessage, EpisodeState
 
 HERE = Path(__file__).parent
+BATCH = 64
+"""Conversations per `generate` call: bounds memory (KV cache of ~300-token prompts)."""
 SETTINGS = {
     "one-digit": {"operations": ["+"], "min_operand": 1, "max_operand": 9},
     "two-digit": {"operations": ["+"], "min_operand": 10, "max_operand": 99},
@@ -46,6 +48,12 @@ class Generator:
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
 
     def __call__(self, conversations: list[list[ChatMessage]], sample: bool) -> list[str]:
+        replies: list[str] = []
+        for start in range(0, len(conversations), BATCH):
+            replies += self._generate(conversations[start : start + BATCH], sample)
+        return replies
+
+    def _generate(self, conversations: list[list[ChatMessage]], sample: bool) -> list[str]:
         tok = self.tokenizer
         texts = [
             str(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True))  # type: ignore[arg-type]

@@ -336,6 +336,21 @@ class ConsumerLoop(Generic[M]):
             for tp in assigned
         ]
 
+    async def caught_up(self, topic: str, partition: int) -> bool:
+        """Whether this member has handled every record the broker has on the partition
+        (held ones included). Only then is a record not seen yet missing, rather than unread
+        in a backlog (a replica that took the partition over replays it from the last
+        commit). False for a partition this member does not own."""
+        consumer = self._require_consumer()
+        tp = TopicPartition(topic, partition)
+        if (tracker := self._trackers.get(tp)) is None:
+            return False
+        end = (await consumer.end_offsets([tp]))[tp]
+        handled = tracker.next_unprocessed
+        if handled is None:  # nothing handled since the assignment: from the last commit
+            handled = await consumer.committed(tp) or 0
+        return handled >= end
+
     async def reachable(self, timeout_s: float = 2.0) -> bool:
         """Whether the consumer is started and the broker answers a metadata request in time."""
         if self._consumer is None:

@@ -28,6 +28,11 @@ class OffsetTracker:
         self._held.discard(offset)
 
     @property
+    def next_unprocessed(self) -> int | None:
+        """The offset after the last record handled here; None before the first."""
+        return self._next_unprocessed
+
+    @property
     def held(self) -> int:
         return len(self._held)
 

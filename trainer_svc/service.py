@@ -328,15 +328,23 @@ class TrainerService(Service):
 
     async def _drop_lost(self, job: OwnedJob) -> None:
         """Drop the live groups of a job whose ledger has not moved for `group_timeout_s`
-        (nothing issued, trained or dropped) but those complete here: their missing
-        trajectories are not coming (a record the broker lost; an episode that never
-        ended), and a job whose window is full would wait for them forever. env_svc issues
-        replacements; late trajectories find the groups dropped. The time is the ledger's,
-        so it outlives hand-overs between replicas."""
+        (nothing issued, trained or dropped) but those complete here, once this replica has
+        read the job's partition to its end: their missing trajectories are not coming (a
+        record the broker lost; an episode that never ended), and a job whose window is
+        full would wait for them forever. env_svc issues replacements; late trajectories
+        find the groups dropped. The time is the ledger's, so it outlives hand-overs between
+        replicas."""
         store, job_id = self.io.require_store(), job.spec.job_id
         last = await store.last_activity(job_id)
         quiet = time.time() - last if last is not None else 0.0
         if quiet <= self.settings.group_timeout_s or job_id not in self.jobs:
+            return
+        if self.consumer is not None and not await self.consumer.caught_up(
+            Topic.TRAJECTORIES.value, job.partition
+        ):
+            # Chaos run 12: a replica replaying a backlog after a hand-over dropped groups
+            # whose trajectories sat unread behind it, env_svc issued more, the backlog grew,
+            # and jobs stopped moving. Trajectories not read yet are late, not lost.
             return
         for group_id in await store.live_groups(job_id):
             # Closed here: complete (ready or trained) or dropped. Checked at each group, not

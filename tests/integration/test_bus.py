@@ -477,3 +477,38 @@ async def test_consumer_lag_gauge_follows_held_commits(kafka_bootstrap: str) -> 
             for release in releases:
                 release()
             await wait_for(lambda: lag() == 0, what="the gauge to drop to 0")
+
+
+async def test_caught_up_once_every_record_of_the_partition_is_handled(
+    kafka_bootstrap: str,
+) -> None:
+    """What the trainer asks before dropping a quiet job's groups as lost: has this member
+    read the job's partition to its end (held records count as read)?"""
+    job_id, group = f"caught-{new_id()}", f"group-{new_id()}"
+    partitions: list[int] = []
+    let_through = asyncio.Event()
+
+    async def slow(message: Event, delivery: Delivery) -> None:
+        if message.job_id == job_id:
+            partitions.append(delivery.partition)
+            delivery.hold_commit()
+            await let_through.wait()
+
+    async with producer(kafka_bootstrap) as prod:
+        for step in range(3):
+            await prod.send(event(job_id, step))
+        loop = ConsumerLoop[Event](
+            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=slow,
+            dead_letters=prod, service="caught-up-test",
+        )  # fmt: skip
+        async with running(loop):
+            await wait_for(lambda: len(partitions) == 1, what="the first record in hand")
+            partition = partitions[0]
+            assert not await loop.caught_up(Topic.EVENTS.value, partition)  # 2 still unread
+            let_through.set()
+            await wait_for(lambda: len(partitions) == 3, what="all three handled")
+            deadline = time.monotonic() + 30
+            while not await loop.caught_up(Topic.EVENTS.value, partition):
+                assert time.monotonic() < deadline, "never caught up"
+                await asyncio.sleep(0.1)
+            assert not await loop.caught_up(Topic.EVENTS.value, 999)  # not ours

@@ -840,3 +840,44 @@ async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_hand
     assert (report.issued, report.trained_groups, report.versions) == (2, 2, 2)
     kinds = [entry["kind"] for entry in await backend.store.ledger(spec.job_id)]
     assert kinds == ["issued", "sent", "trained", "issued", "sent", "trained"]
+
+
+class Backlog:
+    """The trainer's consumer as `_drop_lost` sees it: behind on its partitions or not."""
+
+    def __init__(self) -> None:
+        self.behind = True
+        self.asked: list[tuple[str, int]] = []
+
+    async def caught_up(self, topic: str, partition: int) -> bool:
+        self.asked.append((topic, partition))
+        return not self.behind
+
+
+async def test_groups_are_not_dropped_as_lost_while_their_trajectories_may_be_unread(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chaos run 12: trainers taking partitions over replayed backlogs of hundreds of
+    trajectories, and meanwhile dropped the groups those trajectories belonged to as lost
+    (the ledger had not moved for `group_timeout_s`). env_svc issued replacements, the
+    backlog grew, and 13 jobs stopped training. A quiet job's groups are dropped only once
+    the replica has read its partition to the end."""
+    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.5)
+    await service.load_model()
+    backlog = Backlog()
+    service.consumer = backlog  # type: ignore[assignment]
+    spec = await running_job(backend, "backlog")
+    await backend.store.try_issue_group(
+        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
+    )
+    await backend.store.finish_claim(spec.job_id, 0)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
+    await asyncio.sleep(0.6)
+    await service.sweep_finished()
+    assert backlog.asked == [(Topic.TRAJECTORIES.value, service.jobs[spec.job_id].partition)]
+    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    backlog.behind = False  # read to the end: what has not come is lost
+    await service.sweep_finished()
+    (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+    assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
