@@ -2,7 +2,8 @@
 line (field names are params), checked against the reference answer.
 
 The file is read where the environment is built: by env_svc, and by `marlaas submit`,
-which checks a job's params when the environment is installed on its machine. A missing
+which checks a job's params when the environment is installed on its machine; a relative
+path is found under `$MARLAAS_DATA_DIR` (default: the working directory) on both. A missing
 file, a line that is not a JSON object with both fields, or an empty split is a bad param,
 named with its line, so the job is refused before it runs.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import random
 import re
 from collections.abc import Sequence
@@ -26,6 +28,9 @@ from typing import Literal
 from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import ChatMessage, Environment, EnvParams, Reward, Task, last_assistant_text
 
+DATA_DIR_VAR = "MARLAAS_DATA_DIR"
+"""Where relative `path` and `eval_path` are found (default: the working directory): the
+same files mounted at the same place for env_svc and the CLI."""
 Match = Literal["auto", "number", "exact", "contains"]
 _NUMERIC = re.compile(r"\s*-?\d+(?:\.\d+)?(?:/\d+)?\s*")
 _EDGE_PUNCTUATION = " \t\n.!?\"'`*"
@@ -33,7 +38,8 @@ _EDGE_PUNCTUATION = " \t\n.!?\"'`*"
 
 class DatasetParams(EnvParams, frozen=True):
     path: str
-    """The JSONL file of training tasks (absolute, or relative to the working directory)."""
+    """The JSONL file of training tasks: absolute, or relative to `$MARLAAS_DATA_DIR` (default:
+    the working directory)."""
     eval_path: str = ""
     """A JSONL file of held-out tasks; empty: hold out `eval_fraction` of `path`'s rows."""
     eval_fraction: float = 0.1
@@ -137,6 +143,8 @@ def _held_out(question: str, fraction: float) -> bool:
 
 def _read_rows(path: str, question_field: str, answer_field: str) -> tuple[tuple[str, str], ...]:
     file = Path(path)
+    if not file.is_absolute():
+        file = Path(os.environ.get(DATA_DIR_VAR) or ".") / file
     try:
         stat = file.stat()
     except OSError as exc:

@@ -131,3 +131,14 @@ def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
 def test_the_example_passes_the_environment_checker() -> None:
     report = check_environment("dataset", {"path": str(EXAMPLE), "match": "contains"})
     assert report.ok, [f for f in report.findings if not f.ok]
+
+
+def test_a_relative_path_is_found_under_the_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_rows(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": i} for i in range(20)])
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(EnvParamsError, match="No such file"):
+        env(path="d.jsonl")
+    monkeypatch.setenv("MARLAAS_DATA_DIR", str(tmp_path))
+    assert len(env(path="d.jsonl").train) + len(env(path="d.jsonl").held_out) == 20

@@ -42,6 +42,7 @@ def start(
     env = dict(os.environ) | {
         "MARLAAS_BASE_MODEL": str(tiny_dir), "MARLAAS_STATE_DIR": str(tmp_path),
         "TRAINER_DEVICE": "cpu", "PYTHONPATH": str(ROOT),
+        "MARLAAS_DATA_DIR": str(ROOT),  # the example dataset job's file, found from anywhere
     }  # fmt: skip
     return subprocess.run(
         [sys.executable, "-c", guarded(STARTS[target], allowed)],
