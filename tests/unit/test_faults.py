@@ -338,6 +338,19 @@ async def running_job(backend: Backend, name: str) -> JobSpec:
     return spec
 
 
+async def quiet_half_group(backend: Backend, service: TrainerService, name: str) -> JobSpec:
+    """A running job whose one group (g0) got 1 of its 2 trajectories, then nothing for
+    longer than the 0.5 s `group_timeout_s` these tests give the trainer."""
+    spec = await running_job(backend, name)
+    await backend.store.try_issue_group(
+        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
+    )
+    await backend.store.finish_claim(spec.job_id, 0)
+    await Inbox(Topic.TRAJECTORIES).hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
+    await asyncio.sleep(0.6)
+    return spec
+
+
 async def test_a_job_whose_groups_keep_failing_fails_with_the_reason(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -434,14 +447,7 @@ async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep
     store = FlakyStore(backend.store, "last_activity", times=1)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store, group_timeout_s=0.5)
     await service.load_model()
-    spec = await running_job(backend, "blip-sweep")
-    await backend.store.try_issue_group(
-        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
-    )
-    await backend.store.finish_claim(spec.job_id, 0)
-    inbox = Inbox(Topic.TRAJECTORIES)
-    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
-    await asyncio.sleep(0.6)
+    spec = await quiet_half_group(backend, service, "blip-sweep")
     await service.sweep_finished()  # the blip: nothing dropped, nothing raised
     assert store.left == 0 and await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
     await service.sweep_finished()
@@ -866,14 +872,7 @@ async def test_groups_are_not_dropped_as_lost_while_their_trajectories_may_be_un
     await service.load_model()
     backlog = Backlog()
     service.consumer = backlog  # type: ignore[assignment]
-    spec = await running_job(backend, "backlog")
-    await backend.store.try_issue_group(
-        spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
-    )
-    await backend.store.finish_claim(spec.job_id, 0)
-    inbox = Inbox(Topic.TRAJECTORIES)
-    await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
-    await asyncio.sleep(0.6)
+    spec = await quiet_half_group(backend, service, "backlog")
     await service.sweep_finished()
     assert backlog.asked == [(Topic.TRAJECTORIES.value, service.jobs[spec.job_id].partition)]
     assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
