@@ -71,22 +71,23 @@ class DatasetEnv(Environment[DatasetTask]):
         params = self.params
         if not params.eval_path and not 0 < params.eval_fraction <= 0.5:
             raise self.bad_param("eval_fraction", "must be in (0, 0.5] without an eval_path")
+        fields = (params.question_field, params.answer_field)
         try:
-            rows = _read_rows(params.path, params.question_field, params.answer_field)
-            held_out = (
-                _read_rows(params.eval_path, params.question_field, params.answer_field)
-                if params.eval_path
-                else ()
-            )
+            rows = _read_rows("path", params.path, *fields)
+            given = _read_rows("eval_path", params.eval_path, *fields) if params.eval_path else ()
         except DatasetError as exc:
             raise self.bad_param(exc.param, str(exc)) from None
-        if params.eval_path:
-            questions = {question for question, _ in held_out}
+        self.train: list[tuple[str, str]] = []
+        self.held_out: list[tuple[str, str]] = list(given)
+        if params.eval_path:  # a question in both files is held out only
+            questions = {question for question, _ in given}
             self.train = [row for row in rows if row[0] not in questions]
-            self.held_out = list(held_out)
         else:
-            self.held_out = [row for row in rows if _held_out(row[0], params.eval_fraction)]
-            self.train = [row for row in rows if not _held_out(row[0], params.eval_fraction)]
+            for row in rows:
+                held = _held_out(row[0], params.eval_fraction)
+                (self.held_out if held else self.train).append(row)
+        self._eval_orders: dict[int, list[int]] = {}
+        """The held-out rows' order per evaluation seed, drawn once."""
         if params.match == "number":
             for question, answer in [*self.train, *self.held_out]:
                 if not _NUMERIC.fullmatch(answer):
@@ -106,8 +107,9 @@ class DatasetEnv(Environment[DatasetTask]):
 
     def eval_task_for(self, seed: int, index: int) -> DatasetTask:
         # Without replacement: an evaluation of N <= len(held_out) tasks asks N questions.
-        order = list(range(len(self.held_out)))
-        random.Random(f"{self.name}:eval:{seed}").shuffle(order)
+        if (order := self._eval_orders.get(seed)) is None:
+            order = self._eval_orders[seed] = list(range(len(self.held_out)))
+            random.Random(f"{self.name}:eval:{seed}").shuffle(order)
         return self._task(self.held_out[order[index % len(order)]])
 
     def _task(self, row: tuple[str, str]) -> DatasetTask:
@@ -141,15 +143,22 @@ def _held_out(question: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def _read_rows(path: str, question_field: str, answer_field: str) -> tuple[tuple[str, str], ...]:
+def _read_rows(
+    param: str, path: str, question_field: str, answer_field: str
+) -> tuple[tuple[str, str], ...]:
+    """The rows of the file that `param` names; a problem is a `DatasetError` of `param`."""
     file = Path(path)
     if not file.is_absolute():
         file = Path(os.environ.get(DATA_DIR_VAR) or ".") / file
     try:
         stat = file.stat()
     except OSError as exc:
-        raise DatasetError("path", f"{path}: {exc.strerror or exc}") from None
-    return _rows(str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field, answer_field)
+        raise DatasetError(param, f"{path}: {exc.strerror or exc}") from None
+    try:
+        return _rows(str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field,
+                     answer_field)  # fmt: skip
+    except (OSError, ValueError) as exc:  # unreadable, or a line that is not a task
+        raise DatasetError(param, str(exc)) from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -166,20 +175,18 @@ def _rows(
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetError("path", f"{path}:{number}: not JSON: {exc.msg}") from None
+                raise ValueError(f"{path}:{number}: not JSON: {exc.msg}") from None
             if not isinstance(row, dict):
-                raise DatasetError("path", f"{path}:{number}: not a JSON object")
+                raise ValueError(f"{path}:{number}: not a JSON object")
             fields = []
             for name in (question_field, answer_field):
                 value = row.get(name)
                 if isinstance(value, bool) or not isinstance(value, str | int | float):
-                    raise DatasetError(
-                        "path", f"{path}:{number}: field {name!r} missing or not text/number"
-                    )
+                    raise ValueError(f"{path}:{number}: field {name!r} missing or not text/number")
                 fields.append(str(value))
             if not fields[0].strip():
-                raise DatasetError("path", f"{path}:{number}: empty {question_field!r}")
+                raise ValueError(f"{path}:{number}: empty {question_field!r}")
             rows.append((fields[0], fields[1]))
     if not rows:
-        raise DatasetError("path", f"{path}: no rows")
+        raise ValueError(f"{path}: no rows")
     return tuple(rows)

@@ -113,6 +113,15 @@ def test_a_bad_file_is_a_bad_param_naming_the_line(
     assert raised.value.param == param and reason in raised.value.reason
 
 
+def test_a_bad_eval_file_is_a_bad_eval_path(tmp_path: Path) -> None:
+    train = write_rows(tmp_path / "train.jsonl", [{"question": "q", "answer": 1}])
+    for bad in (tmp_path / "missing.jsonl", tmp_path, tmp_path / "broken.jsonl"):
+        (tmp_path / "broken.jsonl").write_text("{oops\n")
+        with pytest.raises(EnvParamsError) as raised:
+            env(path=str(train), eval_path=str(bad))
+        assert raised.value.param == "eval_path" and str(bad) in raised.value.reason
+
+
 def test_a_split_with_no_held_out_question_is_refused(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "d.jsonl", [{"question": "only one", "answer": 1}])
     with pytest.raises(EnvParamsError, match=r"no (held-out|training) rows"):
