@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 
 from common.messages import JobSpec
+from common.tenants import TenantLimits, job_limit_problems
 
 # Job ids name directories, Redis keys, metric labels and vLLM adapters (`<job>@v<n>`):
 # keep them to characters that are safe in all of those. Starting with a letter or digit
@@ -29,6 +30,18 @@ def is_name(text: str) -> bool:
 
 MAX_EVAL_TASKS = 1024
 
+# Upper bounds on every number of a job, whatever its tenant's limits: beyond them a job is a
+# mistake or an attack (a window of 10^6 groups, a rank no engine slot has).
+MAX_GROUP_SIZE = 256
+MAX_GROUPS_PER_STEP = 256
+MAX_STEPS = 1_000_000
+MAX_STALENESS = 64
+MAX_TURNS = 64
+MAX_CONTEXT_TOKENS = 131_072
+MAX_LORA_RANK = 512
+MAX_TARGET_MODULES = 32
+MAX_EVAL_EVERY_STEPS = MAX_STEPS
+
 
 class JobSpecError(ValueError):
     """A job that cannot run as specified; the text names the field."""
@@ -41,12 +54,16 @@ def validate_job(
     max_lora_rank: int | None = None,
     lora_target_modules: Sequence[str] | None = None,
     max_model_len: int | None = None,
+    limits: TenantLimits | None = None,
 ) -> None:
     """Raise JobSpecError for the first problem found (all of them, joined by '; ').
 
     `base_model`, `max_lora_rank`, `lora_target_modules` and `max_model_len` (the rollout
-    engine's longest context) are what the deployment serves (None: not checked)."""
+    engine's longest context) are what the deployment serves, `limits` the tenant's per-job
+    quotas (None: not checked)."""
     problems = list(_problems(spec, base_model, max_lora_rank, lora_target_modules, max_model_len))
+    if limits is not None:
+        problems += job_limit_problems(spec, limits)
     if problems:
         raise JobSpecError("; ".join(problems))
 
@@ -63,10 +80,10 @@ def _problems(
         ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
         ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
         ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
-        ("rl.group_size", rl.group_size >= 2, f"must be >= 2, got {rl.group_size}"),
-        ("rl.groups_per_step", rl.groups_per_step >= 1, f"must be >= 1, got {rl.groups_per_step}"),
-        ("rl.max_steps", rl.max_steps >= 1, f"must be >= 1, got {rl.max_steps}"),
-        ("rl.max_staleness", rl.max_staleness >= 0, f"must be >= 0, got {rl.max_staleness}"),
+        _within("rl.group_size", rl.group_size, 2, MAX_GROUP_SIZE),
+        _within("rl.groups_per_step", rl.groups_per_step, 1, MAX_GROUPS_PER_STEP),
+        _within("rl.max_steps", rl.max_steps, 1, MAX_STEPS),
+        _within("rl.max_staleness", rl.max_staleness, 0, MAX_STALENESS),
         (
             "rl.learning_rate",
             0 < rl.learning_rate < 1,
@@ -77,8 +94,8 @@ def _problems(
         ("rl.is_cap", rl.is_cap >= 1, f"must be >= 1, got {rl.is_cap}"),
         (
             "rl.max_turns",
-            rl.max_turns is None or rl.max_turns >= 1,
-            f"must be >= 1 or unset, got {rl.max_turns}",
+            rl.max_turns is None or 1 <= rl.max_turns <= MAX_TURNS,
+            f"must be in [1, {MAX_TURNS}] or unset, got {rl.max_turns}",
         ),
         (
             "rl.max_context_tokens",
@@ -97,13 +114,16 @@ def _problems(
             sampling.max_new_tokens >= 1,
             f"must be >= 1, got {sampling.max_new_tokens}",
         ),
-        ("lora.rank", lora.rank >= 1, f"must be >= 1, got {lora.rank}"),
-        ("lora.alpha", lora.alpha > 0, f"must be > 0, got {lora.alpha}"),
+        _within("rl.max_context_tokens", rl.max_context_tokens, 2, MAX_CONTEXT_TOKENS),
+        _within("lora.rank", lora.rank, 1, MAX_LORA_RANK),
+        ("lora.alpha", 0 < lora.alpha <= 16 * MAX_LORA_RANK,
+         f"must be in (0, {16 * MAX_LORA_RANK}], got {lora.alpha}"),
         ("lora.dropout", 0 <= lora.dropout < 1, f"must be in [0, 1), got {lora.dropout}"),
-        ("lora.target_modules", bool(lora.target_modules), "must name at least one module"),
+        ("lora.target_modules", 1 <= len(lora.target_modules) <= MAX_TARGET_MODULES,
+         f"must name 1-{MAX_TARGET_MODULES} modules, got {len(lora.target_modules)}"),
         ("eval.tasks", 0 <= evals.tasks <= MAX_EVAL_TASKS,
          f"must be in [0, {MAX_EVAL_TASKS}], got {evals.tasks}"),
-        ("eval.every_steps", evals.every_steps >= 0, f"must be >= 0, got {evals.every_steps}"),
+        _within("eval.every_steps", evals.every_steps, 0, MAX_EVAL_EVERY_STEPS),
     ]  # fmt: skip
     if max_lora_rank is not None:
         checks.append(
@@ -141,3 +161,7 @@ def _problems(
             )
         )
     return [f"{field}: {message}" for field, ok, message in checks if not ok]
+
+
+def _within(field: str, value: int, low: int, high: int) -> tuple[str, bool, str]:
+    return field, low <= value <= high, f"must be in [{low}, {high}], got {value}"

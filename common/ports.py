@@ -15,6 +15,7 @@ from common.flow import DroppedGroup, IssuedGroup
 from common.lifecycle import JobState, RolloutReplicaStats
 from common.messages import JobSpec, Message
 from common.store import AdapterPointer, JobRecord
+from common.tenants import TenantLimits, TenantRegistry
 
 
 class Sender(Protocol):
@@ -51,7 +52,16 @@ class StateStore(Protocol):
     async def adapters(self) -> dict[str, AdapterPointer]: ...
 
     # job registry
-    async def register_job(self, spec: JobSpec, status: JobState = "pending") -> bool: ...
+    async def register_job(
+        self, spec: JobSpec, status: JobState = "pending", *, limits: TenantLimits | None = None
+    ) -> bool: ...
+
+    async def bind_owner(self, job_id: str, tenant: str) -> str: ...
+
+    async def owner(self, job_id: str) -> str | None: ...
+
+    @property
+    def tenants(self) -> TenantRegistry: ...
 
     async def job(self, job_id: str) -> JobRecord | None: ...
 

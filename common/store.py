@@ -4,8 +4,9 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `adapter:{job}`   hash version, uri, step, updated_at — moved only forward (Lua CAS); its
                     version is the job's trained version (common/flow.py reads it)
 - `job:{job}`       hash spec (wire-encoded JobSpec), tenant, status, reason, created_at,
-                    updated_at
+                    updated_at, samples (its G x B x (S + 1), for its tenant's quota)
 - `jobs`            set of every registered job id
+- tenants, API keys, job owners and each tenant's jobs: common/tenants.py
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
@@ -59,6 +60,14 @@ from common.flow import (
 )
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
 from common.messages import JobSpec, Topic, decode, encode
+from common.tenants import (
+    QuotaError,
+    TenantLimits,
+    TenantRegistry,
+    owner_key,
+    samples_in_flight,
+    tenant_jobs_key,
+)
 
 _RESTARTS = "stack:restarts"
 TRAINED = "trained"
@@ -102,13 +111,45 @@ redis.call('HSET', KEYS[3], 'failed_in_a_row', 0)
 return {1, proposed}
 """
 
-# KEYS[1] job key, KEYS[2] jobs set; ARGV job_id, spec, tenant, status, now -> 1 new / 0 known
+# KEYS[1] job key, KEYS[2] jobs set, KEYS[3] the tenant's jobs set; ARGV job_id, spec,
+# tenant, status, now, the job's samples in flight, the tenant's max_concurrent_jobs and
+# max_samples_in_flight (-1: unlimited), terminal statuses... -> {1 new / 0 known / -1 too many
+# jobs / -2 too many samples, the tenant's live jobs, their samples in flight}. The quota is
+# checked and the job registered in one step: two replicas accepting two jobs of one tenant
+# at once cannot both take the last slot. (It reads the tenant's job keys without declaring
+# them: one Redis, never a cluster.)
 _REGISTER_JOB = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0, 0} end
+local jobs, samples = 0, 0
+for _, member in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  local fields = redis.call('HMGET', 'job:' .. member, 'status', 'samples')
+  local live = fields[1] ~= false
+  for i = 9, #ARGV do
+    if fields[1] == ARGV[i] then live = false end
+  end
+  if live then
+    jobs = jobs + 1
+    samples = samples + tonumber(fields[2] or '0')
+  end
+end
+local max_jobs, max_samples = tonumber(ARGV[7]), tonumber(ARGV[8])
+if max_jobs >= 0 and jobs + 1 > max_jobs then return {-1, jobs, samples} end
+if max_samples >= 0 and samples + tonumber(ARGV[6]) > max_samples then
+  return {-2, jobs, samples}
+end
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'tenant', ARGV[3], 'status', ARGV[4],
-           'reason', '', 'created_at', ARGV[5], 'updated_at', ARGV[5])
+           'reason', '', 'created_at', ARGV[5], 'updated_at', ARGV[5], 'samples', ARGV[6])
 redis.call('SADD', KEYS[2], ARGV[1])
-return 1
+redis.call('SADD', KEYS[3], ARGV[1])
+return {1, jobs + 1, samples + tonumber(ARGV[6])}
+"""
+
+# KEYS[1] owner key; ARGV tenant -> the tenant the job id is bound to (this one if unbound)
+_BIND_OWNER = """
+local owner = redis.call('GET', KEYS[1])
+if owner then return owner end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
 """
 
 # KEYS[1] job key; ARGV status, reason, now, terminal statuses... -> {changed 0/1, status now}
@@ -172,6 +213,7 @@ class RedisStore:
         self._redis = client
         self._set_adapter = client.register_script(_SET_ADAPTER)
         self._register_job = client.register_script(_REGISTER_JOB)
+        self._bind_owner = client.register_script(_BIND_OWNER)
         self._set_status = client.register_script(_SET_STATUS)
         self._try_issue_group = client.register_script(TRY_ISSUE_GROUP)
         self._record_drop = client.register_script(RECORD_DROP)
@@ -202,6 +244,11 @@ class RedisStore:
             retry_on=(RedisConnectionError, RedisTimeoutError, OSError),
         )
         return cls(client, url)
+
+    @property
+    def tenants(self) -> TenantRegistry:
+        """Tenants, their limits and API keys (common/tenants.py)."""
+        return TenantRegistry(self._redis)
 
     async def ping(self) -> None:
         """Raises when Redis does not answer (readiness probes)."""
@@ -296,13 +343,51 @@ class RedisStore:
 
     # --- job registry ---------------------------------------------------------------
 
-    async def register_job(self, spec: JobSpec, status: JobState = "pending") -> bool:
-        """Record a job once; returns False when the id was already registered."""
-        created = await self._register_job(
-            keys=[f"job:{spec.job_id}", "jobs"],
-            args=[spec.job_id, encode(spec), spec.tenant, status, time.time()],
-        )
-        return bool(created)
+    async def register_job(
+        self,
+        spec: JobSpec,
+        status: JobState = "pending",
+        *,
+        limits: TenantLimits | None = None,
+    ) -> bool:
+        """Record a job once; returns False when the id was already registered.
+
+        With `limits`, raises QuotaError (naming the limit) instead of registering a job that
+        would take its tenant past `max_concurrent_jobs` or `max_samples_in_flight`."""
+        code, jobs, samples = await self._register_job(
+            keys=[f"job:{spec.job_id}", "jobs", tenant_jobs_key(spec.tenant)],
+            args=[
+                spec.job_id, encode(spec), spec.tenant, status, time.time(),
+                samples_in_flight(spec),
+                limits.max_concurrent_jobs if limits else -1,
+                limits.max_samples_in_flight if limits else -1,
+                *sorted(TERMINAL_STATES),
+            ],
+        )  # fmt: skip
+        if code == -1 and limits is not None:
+            raise QuotaError(
+                f"quota max_concurrent_jobs: tenant {spec.tenant!r} has {jobs} jobs that have "
+                f"not ended; its limit is {limits.max_concurrent_jobs}"
+            )
+        if code == -2 and limits is not None:
+            raise QuotaError(
+                f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {samples} "
+                f"samples in flight and this one adds {samples_in_flight(spec)} "
+                f"(G x B x (S + 1)); its limit is {limits.max_samples_in_flight}"
+            )
+        return bool(code)
+
+    async def bind_owner(self, job_id: str, tenant: str) -> str:
+        """Bind the job id to `tenant` unless it is bound already; returns its tenant."""
+        return _text(await self._bind_owner(keys=[owner_key(job_id)], args=[tenant]))
+
+    async def owner(self, job_id: str) -> str | None:
+        """The tenant the job id is bound to (None: not bound yet)."""
+        owner = await self._redis.get(owner_key(job_id))
+        return None if owner is None else _text(owner)
+
+    async def tenant_job_ids(self, tenant: str) -> list[str]:
+        return sorted(_text(m) for m in await self._redis.smembers(tenant_jobs_key(tenant)))
 
     async def job(self, job_id: str) -> JobRecord | None:
         fields = {_text(k): v for k, v in (await self._redis.hgetall(f"job:{job_id}")).items()}

@@ -47,6 +47,7 @@ from common.messages import (
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
 from common.store import JobRecord
+from common.tenants import QuotaError
 from env_svc.calls import EnvCalls
 from env_svc.episodes import (
     ChatTokenizer,
@@ -139,6 +140,12 @@ class EnvService(Service):
         if topic != Topic.JOBS or (named := job_named_in(raw)) is None:
             return
         job_id, tenant = named
+        store = self.io.require_store()
+        if await store.job(job_id) is not None or await store.owner(job_id) not in (None, tenant):
+            # Not this sender's job to reject: a `rejected` event would end the owner's view
+            # of a job that runs (`logs --follow`). The dead letter says what came.
+            job_logger(log, job_id, tenant).warning("undecodable spec for a taken job id")
+            return
         job_logger(log, job_id, tenant).warning("job rejected: %s", error.reason)
         await self.io.send(
             job_event(job_id, "rejected", SERVICE, tenant=tenant, reason=error.reason)
@@ -149,8 +156,17 @@ class EnvService(Service):
     async def on_job(self, spec: JobSpec) -> None:
         store = self.io.require_store()
         job_log = job_logger(log, spec.job_id, spec.tenant)
+        # A job id is bound to the tenant that first sent it, for good: a spec of another
+        # tenant under it is dead-lettered with no event, since a `rejected` event would end
+        # the owner's view of its job (docs/architecture.md, "Tenants").
+        if (owner := await store.bind_owner(spec.job_id, spec.tenant)) != spec.tenant:
+            raise ForeignJobError(
+                f"job id {spec.job_id!r} belongs to tenant {owner!r}; "
+                f"a spec for it from tenant {spec.tenant!r} is refused"
+            )
         if not spec.base_model:  # "the one this deployment serves"
             spec = msgspec.structs.replace(spec, base_model=self.shared.base_model)
+        limits = await store.tenants.limits(spec.tenant)
         try:
             validate_job(
                 spec,
@@ -158,9 +174,13 @@ class EnvService(Service):
                 max_lora_rank=self.shared.max_lora_rank,
                 lora_target_modules=self.shared.lora_target_modules,
                 max_model_len=await self._engine_context(),
+                limits=limits,
             )
             # A first episode proves the environment, its params and the prompt length.
             await self.calls.run(f"job {spec.job_id}: first episode", partial(self._probe, spec))
+            registered = await store.register_job(
+                spec, status=STATE_AFTER["accepted"], limits=limits
+            )
         except Exception as exc:  # whatever the spec or its environment raised: rejected
             if is_transient(exc):
                 raise
@@ -170,7 +190,7 @@ class EnvService(Service):
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=reason)
             )
             return
-        if await store.register_job(spec, status=STATE_AFTER["accepted"]):
+        if registered:
             job_log.info("job accepted: env %s", spec.env.name)
             await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
@@ -429,12 +449,18 @@ class EnvService(Service):
         return self._envs[spec.job_id]
 
 
+class ForeignJobError(ValueError):
+    """A job spec under a job id bound to another tenant (dead-lettered, no event)."""
+
+
 _NOT_EVALUATED = frozenset({"cancelled", "failed", "rejected"})
 """States in which a job's evaluations stop (a completed job's final one goes on)."""
 
 
 def _reason(exc: BaseException) -> str:
     """Our own errors say what is wrong; anything else also names its type."""
-    if isinstance(exc, JobSpecError | EnvSpecError | EpisodeError | ContextTooLongError):
+    if isinstance(
+        exc, JobSpecError | QuotaError | EnvSpecError | EpisodeError | ContextTooLongError
+    ):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -163,7 +163,7 @@ def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_pa
     )
     code, out, err = invoke(cli, "submit", str(good), str(bad))
     assert code == 1 and out == ""
-    assert err.strip() == f"error: {bad}: rl.group_size: must be >= 2, got 1"
+    assert err.strip() == f"error: {bad}: rl.group_size: must be in [2, 256], got 1"
     assert job_id not in {m.job_id for m in topic_messages(kafka_bootstrap, Topic.JOBS)
                           if isinstance(m, JobSpec)}  # fmt: skip
 
@@ -174,7 +174,7 @@ def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_pa
         (None, "no such file"),
         ("tenant = 'a'\n[env\n", "invalid TOML: "),
         ("tenant = 'a'\n[env]\nname = 'arithmetic'\n[rl]\ngroup_size = 1\n",
-         "rl.group_size: must be >= 2, got 1"),
+         "rl.group_size: must be in [2, 256], got 1"),
     ],
 )  # fmt: skip
 def test_submit_errors_are_one_line(
@@ -252,8 +252,9 @@ def test_status_table_shows_every_job_including_rejected_ones(
     async def reject() -> None:
         producer = Producer(kafka_bootstrap, client_id="test")
         await producer.start()
+        reason = "rl.group_size: must be in [2, 256], got 1"
         await producer.send(job_event(rejected, "rejected", "env_svc", tenant="globex",
-                                      reason="rl.group_size: must be >= 2, got 1"))  # fmt: skip
+                                      reason=reason))  # fmt: skip
         await producer.stop()
 
     asyncio.run(reject())

@@ -73,7 +73,10 @@ def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (GOOD.replace("group_size = 4", "group_size = 1"), "rl.group_size: must be >= 2, got 1"),
+        (
+            GOOD.replace("group_size = 4", "group_size = 1"),
+            "rl.group_size: must be in [2, 256], got 1",
+        ),
         (GOOD.replace("group_size = 4", 'group_size = "4"'),
          "rl.group_size: expected int, got str"),
         (GOOD.replace("max_new_tokens = 8", "max_new_tokens = 8\ntopk = 3"),

@@ -7,6 +7,7 @@ import pytest
 
 from common.jobspec import JobSpecError, validate_job
 from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from common.tenants import TenantLimits
 
 
 def spec(**changes: object) -> JobSpec:
@@ -24,8 +25,20 @@ def test_a_good_spec_passes() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"rl": RLSettings(group_size=1)}, "rl.group_size: must be >= 2, got 1"),
-        ({"rl": RLSettings(max_staleness=-1)}, "rl.max_staleness: must be >= 0, got -1"),
+        ({"rl": RLSettings(group_size=1)}, "rl.group_size: must be in [2, 256], got 1"),
+        ({"rl": RLSettings(max_staleness=-1)}, "rl.max_staleness: must be in [0, 64], got -1"),
+        # Upper bounds, whatever the tenant's limits: a window of 10^6 versions, a huge group.
+        (
+            {"rl": RLSettings(max_staleness=10**6)},
+            "rl.max_staleness: must be in [0, 64], got 1000000",
+        ),
+        ({"rl": RLSettings(group_size=10**6)}, "rl.group_size: must be in [2, 256]"),
+        ({"rl": RLSettings(max_steps=10**7)}, "rl.max_steps: must be in [1, 1000000]"),
+        ({"rl": RLSettings(max_turns=1000)}, "rl.max_turns: must be in [1, 64] or unset"),
+        (
+            {"lora": LoraSettings(target_modules=[f"m{i}" for i in range(40)])},
+            "lora.target_modules: must name 1-32 modules, got 40",
+        ),
         (
             {"lora": LoraSettings(rank=64)},
             "lora.rank: 64 exceeds the rollout engine's max_lora_rank 16",
@@ -80,3 +93,21 @@ def test_a_context_longer_than_the_engine_serves_is_rejected() -> None:
     validate_job(spec(), max_model_len=1024)
     with pytest.raises(JobSpecError, match="exceeds the rollout engine's max_model_len 256"):
         validate_job(spec(), max_model_len=256)
+
+
+def test_a_tenants_per_job_limits_are_named_when_exceeded() -> None:
+    limits = TenantLimits(max_steps=50, max_new_tokens=64, max_lora_rank=8)
+    validate_job(spec(), limits=TenantLimits())
+    greedy = spec(
+        rl=RLSettings(max_steps=51, sampling=SamplingSettings(max_new_tokens=65)),
+        lora=LoraSettings(rank=16),
+    )
+    with pytest.raises(JobSpecError) as info:
+        validate_job(greedy, limits=limits)
+    text = str(info.value)
+    assert "quota max_steps: rl.max_steps 51 exceeds the limit 50 of tenant 'acme'" in text
+    assert "quota max_new_tokens: rl.sampling.max_new_tokens 65 exceeds" in text
+    assert "quota max_lora_rank: lora.rank 16 exceeds the limit 8 of tenant 'acme'" in text
+    wide = spec(rl=RLSettings(group_size=8, groups_per_step=4, max_staleness=3))
+    with pytest.raises(JobSpecError, match=r"quota max_samples_in_flight: G x B x \(S \+ 1\) 128"):
+        validate_job(wide, limits=TenantLimits(max_samples_in_flight=127))
