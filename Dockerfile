@@ -58,6 +58,16 @@ CMD ["python", "-m", "trainer_svc"]
 FROM trainer AS tokenizer
 RUN python -m common.models tokenizer /home/marlaas/tokenizer
 
+# The tenant API (`marlaas api`): the core package, FastAPI and uvicorn. Tenants reach only
+# this; it holds its own Kafka and Redis credentials (common/access.py, principal `api`).
+FROM base AS api
+USER root
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install "/src[api]"
+USER 1000:1000
+CMD ["marlaas", "api", "--host", "0.0.0.0"]
+
 # env_svc: the core package and the tokenizer (transformers without torch). Another base
 # model (MARLAAS_BASE_MODEL) needs its own ENV_SVC_TOKENIZER_DIR, or an empty one to read it
 # from the model cache the trainer fills; env_svc refuses a tokenizer saved for another model.

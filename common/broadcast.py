@@ -17,7 +17,9 @@ from aiokafka.structs import TopicPartition
 
 from common.backoff import retry_transient
 from common.bus import start_client
+from common.config import kafka_client_options
 from common.messages import Message, MessageDecodeError, decode
+from common.signing import RecordSigner
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +34,17 @@ class BroadcastReader(Generic[M]):
     """
 
     def __init__(
-        self, *, bootstrap: str, topic: str, handler: Callable[[M], Awaitable[None]], service: str
+        self,
+        *,
+        bootstrap: str,
+        topic: str,
+        handler: Callable[[M], Awaitable[None]],
+        service: str,
+        signing: RecordSigner | None = None,
     ) -> None:
         self.bootstrap = bootstrap
+        self.signing = signing
+        """Checks every record's signature (common/signing.py); None: none is checked."""
         self.topic = topic
         self.service = service
         self._handler = handler
@@ -48,6 +58,7 @@ class BroadcastReader(Generic[M]):
                 client_id=f"{self.service}-broadcast",
                 enable_auto_commit=False,
                 auto_offset_reset="latest",
+                **kafka_client_options(),
             ),
             self.bootstrap,
             timeout_s,
@@ -71,6 +82,14 @@ class BroadcastReader(Generic[M]):
             batches = await consumer.getmany(timeout_ms=200)
             for records in batches.values():
                 for record in records:
+                    if self.signing is not None and (
+                        untrusted := self.signing.problem(
+                            record.topic, record.key, record.value, record.headers
+                        )
+                    ):
+                        log.error("%s: skipping %s@%d: %s", self.service, record.topic,
+                                  record.offset, untrusted)  # fmt: skip
+                        continue
                     try:
                         message = decode(record.topic, record.value)
                     except MessageDecodeError as exc:

@@ -29,6 +29,7 @@ from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
 from aiokafka.structs import TopicPartition
 
 from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
+from common.config import kafka_client_options
 from common.messages import (
     MAX_RECORD_BYTES,
     Message,
@@ -43,6 +44,7 @@ from common.messages import (
 )
 from common.metrics import ConsumerMetrics, consumer_metrics
 from common.offsets import OffsetTracker
+from common.signing import RecordSigner
 
 if TYPE_CHECKING:
     from common.ports import Sender
@@ -81,9 +83,18 @@ async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) 
 class Producer:
     """Sends messages to the topic their type belongs to, keyed as the contract says."""
 
-    def __init__(self, bootstrap: str, *, client_id: str, wire_schema: WireSchema = 2) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        client_id: str,
+        wire_schema: WireSchema = 2,
+        signing: RecordSigner | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
         self.client_id = client_id
+        self.signing = signing
+        """Signs every record (common/signing.py); None: records go unsigned."""
         self.wire_schema: WireSchema = wire_schema
         """The layout messages are written in (common/messages.py)."""
         self._producer: AIOKafkaProducer | None = None
@@ -97,6 +108,7 @@ class Producer:
                 enable_idempotence=False,
                 linger_ms=5,
                 max_request_size=MAX_RECORD_BYTES,
+                **kafka_client_options(),
             ),
             self.bootstrap,
             timeout_s,
@@ -116,7 +128,8 @@ class Producer:
     async def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
         if self._producer is None:
             raise RuntimeError("producer not started")
-        await self._producer.send_and_wait(topic, value, key=key)
+        headers = self.signing.headers(topic, key, value) if self.signing else None
+        await self._producer.send_and_wait(topic, value, key=key, headers=headers)
 
 
 # --- consuming ----------------------------------------------------------------------
@@ -208,8 +221,11 @@ class ConsumerLoop(Generic[M]):
         sticky: bool = False,
         session_timeout_s: float = 10.0,
         on_undecodable: Undecodable | None = None,
+        signing: RecordSigner | None = None,
     ) -> None:
         self.bootstrap = bootstrap
+        self.signing = signing
+        """Checks every record's signature (common/signing.py); None: none is checked."""
         self.session_timeout_s = session_timeout_s
         self._on_undecodable = on_undecodable
         self.group_id = group_id
@@ -252,6 +268,7 @@ class ConsumerLoop(Generic[M]):
                 partition_assignment_strategy=self._assignors,
                 session_timeout_ms=int(self.session_timeout_s * 1000),
                 heartbeat_interval_ms=int(self.session_timeout_s * 1000 / 3),
+                **kafka_client_options(),
             ),
             self.bootstrap,
             timeout_s,
@@ -426,6 +443,18 @@ class ConsumerLoop(Generic[M]):
 
     async def _handle_record(self, record: ConsumerRecord, tracker: OffsetTracker) -> None:
         metrics = self._metrics_for(record.topic)
+        if self.signing is not None and (
+            untrusted := self.signing.problem(
+                record.topic, record.key, record.value, record.headers
+            )
+        ):
+            metrics.failed.inc()
+            log.warning(
+                "%s: %s[%d]@%d dropped: %s",
+                self.service, record.topic, record.partition, record.offset, untrusted,
+            )  # fmt: skip
+            await self._dead_letter(record, untrusted)
+            return
         try:
             message = decode(record.topic, record.value)
         except MessageDecodeError as exc:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.cores import parse_cores
 from common.logs import LogFormat
+from common.signing import RecordSigner, signer
 
 
 def _core_list(value: str) -> str:
@@ -104,6 +106,10 @@ class SharedSettings(BaseSettings):
     """Log lines as text (`... job=<id> tenant=<tenant>`) or as JSON objects, one a line."""
     metrics_host: str = "0.0.0.0"
     """Address each service's metrics and health endpoint listens on (port: per service)."""
+    bus_key: SecretStr = SecretStr("")
+    """The deployment's bus key: every record produced is signed with it and every service
+    drops records not signed with it (common/signing.py). Empty: nothing is signed or checked
+    (only where nothing untrusted reaches the broker). `marlaas up` makes one per stack."""
     chat_url: str = ""
     """A rollout replica's chat completions (`http://host:ROLLOUT_API_PORT/v1`), where
     `marlaas sample` asks; the embedded stack serves one and writes it to stack.env."""
@@ -111,6 +117,50 @@ class SharedSettings(BaseSettings):
     @property
     def artifacts(self) -> Path:
         return self.artifact_dir or self.state_dir / "artifacts"
+
+    @property
+    def signer(self) -> RecordSigner | None:
+        """Signs and checks records with the bus key (None: no key, nothing signed)."""
+        return signer(self.bus_key.get_secret_value())
+
+
+class KafkaAuthSettings(BaseSettings):
+    """How every MARLaaS Kafka client authenticates (compose.yaml: one principal per service,
+    the tenant API and the operator; common/access.py grants each its topics)."""
+
+    model_config = SettingsConfigDict(env_prefix="MARLAAS_KAFKA_", extra="ignore")
+
+    security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """`PLAINTEXT`: no authentication (the embedded broker, which cannot check users);
+    `SASL_PLAINTEXT` / `SASL_SSL`: log in as `username` with `sasl_mechanism`."""
+    sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
+    """SASL mechanism; SCRAM never sends the password itself."""
+    username: str = ""
+    """This process's Kafka principal (`User:<username>` in the broker's ACLs)."""
+    password: SecretStr = SecretStr("")
+    """Its password."""
+
+    @model_validator(mode="after")
+    def _credentials_for_sasl(self) -> KafkaAuthSettings:
+        if self.security_protocol != "PLAINTEXT" and not (
+            self.username and self.password.get_secret_value()
+        ):
+            raise ValueError(
+                f"MARLAAS_KAFKA_SECURITY_PROTOCOL={self.security_protocol} needs "
+                "MARLAAS_KAFKA_USERNAME and MARLAAS_KAFKA_PASSWORD"
+            )
+        return self
+
+    def client_options(self) -> dict[str, str]:
+        """Keyword arguments of aiokafka's producer, consumer and admin client."""
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        return {
+            "security_protocol": self.security_protocol,
+            "sasl_mechanism": self.sasl_mechanism,
+            "sasl_plain_username": self.username,
+            "sasl_plain_password": self.password.get_secret_value(),
+        }
 
 
 class EnvServiceSettings(BaseSettings):
@@ -151,6 +201,11 @@ class RolloutSettings(BaseSettings):
     """Kafka consumer group shared by all rollout_svc replicas."""
     max_in_flight: int = Field(default=64, ge=1)
     """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
+    fair_share_grace_s: float = Field(default=10.0, ge=0)
+    """Each active tenant may hold at most its share of the `max_in_flight` slots
+    (docs/architecture.md, "Rollout admission"); a tenant stays active this long after its last
+    request, so a job between two steps finds its share free instead of behind another
+    tenant's backlog. 0: only tenants with requests waiting or in the engine count."""
     max_model_len: int = Field(default=1024, ge=64)
     """Longest context + completion the engine serves, in tokens."""
     kv_cache_gib: float | None = Field(default=None, gt=0)
@@ -231,3 +286,10 @@ def load(settings_class: type[S]) -> S:
     """Environment variables first, then the embedded stack's `stack.env`, then defaults."""
     env_file = stack_env_file()
     return settings_class(_env_file=env_file if env_file.is_file() else None)  # type: ignore[call-arg]
+
+
+@cache
+def kafka_client_options() -> dict[str, str]:
+    """This process's Kafka authentication as aiokafka keyword arguments (empty: PLAINTEXT),
+    read once (environment, then stack.env). Every AIOKafka* construction passes them."""
+    return load(KafkaAuthSettings).client_options()

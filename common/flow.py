@@ -81,18 +81,20 @@ def claims_key(job_id: str) -> str:
 
 
 TRY_ISSUE_GROUP = """
--- KEYS[1] flow:{job}, KEYS[2] adapter:{job}, KEYS[3] claims:{job}, KEYS[4] ledger:{job};
--- ARGV max_staleness, groups_per_step, max_groups, now -> {claimed index or -1, trained version}
+-- KEYS[1] flow:{job}, KEYS[2] claims:{job}, KEYS[3] ledger:{job}; ARGV max_staleness,
+-- groups_per_step, max_groups, now, job -> {claimed index or -1, trained version}. The
+-- trained version is read from adapter:{job} undeclared: a declared key needs write access
+-- under Redis ACLs, and env_svc only reads the pointer (common/access.py).
 local issued = tonumber(redis.call('HGET', KEYS[1], 'issued_groups') or '0')
 local dropped = tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0')
-local trained = tonumber(redis.call('HGET', KEYS[2], 'version') or '0')
+local trained = tonumber(redis.call('HGET', 'adapter:' .. ARGV[5], 'version') or '0')
 local limit = (trained + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2])
 if issued - dropped >= limit or issued - dropped >= tonumber(ARGV[3]) then
   return {-1, trained}
 end
 redis.call('HSET', KEYS[1], 'issued_groups', issued + 1)
-redis.call('HSET', KEYS[3], issued, ARGV[4] .. ':' .. trained)
-redis.call('XADD', KEYS[4], '*', 'kind', 'issued', 'group', issued, 'version', trained)
+redis.call('HSET', KEYS[2], issued, ARGV[4] .. ':' .. trained)
+redis.call('XADD', KEYS[3], '*', 'kind', 'issued', 'group', issued, 'version', trained)
 return {issued, trained}
 """
 

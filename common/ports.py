@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from common.evals import EvalTally
-from common.flow import DroppedGroup, IssuedGroup
+from common.flow import DroppedGroup, FlowState, IssuedGroup
 from common.lifecycle import JobState, RolloutReplicaStats
 from common.messages import JobSpec, Message
 from common.store import AdapterPointer, JobRecord
@@ -73,6 +73,8 @@ class StateStore(Protocol):
     ) -> IssuedGroup | None: ...
 
     async def finish_claim(self, job_id: str, index: int) -> None: ...
+
+    async def flow(self, job_id: str) -> FlowState: ...
 
     async def take_stale_claims(self, job_id: str, older_than_s: float) -> list[IssuedGroup]: ...
 

@@ -7,6 +7,7 @@ port, from before `start()` (a long model load shows as alive but not ready) to 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from abc import ABC, abstractmethod
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings
 
+from common.access import redacted
 from common.backoff import retry_transient
 from common.bus import ConsumerLoop, Handler, Producer
 from common.config import SharedSettings
@@ -79,7 +81,10 @@ class Connections:
             None
             if producer
             else Producer(
-                shared.kafka_bootstrap, client_id=client_id, wire_schema=shared.wire_schema
+                shared.kafka_bootstrap,
+                client_id=client_id,
+                wire_schema=shared.wire_schema,
+                signing=shared.signer,
             )
         )
         self.producer: Sender = producer or self._kafka  # type: ignore[assignment]
@@ -116,7 +121,7 @@ class Connections:
             bootstrap=self._shared.kafka_bootstrap, group_id=group_id,
             topics=CONSUMED_TOPICS[service], handler=handler, dead_letters=self.producer,
             service=service, session_timeout_s=self._shared.consumer_session_timeout_s,
-            **options,
+            signing=self._shared.signer, **options,
         )  # fmt: skip
         await loop.start(timeout_s=self._shared.connect_timeout_s)
         return loop
@@ -136,8 +141,13 @@ class Connections:
 
 
 def log_settings(*settings: BaseSettings) -> None:
+    """Each settings block as JSON, with no secret in it (the bus key is a SecretStr; a
+    Redis URL's password is masked)."""
     for block in settings:
-        log.info("%s: %s", type(block).__name__, block.model_dump_json())
+        fields = block.model_dump(mode="json")
+        if isinstance(fields.get("redis_url"), str):
+            fields["redis_url"] = redacted(fields["redis_url"])
+        log.info("%s: %s", type(block).__name__, json.dumps(fields))
 
 
 async def run_service(

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import asyncio as aioredis
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.access import redacted
 from common.backoff import connect_with_backoff
 from common.evals import (
     CLAIM_EVAL,
@@ -231,6 +233,11 @@ class RedisStore:
             client = aioredis.Redis.from_url(url, socket_connect_timeout=2.0)
             try:
                 await client.ping()
+            except RedisAuthenticationError as exc:  # not a network blip: no use retrying
+                await client.aclose()
+                raise PermissionError(
+                    f"Redis at {redacted(url)} refused the login: {exc}"
+                ) from None
             except BaseException:
                 await client.aclose()
                 raise
@@ -238,12 +245,17 @@ class RedisStore:
 
         client = await connect_with_backoff(
             "Redis",
-            url,
+            redacted(url),
             attempt,
             timeout_s=timeout_s,
             retry_on=(RedisConnectionError, RedisTimeoutError, OSError),
         )
         return cls(client, url)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client itself, for what no method covers (tests, repairs)."""
+        return self._redis
 
     @property
     def tenants(self) -> TenantRegistry:
@@ -426,8 +438,8 @@ class RedisStore:
         `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
         """
         index, trained_version = await self._try_issue_group(
-            keys=[flow_key(job_id), _adapter_key(job_id), claims_key(job_id), ledger_key(job_id)],
-            args=[max_staleness, groups_per_step, max_groups, time.time()],
+            keys=[flow_key(job_id), claims_key(job_id), ledger_key(job_id)],
+            args=[max_staleness, groups_per_step, max_groups, time.time(), job_id],
         )
         return None if int(index) < 0 else IssuedGroup(int(index), int(trained_version))
 

@@ -9,10 +9,11 @@ import sys
 import typer
 from rich.table import Table
 
+from common.access import redacted
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
 from common.logs import setup_logging
-from console import cli_envs, cli_jobs, cli_sample, cli_track
+from console import cli_access, cli_envs, cli_jobs, cli_sample, cli_tenants, cli_track
 from console.cli_support import (
     USER_ERRORS,
     console,
@@ -35,6 +36,8 @@ cli_jobs.register(app)
 cli_envs.register(app)
 cli_sample.register(app)
 cli_track.register(app)
+cli_tenants.register(app)
+cli_access.register(app)
 
 
 @app.callback()
@@ -45,22 +48,30 @@ def _global_options(
         min=0.1,
         help="Seconds to wait for an unreachable Kafka or Redis before giving up.",
     ),
+    api_url: str = typer.Option(
+        "", "--api-url", help="The tenant API (default: MARLAAS_API_URL); empty: operator mode."
+    ),
+    api_key: str = typer.Option("", "--api-key", help="Your API key (default: MARLAAS_API_KEY)."),
 ) -> None:
     """MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.
 
     Connection settings come from MARLAAS_KAFKA_BOOTSTRAP / MARLAAS_REDIS_URL, else from the
-    embedded stack's stack.env (`marlaas up`), else localhost defaults.
+    embedded stack's stack.env (`marlaas up`), else localhost defaults. A tenant sets
+    MARLAAS_API_URL and MARLAAS_API_KEY instead, and the job commands go through the API.
     """
     options.connect_timeout_s = connect_timeout_s
+    options.api_url, options.api_key = api_url, api_key
 
 
 def _stack_table(stack: LocalStack) -> Table:
     table = Table(title="MARLaaS local stack", show_header=False)
     table.add_row("Kafka bootstrap", stack.kafka_bootstrap)
-    table.add_row("Redis", stack.redis_url)
+    table.add_row("Redis", redacted(stack.redis_url))
     table.add_row(
         "topics", ", ".join(f"{t} ({n})" for t, n in sorted(stack.topic_partitions.items()))
     )
+    if stack.api_url:
+        table.add_row("tenant API", f"{stack.api_url}/v1 (schema: {stack.api_url}/docs)")
     table.add_row("state dir", str(stack.state_dir))
     table.add_row("connection file", str(stack.env_file))
     for child in stack.children:

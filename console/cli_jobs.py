@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -11,16 +12,20 @@ from typing import Annotated
 import typer
 
 from common.config import SharedSettings, load
+from common.lifecycle import TERMINAL_STATES
 from common.messages import JobAction, JobSpec
+from console.api_client import TenantClient
 from console.audit import Audit
 from console.cli_support import (
     console,
     fail,
     one_line_errors,
+    operator_only,
     options,
     quiet_logging,
     run,
     say,
+    tenant_client,
 )
 from console.client import MarlaasClient
 from console.export import ExportedAdapter
@@ -55,7 +60,10 @@ def submit(
         )
         for path in files
     ]
-    run(_submit(specs, wait))
+    if (api := tenant_client()) is not None:
+        run(_submit_via_api(api, specs, wait))
+    else:
+        run(_submit(specs, wait))
 
 
 async def _submit(specs: list[JobSpec], wait: bool) -> None:
@@ -70,6 +78,42 @@ async def _submit(specs: list[JobSpec], wait: bool) -> None:
     if unfinished:
         fail("; ".join(f"job {r.progress.job_id} {r.state}: {r.progress.reason or '-'}"
                        for r in unfinished))  # fmt: skip
+
+
+async def _submit_via_api(api: TenantClient, specs: list[JobSpec], wait: bool) -> None:
+    async with api:
+        await api.submit(specs)
+        for spec in specs:
+            say(spec.job_id)
+        if not wait:
+            return
+        views = await _wait_for_end(api, [spec.job_id for spec in specs])
+    unfinished = [v for v in views if v["status"] != "completed"]
+    if unfinished:
+        fail("; ".join(f"job {v['job_id']} {v['status']}: {v['reason'] or '-'}"
+                       for v in unfinished))  # fmt: skip
+
+
+async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str, object]]:
+    """Poll the jobs until every one has ended; one line per change of state."""
+    seen: dict[str, str] = {}
+    while True:
+        views = [await api.job(job_id) for job_id in job_ids]
+        for view in views:
+            if seen.get(view["job_id"]) != (line := _job_line(view)):
+                seen[view["job_id"]] = line
+                say(line)
+        if all(v["status"] in TERMINAL_STATES for v in views):
+            return views
+        await asyncio.sleep(2.0)
+
+
+def _job_line(view: dict[str, object]) -> str:
+    reason = f"  {view['reason']}" if view.get("reason") else ""
+    return (
+        f"{view['job_id']}  {view['tenant']}  {view.get('env') or '-'}  {view['status']}  "
+        f"v{view.get('version', 0)}/{view.get('max_steps') or '?'}{reason}"
+    )
 
 
 # --- status ---------------------------------------------------------------------------
@@ -90,9 +134,23 @@ def status(
 ) -> None:
     """Every job's progress, reward, staleness and ETA; the services' lag and utilisation.
 
-    Live (refreshing until Ctrl-C) on a terminal. Reads marlaas.events and Redis only.
+    Live (refreshing until Ctrl-C) on a terminal. Reads marlaas.events and Redis only. With
+    an API key: the tenant's jobs, their state and trained version.
     """
+    if (api := tenant_client()) is not None:
+        run(_status_via_api(api, job, as_json))
+        return
     run(_status(job, once or as_json or not console.is_terminal, as_json, interval_s))
+
+
+async def _status_via_api(api: TenantClient, job: str | None, as_json: bool) -> None:
+    async with api:
+        views = [await api.job(job)] if job else await api.jobs()
+    if as_json:
+        say(json.dumps(views, indent=2))
+        return
+    for view in views:
+        say(_job_line(view))
 
 
 async def _status(job: str | None, once: bool, as_json: bool, interval_s: float) -> None:
@@ -141,7 +199,7 @@ def _control(action: JobAction, help_text: str) -> Callable[..., None]:
 
 
 async def _command(job: str, action: JobAction, wait_s: float) -> str:
-    async with _client() as client:
+    async with tenant_client() or _client() as client:
         return await client.command(job, action, wait_s=wait_s)
 
 
@@ -160,7 +218,7 @@ def logs(
 
 
 async def _logs(job: str, follow: bool) -> None:
-    async with _client() as client:
+    async with tenant_client() or _client() as client:
         if follow:
             async for event in client.follow(job):
                 say("  ".join(event_cells(event)))
@@ -181,6 +239,10 @@ def export(
     ] = None,
 ) -> None:
     """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM)."""
+    if (api := tenant_client()) is not None:
+        got = run(_export_via_api(api, job, out, version))
+        say(f"job {job} adapter v{got} -> {out}")
+        return
     exported = run(_export(job, out, version))
     say(f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}")
 
@@ -188,6 +250,11 @@ def export(
 async def _export(job: str, out: Path, version: int | None) -> ExportedAdapter:
     async with _client() as client:
         return await client.export(job, out, version=version)
+
+
+async def _export_via_api(api: TenantClient, job: str, out: Path, version: int | None) -> int:
+    async with api:
+        return await api.export(job, out, version=version)
 
 
 @one_line_errors
@@ -204,7 +271,7 @@ def report(
 
 
 async def _report(jobs: list[str], out: Path) -> Path:
-    async with _client() as client:
+    async with tenant_client() or _client() as client:
         return await client.report(jobs, out)
 
 
@@ -215,6 +282,7 @@ def audit(
 ) -> None:
     """Account for every group of a job: issued, trained, dropped, in flight; exits 1 if any
     was lost, trained twice or is unexpected, or pointer, checkpoint and announcement differ."""
+    operator_only("audit")
     result = run(_audit(job))
     if as_json:
         say(json.dumps(result.to_json(), indent=2))

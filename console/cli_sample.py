@@ -3,14 +3,14 @@ compatible chat completions (rollout_svc/chat_api.py)."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
+from typing import Any
 
 import typer
 
 from common.config import SharedSettings, load
-from console.cli_support import one_line_errors, say
+from console.api_client import TenantClient
+from console.chat_client import ChatFailed, chat_completion
+from console.cli_support import one_line_errors, run, say, tenant_client
 
 
 @one_line_errors
@@ -25,6 +25,10 @@ def sample(
     ),
 ) -> None:
     """Answer PROMPT with the job's adapter (the latest, or --version)."""
+    if (api := tenant_client()) is not None:
+        answer = run(_sample_via_api(api, job, prompt, version, max_tokens, temperature))
+        say(f"[{answer['model']}] {answer['content']}")
+        return
     base = (url or load(SharedSettings).chat_url).rstrip("/")
     if not base:
         raise ValueError(
@@ -32,23 +36,27 @@ def sample(
             "http://<rollout host>:<ROLLOUT_API_PORT>/v1"
         )
     model = job if version is None else f"{job}@v{version}"
-    body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens, "temperature": temperature,
-    }  # fmt: skip
-    request = urllib.request.Request(
-        f"{base}/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
     try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
-        raise ValueError(f"{model}: {detail}") from None
-    except urllib.error.URLError as exc:
-        raise ValueError(f"{base} unreachable: {exc.reason}") from None
-    say(f"[{answer['model']}] {answer['choices'][0]['message']['content']}")
+        answered, content = chat_completion(
+            base, model, prompt, max_tokens=max_tokens, temperature=temperature
+        )
+    except ChatFailed as exc:
+        raise ValueError(str(exc)) from None
+    say(f"[{answered}] {content}")
+
+
+async def _sample_via_api(
+    api: TenantClient,
+    job: str,
+    prompt: str,
+    version: int | None,
+    max_tokens: int,
+    temperature: float,
+) -> dict[str, Any]:
+    async with api:
+        return await api.sample(
+            job, prompt, version=version, max_tokens=max_tokens, temperature=temperature
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -16,6 +16,8 @@ from rich.console import Console
 
 from common.backoff import ServerUnreachable
 from common.store import UnknownJobError
+from common.tenants import UnknownTenantError
+from console.api_client import ApiClientSettings, ApiError, TenantClient
 from console.stack import StackError
 from console.tracking import TrackingUnavailableError
 
@@ -30,7 +32,7 @@ err_console = Console(stderr=True)
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     ServerUnreachable, StackError, UnknownJobError, KafkaError, RedisError, ValueError, OSError,
-    TrackingUnavailableError,
+    TrackingUnavailableError, ApiError, UnknownTenantError,
 )  # fmt: skip
 """Errors a user can cause or fix: printed as one line, never as a traceback."""
 
@@ -39,9 +41,37 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 class Options:
     connect_timeout_s: float = 10.0
     """How long a command waits for an unreachable broker or Redis before giving up."""
+    api_url: str = ""
+    api_key: str = ""
+    """The tenant API and key (`--api-url`, `--api-key`; else MARLAAS_API_URL / _KEY)."""
 
 
 options = Options()
+
+
+def tenant_client() -> TenantClient | None:
+    """The tenant API client when an API URL is given; None: operator mode (Kafka, Redis)."""
+    from common.config import load
+
+    settings = load(ApiClientSettings)
+    url, key = options.api_url or settings.api_url, options.api_key or settings.api_key
+    return TenantClient(url, key) if url else None
+
+
+def operator_only(command: str) -> None:
+    """Refuse an operator command in tenant mode, saying why."""
+    if options.api_url or load_api_url():
+        raise ValueError(
+            f"`marlaas {command}` needs the operator's Kafka and Redis access; with an API key "
+            "use submit, status, logs, pause, resume, cancel, export, report and sample"
+        )
+
+
+def load_api_url() -> str:
+    from common.config import load
+
+    return load(ApiClientSettings).api_url
+
 
 P = ParamSpec("P")
 T = TypeVar("T")

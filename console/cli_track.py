@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from common.config import SharedSettings, load
-from console.cli_support import one_line_errors, options, quiet_logging, run, say
+from console.cli_support import one_line_errors, operator_only, options, quiet_logging, run, say
 from console.client import MarlaasClient
 from console.tracking import MlflowSink, Sink, TensorBoardSink, Tracker
 
@@ -43,6 +43,7 @@ def track(
 ) -> None:
     """Each job as a run in TensorBoard and MLflow: settings, training and eval metrics,
     tenant as a tag. Run again, it writes only what is new."""
+    operator_only("track")
     sinks: list[Sink] = []
     if tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard"))

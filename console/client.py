@@ -150,8 +150,9 @@ class MarlaasClient:
         """`audit` of each job, reading `marlaas.adapters` once for all of them."""
         records = {job_id: await self.job(job_id) for job_id in job_ids}
         async with AdapterFeed(
-            self.settings.kafka_bootstrap, set(job_ids), connect_timeout_s=self.connect_timeout_s
-        ) as feed:
+            self.settings.kafka_bootstrap, set(job_ids), connect_timeout_s=self.connect_timeout_s,
+            signing=self.settings.signer,
+        ) as feed:  # fmt: skip
             updates = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         announced: dict[str, int] = {}
         for update in updates:
@@ -212,11 +213,15 @@ class MarlaasClient:
 
     def _feed(self, job_ids: Collection[str] | None) -> EventFeed:
         return EventFeed(
-            self.settings.kafka_bootstrap, job_ids, connect_timeout_s=self.connect_timeout_s
-        )
+            self.settings.kafka_bootstrap, job_ids, connect_timeout_s=self.connect_timeout_s,
+            signing=self.settings.signer,
+        )  # fmt: skip
 
     async def _send(self, *messages: JobSpec | JobCommand) -> None:
-        await submit_jobs(self.settings.kafka_bootstrap, messages, timeout_s=self.connect_timeout_s)
+        await submit_jobs(
+            self.settings.kafka_bootstrap, messages, timeout_s=self.connect_timeout_s,
+            signing=self.settings.signer,
+        )  # fmt: skip
 
 
 def consumer_groups() -> dict[str, str]:

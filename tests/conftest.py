@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from pydantic import SecretStr
 
 from common.config import SharedSettings
 from common.store import RedisStore
@@ -34,8 +36,10 @@ def smollm2_dir() -> Path:
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """A real Tansu broker and Valkey server on free loopback ports, for the whole session.
 
-    Started through the same `LocalStack` as `marlaas up`; when MARLAAS_KAFKA_BOOTSTRAP /
-    MARLAAS_REDIS_URL are set, the tests run against those servers instead.
+    Started through the same `LocalStack` as `marlaas up`, so Valkey has its ACL users
+    (`redis_url` is the operator's, `local_stack.redis_url_for(principal)` another's); when
+    MARLAAS_KAFKA_BOOTSTRAP / MARLAAS_REDIS_URL are set, the tests run against those servers
+    instead.
     """
     settings = SharedSettings(state_dir=tmp_path_factory.mktemp("stack"), connect_timeout_s=60)
     stack = LocalStack(settings)
@@ -92,18 +96,21 @@ def pipeline_services(
     from console.stack import start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
+    # Signing on, as `marlaas up` runs them: a test that produces to their topics itself
+    # signs with `settings.signer`, and a record without the key is dead-lettered.
     settings = SharedSettings(
-        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model())
-    )
+        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model()),
+        bus_key=SecretStr(f"test-bus-key-{secrets.token_hex(8)}"),
+    )  # fmt: skip
     os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
     # The README's third-party environment, pip-installed where env_svc finds it, as a user
     # installs theirs (tests/integration/test_cli_services.py runs a job of it).
     site = install_readme_environment(tmp_path_factory.mktemp("readme-env"))
     paths = [os.environ.get("PYTHONPATH", ""), str(site)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    children = start_services(
-        SERVICES, settings, local_stack.kafka_bootstrap, local_stack.redis_url
-    )
+    # Each as its own Redis user, as `marlaas up` starts them (common/access.py).
+    redis_urls: dict[str, str] = {s: local_stack.redis_url_for(s) for s in SERVICES}
+    children = start_services(SERVICES, settings, local_stack.kafka_bootstrap, redis_urls)
     yield RunningServices(settings, children, site)
     stop_services(children)
     for child in children:

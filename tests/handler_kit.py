@@ -7,7 +7,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from common.artifacts import adapter_dir
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings
+from common.flow import ISSUED_GROUPS, flow_key
 from common.messages import (
     AdapterUpdate,
     EnvSettings,
@@ -22,6 +24,7 @@ from common.messages import (
     new_id,
     result_for,
 )
+from common.store import RedisStore
 from env_svc.episodes import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.engine import AdapterRef
@@ -49,12 +52,29 @@ def job_spec(
     )  # fmt: skip
 
 
+async def register_running(store: RedisStore, spec: JobSpec, *, issued: int = 64) -> None:
+    """Register the job as running with `issued` groups already issued, as env_svc would
+    have (the trainer takes trajectories only of issued groups), for tests that hand the
+    trainer trajectories themselves."""
+    await store.register_job(spec, status="running")
+    await store.client.hset(flow_key(spec.job_id), ISSUED_GROUPS, issued)
+
+
 def events(messages: Sequence[object], kind: str) -> list[Event]:
     return [m for m in messages if isinstance(m, Event) and m.event == kind]
 
 
+def adapter_uri(job_id: str, version: int) -> str:
+    """Where the trainer would publish the version, in the handler services' artifact store
+    (rollout and env_svc act only on updates naming their job's own directory)."""
+    return str(adapter_dir(SharedSettings().artifacts, job_id) / f"v{version}")
+
+
 def adapter_update(job_id: str, version: int) -> AdapterUpdate:
-    return AdapterUpdate(job_id=job_id, version=version, uri=f"/nowhere/v{version}", step=version)
+    """The announcement of a version published at `adapter_uri` (publish it in the store)."""
+    return AdapterUpdate(
+        job_id=job_id, version=version, uri=adapter_uri(job_id, version), step=version
+    )
 
 
 def rollout_service(backend: Backend, engine: GenerationEngine) -> RolloutService:

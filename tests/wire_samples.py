@@ -105,10 +105,15 @@ SAMPLES: dict[str, Message] = {
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_json_job() -> tuple[str, str]:
-    """(JSON value, key) of the README's `kcat -P` example of producing a job."""
+def readme_json_job() -> tuple[str, str, str]:
+    """(JSON value, key, the shell line that signs it) of the README's `kcat -P` example of
+    producing a job."""
     text = README.read_text()
     block = text[text.index("<!-- json-job:") :]
-    match = re.search(r"echo '(?P<value>\{.*\})' \\\n.*kcat -P .* -k (?P<key>\S+)\n", block)
+    match = re.search(
+        r"value='(?P<value>\{.*\})'\n(?P<sign>sig=\$\(.*\))\n.*kcat -P .* -k (?P<key>\S+) "
+        r"-H \"marlaas-sig=\$sig\"\n",
+        block,
+    )
     assert match, "the README's kcat example moved or changed shape"
-    return match["value"], match["key"]
+    return match["value"], match["key"], match["sign"]

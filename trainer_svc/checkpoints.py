@@ -38,6 +38,7 @@ from pathlib import Path
 from common.artifacts import (
     LATEST,
     VERSION_DIR,
+    adapter_dir,
     atomic_write_text,
     epoch_of,
     version_dir_name,
@@ -70,7 +71,7 @@ class CheckpointStore:
         self.keep = keep
 
     def adapter_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
-        return self.artifacts / "adapters" / _checked(job_id) / version_dir_name(version, epoch)
+        return adapter_dir(self.artifacts, _checked(job_id)) / version_dir_name(version, epoch)
 
     def checkpoint_dir(self, job_id: str, version: int, epoch: int = 0) -> Path:
         return self._root(job_id) / version_dir_name(version, epoch)

@@ -51,7 +51,7 @@ from common.ports import Sender, StateStore
 from common.service import Connections, Service
 from common.store import DROPPED, TRAINED, FencedError
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
-from trainer_svc.groups import Group, checked, not_of_job, verdict
+from trainer_svc.groups import Group, checked, group_index, not_of_job, verdict
 from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -176,6 +176,9 @@ class TrainerService(Service):
             return  # redelivered after its group was trained: never train it twice
         if await store.seen(DROPPED, job_id, group_id):
             return  # its group was dropped and replaced
+        if group_id not in job.filling and (unissued := await self._unissued(job, group_id)):
+            job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", unissued)
+            return
         group = job.filling.setdefault(group_id, Group(group_id))
         if trajectory.episode_id in group.trajectories:
             return  # a duplicate of one we hold; the first copy's commit covers it
@@ -184,6 +187,15 @@ class TrainerService(Service):
             job.closed.add(group_id)
             job.ready.append(job.filling.pop(group_id))
             self._wake.set()
+
+    async def _unissued(self, job: OwnedJob, group_id: str) -> str | None:
+        """Why a group's first trajectory is not of a group env_svc issued (the ledger's
+        count in Redis, which only env_svc writes), or None."""
+        index = group_index(group_id, job.spec.job_id)
+        issued = (await self.io.require_store().flow(job.spec.job_id)).issued_groups
+        if index is None or index >= issued:
+            return f"group {group_id!r} was never issued ({issued} groups so far)"
+        return None
 
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
         """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""

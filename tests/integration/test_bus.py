@@ -22,7 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.backoff import RetryableError, ServerUnreachable
 from common.bus import ConsumerLoop, Delivery, Producer
-from common.messages import DeadLetter, Event, Topic, decode, new_id
+from common.messages import DeadLetter, Event, Topic, decode, encode, new_id
+from common.signing import RecordSigner
 from common.store import RedisStore
 from console.stack import free_port, start_valkey
 from console.topics import ensure_topics, group_lag
@@ -259,6 +260,47 @@ async def test_garbage_and_failing_messages_go_to_the_dlq_and_the_loop_goes_on(
     # Everything was handled or dead-lettered, so the group's lag on that partition is 0.
     lag = {p.partition: p for p in await group_lag(kafka_bootstrap, group, [Topic.EVENTS])}
     assert lag[garbage.source_partition].lag == 0
+
+
+async def test_with_a_bus_key_only_records_signed_with_it_are_handled(
+    kafka_bootstrap: str,
+) -> None:
+    """A holder of the bus key signs; a record from anyone else (no signature, another key,
+    a signed record altered on the way) is dead-lettered with the reason, never handled."""
+    job_id, group = f"signed-{new_id()}", f"group-{new_id()}"
+    key, other = RecordSigner("deployment-key"), RecordSigner("a-guess")
+    signed = Producer(kafka_bootstrap, client_id="test-signed", signing=key)
+    forger = Producer(kafka_bootstrap, client_id="test-forger", signing=other)
+    await signed.start(timeout_s=30)
+    await forger.start(timeout_s=30)
+    received: list[Event] = []
+    try:
+        async with producer(kafka_bootstrap) as unsigned:
+            await unsigned.send(event(job_id, step=1))
+            await forger.send(event(job_id, step=2))
+            value = encode(event(job_id, step=3))
+            tampered = key.headers(Topic.EVENTS, job_id.encode(), value)
+            assert signed._producer is not None
+            await signed._producer.send_and_wait(
+                Topic.EVENTS, value.replace(b"step", b"stem"), key=job_id.encode(),
+                headers=tampered,
+            )  # fmt: skip
+            await signed.send(event(job_id, step=4))
+            loop = ConsumerLoop[Event](
+                bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
+                handler=collecting(job_id, received), dead_letters=signed, service="signed-test",
+                signing=key,
+            )  # fmt: skip
+            async with running(loop):
+                await wait_for(lambda: len(received) == 1, what="the signed record")
+            letters = await read_dead_letters(kafka_bootstrap, job_id.encode(), 3)
+    finally:
+        await signed.stop()
+        await forger.stop()
+    assert [m.step for m in received] == [4]
+    errors = [letter.error for letter in sorted(letters, key=lambda x: x.source_offset)]
+    assert errors[0].startswith("unsigned record (no marlaas-sig header)")
+    assert errors[1].startswith("bad signature") and errors[2].startswith("bad signature")
 
 
 @pytest.mark.parametrize(

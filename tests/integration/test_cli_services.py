@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from common.messages import new_id
 from console.cli import app
 from console.stack import LocalStack
+from tests.api_server import api_server
 from tests.conftest import RunningServices, with_store
 
 pytestmark = pytest.mark.kafka
@@ -47,6 +49,7 @@ def cli(
     monkeypatch.setenv("MARLAAS_STATE_DIR", str(settings.state_dir))
     monkeypatch.setenv("MARLAAS_ARTIFACT_DIR", str(settings.artifacts))
     monkeypatch.setenv("MARLAAS_BASE_MODEL", settings.base_model)
+    monkeypatch.setenv("MARLAAS_BUS_KEY", settings.bus_key.get_secret_value())
     return CliRunner()
 
 
@@ -163,3 +166,49 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
     assert [k for k in kinds if k in ("paused", "resumed", "cancelled")] == [
         "paused", "resumed", "cancelled",
     ]  # fmt: skip
+
+
+def test_the_operator_adds_a_tenant_who_then_works_through_the_api_only(
+    cli: CliRunner, pipeline_services: RunningServices, local_stack: LocalStack, tmp_path: Path
+) -> None:
+    """README, "Tenants": `marlaas tenants add` prints a key; with MARLAAS_API_URL and that
+    key the same CLI submits, watches, exports and samples through the tenant API, and
+    refuses the operator's commands."""
+    tenant = f"cli-api-{new_id()[:6]}"
+    code, out, err = invoke(cli, "tenants", "add", tenant, "--max-steps", "5")
+    assert code == 0, err
+    assert f"tenant {tenant}: max_concurrent_jobs=4" in out and "max_steps=5" in out
+    key = out.split("API key (shown once; give it to the tenant): ")[1].split()[0]
+    code, out, _ = invoke(cli, "tenants", "list")
+    assert f"{tenant}  active  keys=" in out
+
+    settings = pipeline_services.settings.model_copy(
+        update={"kafka_bootstrap": local_stack.kafka_bootstrap,
+                "redis_url": local_stack.redis_url_for("api")}
+    )  # fmt: skip
+    with api_server(settings) as url:
+        api = ["--api-url", url, "--api-key", key]
+        path = job_file(tmp_path, settings.base_model, max_steps=2)
+        path.write_text(path.read_text().replace('tenant = "cli-tenant"', f'tenant = "{tenant}"'))
+        code, out, err = invoke(cli, *api, "submit", str(path), "--wait")
+        assert code == 0, out + err
+        job_id = out.split()[0]
+        assert f"{job_id}  {tenant}  arithmetic  completed  v2/2" in out
+        code, out, _ = invoke(cli, *api, "status")
+        assert f"{job_id}  {tenant}  arithmetic  completed  v2/2" in out
+        code, out, _ = invoke(cli, *api, "logs", job_id)
+        assert "accepted" in out and "completed" in out
+        code, out, err = invoke(cli, *api, "export", job_id, "--out", str(tmp_path / "a"))
+        assert code == 0 and f"adapter v2 -> {tmp_path / 'a'}" in out, err
+        assert (tmp_path / "a" / "adapter_model.safetensors").stat().st_size > 0
+        code, _, err = invoke(cli, *api, "audit", job_id)
+        assert code == 1 and "needs the operator's Kafka and Redis access" in err
+        code, _, err = invoke(cli, *api, "pause", "someone-elses-job")
+        assert code == 1 and f"no job 'someone-elses-job' of tenant '{tenant}'" in err
+        over = path.read_text().replace("max_steps = 2", "max_steps = 6")
+        (tmp_path / "over.toml").write_text(over.replace('job_id = "', 'job_id = "x'))
+        code, _, err = invoke(cli, *api, "submit", str(tmp_path / "over.toml"))
+        assert code == 1 and "quota max_steps: rl.max_steps 6 exceeds the limit 5" in err
+
+    code, out, _ = invoke(cli, "tenants", "revoke", tenant)
+    assert code == 0 and f"tenant {tenant} revoked (1 keys)" in out

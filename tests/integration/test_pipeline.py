@@ -29,6 +29,7 @@ from common.messages import (
     decode,
     new_id,
 )
+from common.signing import RecordSigner
 from common.store import RedisStore
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack import LocalStack
@@ -53,12 +54,15 @@ def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> Jo
     )  # fmt: skip
 
 
-async def duplicate_trajectories(bootstrap: str, job_id: str, stop: asyncio.Event) -> int:
-    """Re-send every trajectory of `job_id` once more, as a redelivering producer would."""
+async def duplicate_trajectories(
+    bootstrap: str, job_id: str, stop: asyncio.Event, signing: RecordSigner | None
+) -> int:
+    """Re-send every trajectory of `job_id` once more, as a redelivering producer (one
+    holding the bus key: env_svc) would."""
     consumer = AIOKafkaConsumer(
         Topic.TRAJECTORIES.value, bootstrap_servers=bootstrap, auto_offset_reset="earliest"
     )
-    producer = Producer(bootstrap, client_id="duplicator")
+    producer = Producer(bootstrap, client_id="duplicator", signing=signing)
     await consumer.start()
     await producer.start()
     seen: set[str] = set()
@@ -121,7 +125,9 @@ async def test_concurrent_jobs_run_to_max_steps(
     events: list[Event] = []
     stop_duplicating = asyncio.Event()
     duplicator = asyncio.create_task(
-        duplicate_trajectories(bootstrap, duplicated.job_id, stop_duplicating)
+        duplicate_trajectories(
+            bootstrap, duplicated.job_id, stop_duplicating, pipeline_services.settings.signer
+        )
     )
     await submit_jobs(bootstrap, specs)
     try:

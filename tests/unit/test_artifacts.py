@@ -37,10 +37,10 @@ def test_atomic_dir_replaces_the_target_only_when_the_block_completes(tmp_path: 
         (staging / "sub" / "new").write_text("whole")
     assert (target / "sub" / "new").read_text() == "whole"
     assert not (target / "old").exists()
-    # Other services (other users in compose) read what was written.
+    # The service user's alone: not world- or group-readable (a tenant's adapter is its own).
     assert (target.stat().st_mode & 0o777, (target / "sub" / "new").stat().st_mode & 0o777) == (
-        0o755,
-        0o644,
+        0o700,
+        0o600,
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
 

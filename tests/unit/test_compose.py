@@ -9,6 +9,7 @@ and storage the design relies on (docs/architecture.md, "Two deployments, one co
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -18,13 +19,16 @@ import jsonschema
 import pytest
 import yaml
 
-from common.config import SharedSettings
+from common.access import KAFKA_SUPER_USERS, PRINCIPALS
+from common.config import KafkaAuthSettings, SharedSettings
 from common.lifecycle import SERVICES
+from console.cli_access import password_variable
 from tests.image_targets import dockerfile_stages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
+ENV_EXAMPLE = REPO_ROOT / "deploy" / "env.example"
 
 MARLAAS_SERVICES = SERVICES
 SERVICE_TARGETS = {"env_svc": "env", "rollout_svc": "rollout", "trainer_svc": "trainer"}
@@ -123,23 +127,39 @@ def test_compose_file_is_valid(compose: Compose, dockerfile_text: str) -> None:
 
 def test_compose_runs_the_stack_and_the_three_services(compose: Compose) -> None:
     assert "version" not in compose, "the compose spec dropped the top-level version"
-    assert set(compose["services"]) == {"kafka", "redis", "topics", "cli", *MARLAAS_SERVICES}
+    assert set(compose["services"]) == {
+        "kafka", "kafka-acls", "redis", "redis-acl", "topics", "api", "cli", *MARLAAS_SERVICES
+    }  # fmt: skip
     assert compose["services"]["cli"]["profiles"] == ["cli"]  # run on demand, not by `up`
 
 
+CREDENTIALS = {"MARLAAS_KAFKA_USERNAME", "MARLAAS_KAFKA_PASSWORD", "MARLAAS_REDIS_URL",
+               "MARLAAS_BUS_KEY"}  # fmt: skip
+"""Each container's own: who it is to Kafka and Redis, and the key it signs with."""
+
+
+def kafka_clients(compose: Compose) -> list[str]:
+    return [
+        n for n, s in compose["services"].items() if "MARLAAS_KAFKA_BOOTSTRAP" in environment_of(s)
+    ]
+
+
 def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
-    """The shared settings are the same everywhere; a container adds only its own (the
-    rollout replicas' chat port, the CLI's chat URL)."""
-    envs = {name: environment_of(compose["services"][name]) for name in marlaas_containers(compose)}
-    shared = envs["topics"]
+    """The shared settings are the same everywhere; a container adds only its credentials
+    and its own settings (the rollout replicas' chat port, the CLI's and API's chat URL)."""
+    shared = {key: str(value) for key, value in compose["x-marlaas-env"].items()}
+    assert set(kafka_clients(compose)) == {"topics", "api", "cli", *MARLAAS_SERVICES}
+    assert set(marlaas_containers(compose)) == {*kafka_clients(compose), "redis-acl"}
+    envs = {name: environment_of(compose["services"][name]) for name in kafka_clients(compose)}
     assert shared and all({k: env.get(k) for k in shared} == shared for env in envs.values())
-    extras = {name: sorted(set(env) - set(shared)) for name, env in envs.items()}
+    extras = {name: sorted(set(env) - set(shared) - CREDENTIALS) for name, env in envs.items()}
     assert extras == {
         "topics": [], "env_svc": [], "trainer_svc": [], "rollout_svc": ["ROLLOUT_API_PORT"],
-        "cli": ["MARLAAS_CHAT_URL"],
+        "cli": ["MARLAAS_CHAT_URL"], "api": ["MARLAAS_API_PORT", "MARLAAS_CHAT_URL"],
     }  # fmt: skip
     port = envs["rollout_svc"]["ROLLOUT_API_PORT"]
-    assert envs["cli"]["MARLAAS_CHAT_URL"] == f"http://rollout_svc:{port}/v1"
+    for name in ("cli", "api"):
+        assert envs[name]["MARLAAS_CHAT_URL"] == f"http://rollout_svc:{port}/v1"
     assert port in compose["services"]["rollout_svc"]["expose"]
 
 
@@ -147,18 +167,160 @@ def test_kafka_bootstrap_is_what_the_broker_advertises(compose: Compose) -> None
     services = compose["services"]
     advertised = environment_of(services["kafka"])["KAFKA_ADVERTISED_LISTENERS"]
     advertised_addresses = {listener.split("://", 1)[1] for listener in advertised.split(",")}
-    assert set(marlaas_containers(compose)) == {"topics", "cli", *MARLAAS_SERVICES}
-    for name in marlaas_containers(compose):
+    for name in kafka_clients(compose):
         bootstrap = environment_of(services[name])["MARLAAS_KAFKA_BOOTSTRAP"]
         for address in bootstrap.split(","):
             assert address in advertised_addresses, f"{name} bootstraps from {address}"
             assert address.rsplit(":", 1)[0] in services, f"{address} is not a compose service"
 
 
-def test_redis_url_points_at_the_redis_service(compose: Compose) -> None:
-    for name in marlaas_containers(compose):
-        redis_url = environment_of(compose["services"][name])["MARLAAS_REDIS_URL"]
-        assert redis_url.startswith("redis://redis:6379/"), f"{name}: {redis_url}"
+REQUIRED = re.compile(r"\$\{([A-Z0-9_]+):\?[^}]+\}")
+"""A compose interpolation that stops compose when the variable is unset or empty."""
+
+
+def required_variable(value: str) -> str:
+    """The one required variable `value` consists of (`${NAME:?message}`)."""
+    match = REQUIRED.fullmatch(value)
+    assert match, f"{value!r} is not a required ${{VAR:?...}} variable"
+    return match.group(1)
+
+
+def redis_login(url: str) -> tuple[str, str]:
+    """(user, password variable) of a `redis://user:${VAR:?...}@redis:6379/N` URL."""
+    match = re.fullmatch(r"redis://([a-z_]+):(\$\{[^}]+\})@redis:6379/\d+", url)
+    assert match, f"{url!r}: not redis://<user>:${{VAR:?...}}@redis:6379/<db>"
+    return match.group(1), required_variable(match.group(2))
+
+
+PRINCIPAL_OF = {
+    "env_svc": "env_svc", "rollout_svc": "rollout_svc", "trainer_svc": "trainer_svc",
+    "api": "api", "topics": "operator", "cli": "operator",
+}  # fmt: skip
+
+
+def test_each_container_logs_in_as_its_own_principal(compose: Compose) -> None:
+    """Kafka user and Redis user are the container's principal (common/access.py), each
+    with that principal's password variable; the bus key is the shared one."""
+    for name in kafka_clients(compose):
+        env, principal = environment_of(compose["services"][name]), PRINCIPAL_OF[name]
+        assert env["MARLAAS_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT", name
+        assert env["MARLAAS_KAFKA_USERNAME"] == principal, name
+        assert required_variable(env["MARLAAS_KAFKA_PASSWORD"]) == password_variable(
+            "kafka", principal
+        ), name
+        if name == "topics":  # creates topics only: no Redis, signs nothing
+            assert "MARLAAS_REDIS_URL" not in env and "MARLAAS_BUS_KEY" not in env
+            continue
+        assert redis_login(env["MARLAAS_REDIS_URL"]) == (
+            principal, password_variable("redis", principal)
+        ), name  # fmt: skip
+        assert required_variable(env["MARLAAS_BUS_KEY"]) == "MARLAAS_BUS_KEY", name
+
+
+def test_only_the_infrastructure_and_the_operator_tools_hold_operator_credentials(
+    compose: Compose,
+) -> None:
+    holders = {
+        name
+        for name, service in compose["services"].items()
+        for value in environment_of(service).values()
+        if "_OPERATOR" in value or "User:operator" in value
+    }
+    # The broker logs itself in as the operator (and makes its SCRAM user), Redis' healthcheck
+    # logs in as it; the init containers and the CLI act as it.
+    assert holders == {"kafka", "kafka-acls", "redis", "redis-acl", "topics", "cli"}
+
+
+def test_every_secret_comes_from_a_required_variable(compose: Compose) -> None:
+    secrets = {password_variable(s, p) for s in ("kafka", "redis") for p in PRINCIPALS}
+    secrets.add("MARLAAS_BUS_KEY")
+    used: set[str] = set()
+    for name, service in compose["services"].items():
+        for key, value in environment_of(service).items():
+            if key.endswith(("_PASSWORD", "BUS_KEY", "_AUTH")) or "_PASSWORD_" in key:
+                used.add(required_variable(value))
+            elif key == "MARLAAS_REDIS_URL":
+                used.add(redis_login(value)[1])
+            else:
+                assert "${MARLAAS_KAFKA_PASSWORD" not in value, (name, key)
+                assert "${MARLAAS_REDIS_PASSWORD" not in value, (name, key)
+    assert used == secrets
+    # Optional variables have defaults; none of them is a secret.
+    optional = set(re.findall(r"\$\{([A-Z0-9_]+):-", COMPOSE_FILE.read_text()))
+    assert optional == {"MARLAAS_KAFKA_HOST_PORT", "MARLAAS_API_HOST_PORT", "MARLAAS_API_BIND"}
+    # deploy/env.example lists every secret, with no value.
+    listed = re.findall(r"^([A-Z0-9_]+)=(.*)$", ENV_EXAMPLE.read_text(), re.MULTILINE)
+    assert {name for name, _ in listed} == secrets and all(v == "" for _, v in listed)
+
+
+def test_kafka_requires_sasl_everywhere_and_denies_what_no_acl_allows(compose: Compose) -> None:
+    kafka = compose["services"]["kafka"]
+    env = environment_of(kafka)
+    assert kafka["command"] == ["bash", "/deploy/kafka/start.sh"]
+    listeners = dict(
+        item.split(":", 1) for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")
+    )
+    named = {item.split("://")[0] for item in env["KAFKA_LISTENERS"].split(",")}
+    assert set(listeners) == named and set(listeners.values()) == {"SASL_PLAINTEXT"}
+    assert env["KAFKA_SASL_ENABLED_MECHANISMS"] == "SCRAM-SHA-512"
+    assert env["KAFKA_SASL_MECHANISM_INTER_BROKER_PROTOCOL"] == "SCRAM-SHA-512"
+    # The controller cannot check SCRAM: PLAIN, on loopback only.
+    assert env["KAFKA_SASL_MECHANISM_CONTROLLER_PROTOCOL"] == "PLAIN"
+    assert "CONTROLLER://localhost:9093" in env["KAFKA_LISTENERS"].split(",")
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@localhost:9093"
+    assert env["KAFKA_AUTHORIZER_CLASS_NAME"].endswith(".StandardAuthorizer")
+    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
+    assert env["KAFKA_SUPER_USERS"] == ";".join(f"User:{p}" for p in KAFKA_SUPER_USERS)
+    # A SCRAM user for every principal at the first start (start.sh reads these).
+    assert {key: required_variable(value) for key, value in env.items() if "PASSWORD" in key} == {
+        password_variable("kafka", p): password_variable("kafka", p) for p in PRINCIPALS
+    }
+    # The host listener is published on loopback only, and logs in like the others.
+    assert kafka["ports"] == ["127.0.0.1:${MARLAAS_KAFKA_HOST_PORT:-29092}:29092"]
+    assert "--command-config" in kafka["healthcheck"]["test"]
+    assert ("./deploy/kafka", "/deploy/kafka") in mounts_of(kafka)
+
+
+def test_acls_are_applied_before_topics_and_services(compose: Compose) -> None:
+    services = compose["services"]
+    acls = services["kafka-acls"]
+    assert acls["image"] == services["kafka"]["image"]
+    assert acls["command"] == ["bash", "/deploy/kafka/acls.sh"]
+    assert depends_on_of(acls) == {"kafka": "service_healthy"}
+    assert depends_on_of(services["topics"]) == {"kafka-acls": "service_completed_successfully"}
+    assert set(environment_of(acls)) == {password_variable("kafka", p) for p in PRINCIPALS}
+
+
+def test_redis_has_only_the_aclfiles_users(compose: Compose) -> None:
+    services = compose["services"]
+    redis, init = services["redis"], services["redis-acl"]
+    command = redis["command"]
+    aclfile = command[command.index("--aclfile") + 1]
+    assert init["command"][:4] == ["marlaas", "access", "redis-aclfile", aclfile]
+    # Handed to the redis image's user, read-only to the server.
+    assert init["command"][4:] == ["--owner", "999"]
+    volume = next(src for src, dst in mounts_of(init) if aclfile.startswith(dst + "/"))
+    assert f"{volume}:{aclfile.rsplit('/', 1)[0]}:ro" in redis["volumes"]
+    assert depends_on_of(redis) == {"redis-acl": "service_completed_successfully"}
+    assert set(environment_of(init)) == {password_variable("redis", p) for p in PRINCIPALS}
+    # The healthcheck logs in (the aclfile's default user is off: tests/unit/test_kafka_access.py).
+    assert "--user operator" in " ".join(redis["healthcheck"]["test"])
+    assert required_variable(environment_of(redis)["REDISCLI_AUTH"]) == password_variable(
+        "redis", "operator"
+    )
+
+
+def test_the_api_is_the_one_port_published_besides_kafkas_loopback(compose: Compose) -> None:
+    published = {name: s["ports"] for name, s in compose["services"].items() if "ports" in s}
+    assert set(published) == {"kafka", "api"}
+    assert published["api"] == [
+        "${MARLAAS_API_BIND:-127.0.0.1}:${MARLAAS_API_HOST_PORT:-8080}:8080"
+    ]
+    api = compose["services"]["api"]
+    assert api["build"]["target"] == "api"
+    assert api["command"] == ["marlaas", "api", "--host", "0.0.0.0"]
+    assert environment_of(api)["MARLAAS_API_PORT"] == "8080"
+    assert "8080" in " ".join(api["healthcheck"]["test"])
 
 
 def test_every_marlaas_variable_is_a_setting_the_code_reads(
@@ -170,6 +332,7 @@ def test_every_marlaas_variable_is_a_setting_the_code_reads(
         field.validation_alias if isinstance(field.validation_alias, str) else f"MARLAAS_{name}"
         for name, field in SharedSettings.model_fields.items()
     }
+    known |= {f"MARLAAS_KAFKA_{name}" for name in KafkaAuthSettings.model_fields}
     environment = environment_of(compose["services"]["trainer_svc"])
     marlaas_variables = {key for key in environment if key.startswith("MARLAAS_")}
     assert marlaas_variables <= {key.upper() for key in known}
@@ -182,6 +345,7 @@ def test_every_marlaas_variable_is_a_setting_the_code_reads(
     assert settings.cache_dir == Path("/cache")
     assert settings.base_model == "smollm2-135m-instruct"
     assert settings.topic_partitions == 12
+    assert KafkaAuthSettings().client_options()["sasl_plain_username"] == "trainer_svc"
 
 
 def test_rollout_reserves_a_gpu(compose: Compose) -> None:
@@ -205,12 +369,11 @@ def test_trainer_and_rollout_share_the_artifact_volume(compose: Compose) -> None
 
 def test_services_start_after_topics_and_redis(compose: Compose) -> None:
     services = compose["services"]
-    for name in MARLAAS_SERVICES:
+    for name in (*MARLAAS_SERVICES, "api"):
         assert depends_on_of(services[name]) == {
             "topics": "service_completed_successfully",
             "redis": "service_healthy",
         }
-    assert depends_on_of(services["topics"]) == {"kafka": "service_healthy"}
     assert services["topics"]["command"] == ["marlaas", "topics", "create"]
 
 

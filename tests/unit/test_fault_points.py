@@ -64,7 +64,7 @@ def test_fault_specs_are_checked() -> None:
 async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
     point: str, crash_at: Any, memory: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    spec = await running_job(memory, "crash")
+    spec = await running_job(memory, "crash", issued=0)
     # env_svc issued group 0 (the ledger's `issued` entry).
     assert await memory.store.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3

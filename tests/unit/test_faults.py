@@ -46,6 +46,7 @@ from tests.handler_kit import (
     GatedEngine,
     events,
     job_spec,
+    register_running,
     request_for,
     rollout_service,
     trajectory,
@@ -295,7 +296,7 @@ async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
     store = FlakyStore(backend.store, "publish_adapter", times=2)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store)
     await service.load_model()
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec)
     inbox = Inbox(Topic.TRAJECTORIES)
     for sample, reward in enumerate((0.0, 1.0)):
         await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
@@ -332,16 +333,16 @@ def trainer_service(
     )  # fmt: skip
 
 
-async def running_job(backend: Backend, name: str) -> JobSpec:
+async def running_job(backend: Backend, name: str, *, issued: int = 64) -> JobSpec:
     spec = job_spec(name, group_size=2, groups_per_step=1, max_staleness=0, max_steps=3)
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec, issued=issued)
     return spec
 
 
 async def quiet_half_group(backend: Backend, service: TrainerService, name: str) -> JobSpec:
     """A running job whose one group (g0) got 1 of its 2 trajectories, then nothing for
     longer than the 0.5 s `group_timeout_s` these tests give the trainer."""
-    spec = await running_job(backend, name)
+    spec = await running_job(backend, name, issued=0)
     await backend.store.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
     )
@@ -414,7 +415,7 @@ async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replace
     service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=2.0)
     await service.load_model()
     spec = job_spec("quiet", group_size=2, groups_per_step=2, max_staleness=1, max_steps=3)
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec, issued=0)
     for index in range(3):  # issued and sent; g0 half-arrives, g1 and g2 never do
         await backend.store.try_issue_group(
             spec.job_id, max_staleness=1, groups_per_step=2, max_groups=6
@@ -491,7 +492,7 @@ async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_d
     store = CompletingDuringDrop(backend.store, last_of_g1)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store, group_timeout_s=0.5)
     await service.load_model()
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec, issued=0)
     for index in range(2):  # issued and sent
         await backend.store.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=2, max_groups=4
@@ -531,7 +532,7 @@ async def test_a_group_another_replica_dropped_is_never_trained_here(
     (and replaced) and trained, and the job completed with its replacements never trained."""
     service = trainer_service(backend, tiny_dir, tmp_path)
     await service.load_model()
-    spec = await running_job(backend, "dropped-elsewhere")
+    spec = await running_job(backend, "dropped-elsewhere", issued=0)
     for index in range(2):  # g0 issued and dropped as lost elsewhere, g1 its replacement
         await backend.store.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
@@ -591,14 +592,19 @@ async def test_records_that_do_not_fit_their_job_are_never_trained(
     )
     misaligned = msgspec.structs.replace(trajectory(spec, 0, 1, 0.0, 0), loss_mask=[0, 1])
     foreign = msgspec.structs.replace(trajectory(spec, 0, 1, 0.0, 0), group_id="other/g0")
-    for record in (out_of_vocab, misaligned, foreign):
+    # Groups env_svc never issued (the flow counter in Redis says 64 so far): not held at all.
+    unissued = [trajectory(spec, 64, sample, 9.0, 0) for sample in range(2)]
+    padded = msgspec.structs.replace(trajectory(spec, 0, 1, 0.0, 0), group_id=f"{spec.job_id}/g00")
+    for record in (out_of_vocab, misaligned, foreign, *unissued, padded):
         await inbox.hand(service.on_trajectory, record)
     assert not await service.train_once()  # dropped as invalid instead of crashing the step
     (dropped,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
     assert dropped.verdict == "dropped_invalid"  # type: ignore[union-attr]
     assert f"outside the vocabulary of {vocab}" in dropped.reason  # type: ignore[union-attr]
     assert "5 tokens, 2 mask entries" in dropped.reason  # type: ignore[union-attr]
-    assert inbox.committable == 3
+    assert inbox.committable == 6
+    assert await backend.store.adapter(spec.job_id) is None  # g64 was never trained
+    assert service.jobs[spec.job_id].filling == {}
 
 
 async def test_a_step_that_raises_costs_only_its_own_job(
@@ -648,7 +654,7 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
 ) -> None:
     service = env_service(backend, tokenizer, claim_timeout_s=1.0)
     spec = job_spec("orphan", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec, issued=0)
     # Another replica claimed group 0, then died before sending its requests.
     claimed = await backend.store.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=2

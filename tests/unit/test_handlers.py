@@ -33,9 +33,11 @@ from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     GatedEngine,
     adapter_update,
+    adapter_uri,
     env_service,
     events,
     job_spec,
+    register_running,
     request_for,
     rollout_service,
     trajectory,
@@ -73,7 +75,7 @@ async def test_env_svc_issues_exactly_the_groups_the_window_allows(
     assert len(await requests(4 * G)) == 4 * G
 
     # The trainer moved the pointer (the trained version) and announced it: B more groups.
-    await backend.store.publish_adapter(job_id, 1, "/nowhere/v1", 1)
+    await backend.store.publish_adapter(job_id, 1, adapter_uri(job_id, 1), 1)
     await rollouts.hand(service.handle, adapter_update(job_id, 1))
     issued = await requests(6 * G)
     assert len(issued) == 6 * G
@@ -89,7 +91,7 @@ async def test_env_svc_issues_exactly_the_groups_the_window_allows(
 
     # Paused: a new version issues nothing until the job is resumed.
     await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="pause"))
-    await backend.store.publish_adapter(job_id, 2, "/nowhere/v2", 2)
+    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
     await rollouts.hand(service.handle, adapter_update(job_id, 2))
     assert len(await requests(7 * G)) == 7 * G
     await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="resume"))
@@ -164,7 +166,7 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
     assert base[0].context_token_ids != base[1].context_token_ids  # three distinct tasks
     adapters = Inbox(Topic.ADAPTERS)
     for version in (1, 2, 2, 3):  # v2 redelivered: evaluated once
-        await backend.store.publish_adapter(job_id, version, f"/nowhere/v{version}", version)
+        await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
         await adapters.hand(service.handle, adapter_update(job_id, version))
     found = await evaluations(2 * 3 + 3 * 3)
     assert sorted(found) == [f"{job_id}/eval{v}" for v in (0, 2, 3)]
@@ -229,7 +231,7 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
         await backend.store.record_eval(
             job_id, 0, f"{job_id}/eval0/{index}", reward=1.0, solved=index == 0, components={}
         )
-    await backend.store.publish_adapter(job_id, 2, "/nowhere/v2", 2)
+    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
     await backend.store.claim_eval(job_id, 2)  # claimed, its requests lost
     await asyncio.sleep(0.3)
     await service.sweep_claims()
@@ -264,7 +266,7 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
         lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=backend.store,
     )  # fmt: skip
     await service.load_model()
-    await backend.store.register_job(spec, status="running")
+    await register_running(backend.store, spec)
     inbox = Inbox(Topic.TRAJECTORIES)
 
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 0.0, version=0))
@@ -322,7 +324,7 @@ async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
     await service.load_model()
     inbox = Inbox(Topic.TRAJECTORIES)
     for spec in specs:
-        await backend.store.register_job(spec, status="running")
+        await register_running(backend.store, spec)
         for sample, reward in enumerate((0.0, 1.0)):
             await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
 
@@ -350,7 +352,7 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
     service = rollout_service(backend, engine)
     job_id = f"rollout-{new_id()[:8]}"
     # The pointer is at v1 but this replica never saw the broadcast: it reads the store.
-    await backend.store.publish_adapter(job_id, 1, "/artifacts/adapters/x/v1", 1)
+    await backend.store.publish_adapter(job_id, 1, adapter_uri(job_id, 1), 1)
     prompts = Inbox(Topic.PROMPTS)
     await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
     await prompts.hand(service.on_request, request_for(job_id, 1, min_adapter_version=1))
@@ -377,7 +379,7 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
     job_id = f"pinned-{new_id()[:8]}"
     for version in (1, 2):
         await backend.store.publish_adapter(
-            job_id, version, f"file:///artifacts/adapters/{job_id}/v{version}", version
+            job_id, version, Path(adapter_uri(job_id, version)).as_uri(), version
         )
     await service.on_adapter(adapter_update(job_id, 2))
     prompts = Inbox(Topic.PROMPTS)
@@ -388,7 +390,7 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
     await asyncio.wait_for(asyncio.gather(*service._generations), 10)
     used = sorted((a.version, a.path) if a else (0, "base") for a in engine.used)
     latest = service.latest[job_id].path  # v2 as its broadcast named it
-    assert used == [(0, "base"), (1, f"/artifacts/adapters/{job_id}/v1"), (2, latest)]
+    assert used == [(0, "base"), (1, adapter_uri(job_id, 1)), (2, latest)]
     assert engine.retired == [(job_id, 1)]  # an older version leaves after its request
     results = {r.request_id: r for r in await backend.sent(Topic.ROLLOUTS, job_id, expect=4)}  # type: ignore[union-attr]
     assert [results[f"{job_id}/{i}/0/t0"].adapter_version for i in range(3)] == [0, 1, 2]  # type: ignore[union-attr]

@@ -28,6 +28,8 @@ STARTS = {
             "load_job_file(f, base_model='smollm2-135m-instruct')\n"
             "sys.argv = ['marlaas', 'topics', '--help']\n"
             "runpy.run_module('console.cli', run_name='__main__')",
+    "api": "sys.argv = ['marlaas', 'api', '--check']\n"
+           "from console.cli import main\nmain()",
     "env": "import runpy; sys.argv = ['env_svc', '--check']; "
            "runpy.run_module('env_svc', run_name='__main__')",
     "trainer": "import runpy; sys.argv = ['trainer_svc', '--check']; "

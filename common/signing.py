@@ -1,0 +1,60 @@
+"""Records signed by who may write the bus: an HMAC over each record, checked by readers.
+
+Kafka's own authentication (SASL) and ACLs keep tenants off the bus in production; the
+embedded broker (Tansu) cannot enforce either (docs/architecture.md, "Tenants"). So every
+record a MARLaaS process produces carries a header `marlaas-sig`: the hex HMAC-SHA256, under
+the bus key, of `topic NUL key NUL value` (`RecordSigner.signature`). With a bus key
+configured
+(`MARLAAS_BUS_KEY`; `marlaas up` makes one per stack) every service drops a record whose
+signature is missing or wrong: dead-lettered with the reason, never handled. Whoever lacks
+the key cannot inject a job, command, prompt, result, trajectory or adapter update, nor
+alter one in flight (the topic and key are signed with the value). Replaying a signed record
+changes nothing: every consumer de-duplicates (docs/architecture.md, "Delivery").
+
+Automation producing job records itself signs them the same way (README: "Producing jobs
+from any Kafka client").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+HEADER = "marlaas-sig"
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+class RecordSigner:
+    """Signs records and checks them, with one deployment's bus key."""
+
+    def __init__(self, key: str) -> None:
+        if not key:
+            raise ValueError("an empty bus key signs nothing")
+        self._key = key.encode()
+
+    def signature(self, topic: str, key: bytes | None, value: bytes) -> bytes:
+        # NUL-separated: no topic or key of MARLaaS holds a NUL (ids: common/jobspec.py), and
+        # a shell can make the same bytes (`printf 'topic\0key\0%s' "$value"`).
+        message = b"\0".join((topic.encode(), key or b"", value))
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest().encode()
+
+    def headers(self, topic: str, key: bytes | None, value: bytes) -> list[tuple[str, bytes]]:
+        return [(HEADER, self.signature(topic, key, value))]
+
+    def problem(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers | None
+    ) -> str | None:
+        """Why the record is not to be trusted (None: signed with this key)."""
+        given = [v for name, v in headers or () if name == HEADER]
+        if not given:
+            return f"unsigned record (no {HEADER} header): not produced by a holder of the bus key"
+        if not hmac.compare_digest(given[-1], self.signature(topic, key, value or b"")):
+            return "bad signature: not produced by a holder of the bus key, or altered"
+        return None
+
+
+def signer(key: str) -> RecordSigner | None:
+    """The signer of a configured bus key; None when the deployment signs nothing."""
+    return RecordSigner(key) if key else None

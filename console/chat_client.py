@@ -1,0 +1,39 @@
+"""One chat completion from a rollout replica's OpenAI-compatible endpoint
+(rollout_svc/chat_api.py): what `marlaas sample` and the tenant API's `sample` ask."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+class ChatFailed(Exception):
+    """The endpoint refused (`status`: its HTTP status) or could not be reached (0)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def chat_completion(
+    base_url: str, model: str, prompt: str, *, max_tokens: int, temperature: float
+) -> tuple[str, str]:
+    """(the model that answered, its answer) to one user message."""
+    body = {
+        "model": model, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens, "temperature": temperature,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
+        raise ChatFailed(exc.code, f"{model}: {detail}") from None
+    except urllib.error.URLError as exc:
+        raise ChatFailed(0, f"{base_url} unreachable: {exc.reason}") from None
+    return answer["model"], answer["choices"][0]["message"]["content"]

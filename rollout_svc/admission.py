@@ -1,0 +1,67 @@
+"""Which waiting rollout request gets the next engine slot: a fair queue over tenants.
+
+The rule (docs/architecture.md, "Rollout admission"): the next slot goes to the next tenant in
+turn that has a request waiting; within that tenant, to its next job in turn; within that job,
+to its oldest request. A tenant with ten jobs, or a job with a long backlog, gets one turn per
+round like every other tenant, so its backlog cannot sit ahead of another tenant's requests.
+A tenant (or job) whose last request leaves drops out of the turn and rejoins at the back
+with its next one. A tenant may be passed over while it holds its share of the slots
+(`pop(eligible)`: the service's fair-share cap, rollout_svc/service.py). Pure bookkeeping: no
+I/O, no waiting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FairQueue(Generic[T]):
+    """Items by tenant and job, taken round-robin over tenants, then over a tenant's jobs,
+    first in first out within a job."""
+
+    def __init__(self) -> None:
+        # Turn order is insertion order: the front tenant (job) is the next served, and one
+        # that was served moves to the back.
+        self._tenants: OrderedDict[str, OrderedDict[str, deque[T]]] = OrderedDict()
+        self._size = 0
+
+    def put(self, tenant: str, job_id: str, item: T) -> None:
+        jobs = self._tenants.setdefault(tenant, OrderedDict())
+        jobs.setdefault(job_id, deque()).append(item)
+        self._size += 1
+
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> T:
+        """The next item by the rule, of the first tenant in turn that is `eligible` (default:
+        any); IndexError when nothing waits, LookupError when no waiting tenant is eligible."""
+        if not self._tenants:
+            raise IndexError("pop from an empty FairQueue")
+        tenant = next((t for t in self._tenants if eligible is None or eligible(t)), None)
+        if tenant is None:
+            raise LookupError("no waiting tenant is eligible")
+        jobs = self._tenants[tenant]
+        job_id, items = next(iter(jobs.items()))
+        item = items.popleft()
+        self._size -= 1
+        if items:
+            jobs.move_to_end(job_id)
+        else:
+            del jobs[job_id]
+        if jobs:
+            self._tenants.move_to_end(tenant)
+        else:
+            del self._tenants[tenant]
+        return item
+
+    def __len__(self) -> int:
+        return self._size
+
+    def waiting(self) -> dict[str, int]:
+        """Items waiting per tenant."""
+        return {
+            tenant: sum(len(items) for items in jobs.values())
+            for tenant, jobs in self._tenants.items()
+        }

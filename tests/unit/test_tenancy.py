@@ -1,0 +1,101 @@
+"""Tenancy in the services' handlers: a job id stays with its first tenant, limits are
+enforced where a job is accepted, and an adapter update must be the trainer's own."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from common.messages import EnvSettings, JobSpec, MessageDecodeError, Topic, encode
+from common.tenants import TenantLimits
+from env_svc.episodes import ChatTokenizer
+from env_svc.service import ForeignJobError
+from tests.fakes import Backend, Inbox
+from tests.handler_kit import (
+    GatedEngine,
+    adapter_update,
+    adapter_uri,
+    env_service,
+    events,
+    job_spec,
+    rollout_service,
+)
+
+
+async def test_a_job_id_stays_with_the_tenant_that_sent_it_first(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    jobs = Inbox(Topic.JOBS)
+    spec = job_spec("owned", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    await jobs.hand(service.handle, spec)
+    assert await backend.store.owner(spec.job_id) == "acme"
+    hijack = msgspec.structs.replace(spec, tenant="mallory")
+    broken = msgspec.structs.replace(hijack, env=EnvSettings(name="no-such-env"))
+    for attempt in (hijack, broken):
+        with pytest.raises(ForeignJobError, match="belongs to tenant 'acme'"):
+            await jobs.hand(service.handle, attempt)  # the consumer loop dead-letters it
+    # A spec that does not decode, naming the taken id: no `rejected` event either.
+    raw = encode(hijack).replace(b"group_size", b"group_sizf")
+    await service.on_undecodable(Topic.JOBS, raw, MessageDecodeError(Topic.JOBS, "typo"))
+    sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=1)
+    assert [e.event for e in events(sent, "accepted")] == ["accepted"]
+    assert not events(sent, "rejected")
+    record = await backend.store.job(spec.job_id)
+    assert record is not None and record.spec.tenant == "acme" and record.status == "running"
+
+
+async def test_a_tenants_limits_are_enforced_where_jobs_are_accepted(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    jobs = Inbox(Topic.JOBS)
+    tenant = f"small-{id(backend)}"
+    await backend.store.tenants.add(
+        tenant, TenantLimits(max_concurrent_jobs=1, max_samples_in_flight=8, max_steps=5)
+    )
+
+    def spec(name: str, **rl: int) -> JobSpec:
+        made = job_spec(name, group_size=2, groups_per_step=1, max_staleness=1, max_steps=2)
+        return msgspec.structs.replace(
+            made, tenant=tenant, rl=msgspec.structs.replace(made.rl, **rl)
+        )
+
+    first, second, long, wide = (
+        spec("first"), spec("second"), spec("long", max_steps=6), spec("wide", group_size=8)
+    )  # fmt: skip
+    for job in (first, second, long, wide):
+        await jobs.hand(service.handle, job)
+    reasons = {}
+    for job in (second, long, wide):
+        (rejected,) = events(await backend.sent(Topic.EVENTS, job.job_id, expect=1), "rejected")
+        reasons[job.job_id] = rejected.reason
+    assert reasons[second.job_id].startswith("quota max_concurrent_jobs: tenant")
+    assert "its limit is 1" in reasons[second.job_id]
+    assert "quota max_steps: rl.max_steps 6 exceeds the limit 5" in reasons[long.job_id]
+    assert (
+        "quota max_samples_in_flight: G x B x (S + 1) 16 exceeds the limit 8"
+        in (reasons[wide.job_id])
+    )
+    assert events(await backend.sent(Topic.EVENTS, first.job_id, expect=1), "accepted")
+
+
+async def test_rollout_loads_only_the_adapters_the_trainer_published(backend: Backend) -> None:
+    engine = GatedEngine()
+    service = rollout_service(backend, engine)
+    job = job_spec("adapters", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    other = job_spec("other", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    await backend.store.publish_adapter(other.job_id, 1, adapter_uri(other.job_id, 1), 1)
+    forged = [
+        adapter_update(job.job_id, 1),  # never published
+        msgspec.structs.replace(  # another job's published adapter, under this job
+            adapter_update(job.job_id, 1), uri=adapter_uri(other.job_id, 1)
+        ),
+        msgspec.structs.replace(adapter_update(job.job_id, 1), uri="/etc"),  # any path
+    ]
+    for update in forged:
+        await service.on_adapter(update)
+    assert engine.loaded == [] and job.job_id not in service.latest
+    await backend.store.publish_adapter(job.job_id, 1, adapter_uri(job.job_id, 1), 1)
+    await service.on_adapter(adapter_update(job.job_id, 1))  # the trainer's own
+    assert [(a.job_id, a.version) for a in engine.loaded] == [(job.job_id, 1)]
