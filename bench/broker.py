@@ -68,9 +68,7 @@ async def one_storage(storage: str, args: argparse.Namespace) -> dict[str, Any]:
     warmup = bench_jobs(base, 1, 1, f"warm-{storage}-{args.run_id}")
     jobs = bench_jobs(base, args.jobs, args.steps, f"{storage}-{args.run_id}")
     async with LocalStack(settings, services=SERVICES, use_existing_from_env=False) as stack:
-        connected = settings.model_copy(
-            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-        )
+        connected = stack.client_settings
         async with MarlaasClient(connected) as client:
             await run_jobs(client, stack.kafka_bootstrap, warmup, args.timeout_s)
             started = time.time()

@@ -189,9 +189,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}")
     concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}")
     async with LocalStack(settings, services=SERVICES) as stack:
-        stack_settings = settings.model_copy(
-            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-        )
+        stack_settings = stack.client_settings
         async with MarlaasClient(stack_settings) as client:
             await measure(client, stack, "warm-up", [warmup], args.timeout_s)
             phases = [

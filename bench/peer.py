@@ -129,9 +129,7 @@ async def run_marlaas(config: dict[str, Any], run_dir: Path, run_id: str) -> dic
             rewards.setdefault(event.step, float(event.metrics.get("mean_reward", float("nan"))))
 
     async with LocalStack(settings, services=SERVICES) as stack:
-        stack_settings = settings.model_copy(
-            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-        )
+        stack_settings = stack.client_settings
         async with MarlaasClient(stack_settings) as client:
             jobs = {spec.job_id: JobProgress.of(spec)}
             submitted = time.time()

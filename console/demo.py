@@ -138,10 +138,7 @@ async def run_demo(
     async with LocalStack(run_settings, services=SERVICES) as stack:
         console.print(f"stack up: Kafka {stack.kafka_bootstrap}, Redis {stack.redis_url}")
         console.print(f"service logs: {run_settings.state_dir / 'logs'}")
-        stack_settings = run_settings.model_copy(
-            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-        )
-        async with MarlaasClient(stack_settings) as client:
+        async with MarlaasClient(stack.client_settings) as client:
             await client.submit(specs)
             async with client.status_board([spec.job_id for spec in specs]) as board:
                 board.expect(specs)

@@ -330,6 +330,14 @@ class LocalStack:
         return stack_env_file(self.state_dir)
 
     @property
+    def client_settings(self) -> SharedSettings:
+        """What a client of the started stack holds: its broker, the operator's Redis URL
+        and the bus key (a client without the key has its records dropped)."""
+        return self.settings.model_copy(
+            update={"kafka_bootstrap": self.kafka_bootstrap, "redis_url": self.redis_url}
+        )
+
+    @property
     def bus_key_file(self) -> Path:
         """The stack's bus key (0600), made once per state dir (common/signing.py)."""
         return self.state_dir / "bus-key"

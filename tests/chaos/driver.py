@@ -163,7 +163,7 @@ class Chaos:
             "PYTHONPATH": str(ROOT), "MARLAAS_LOG_LEVEL": "INFO",
         }  # fmt: skip
         self.replicas[name] = start_service(
-            module, self.settings, self.stack.kafka_bootstrap, self.stack.redis_url,
+            module, self.stack.settings, self.stack.kafka_bootstrap, self.stack.redis_url,
             self.settings.state_dir / "logs" / f"{name.replace('#', '-')}.log", env,
         )  # fmt: skip
 
@@ -255,11 +255,17 @@ class Chaos:
     async def _send_command(self, job_id: str, action: JobAction) -> None:
         assert self.stack is not None
         command = JobCommand(job_id=job_id, action=action, command_id=new_id())
-        await submit_jobs(self.stack.kafka_bootstrap, [command], timeout_s=30)
+        await submit_jobs(
+            self.stack.kafka_bootstrap, [command], timeout_s=30, signing=self.stack.settings.signer
+        )
 
     async def _fuzz(self, job_id: str) -> None:
         assert self.stack is not None
-        producer = Producer(self.stack.kafka_bootstrap, client_id="chaos-fuzz")
+        # Signed: a buggy producer that holds the bus key, so the checks behind the signature
+        # (decoding, the trainer's, rollout's) are what the garbage meets.
+        producer = Producer(
+            self.stack.kafka_bootstrap, client_id="chaos-fuzz", signing=self.stack.settings.signer
+        )
         await producer.start(timeout_s=30)
         try:
             records: list[tuple[Topic, bytes]] = [
@@ -376,10 +382,7 @@ class Chaos:
             for module in SERVICES:
                 for index in range(REPLICAS):
                     self._start(f"{module}#{index}")
-            connected = self.settings.model_copy(
-                update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-            )
-            async with MarlaasClient(connected, connect_timeout_s=30) as client:
+            async with MarlaasClient(stack.client_settings, connect_timeout_s=30) as client:
                 self.client = client
                 result = await unless_stack_fails(self._drive(), stack.watch())
             for child in self.replicas.values():
