@@ -88,6 +88,7 @@ GRANTS: Mapping[Principal, Grant] = {
             "evalseen:*",
             "eval:*",
             "dedup:results:*",
+            "rejected:*",
         ),
         # The trained version (the issue script); the tenant's limits; which URI the trainer
         # published (common/artifacts.py); the rollout replicas' context lengths.
@@ -125,6 +126,7 @@ GRANTS: Mapping[Principal, Grant] = {
             "tenant-jobs:*",
             "job:*",
             "jobs",
+            "rejected:*",
             "adapter:*",
             "adapter-versions:*",
             "ledger:*",

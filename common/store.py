@@ -6,6 +6,7 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `job:{job}`       hash spec (wire-encoded JobSpec), tenant, status, reason, created_at,
                     updated_at, samples (its G x B x (S + 1), for its tenant's quota)
 - `jobs`            set of every registered job id
+- `rejected:{job}`  why a job was rejected (never registered), for a week
 - tenants, API keys, job owners and each tenant's jobs: common/tenants.py
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
@@ -67,11 +68,13 @@ from common.tenants import (
     TenantLimits,
     TenantRegistry,
     owner_key,
+    rejection_key,
     samples_in_flight,
     tenant_jobs_key,
 )
 
 _RESTARTS = "stack:restarts"
+REJECTION_TTL_S = 7 * 24 * 3600
 TRAINED = "trained"
 """De-dup scope of the groups a published version trained."""
 DROPPED = "dropped"
@@ -397,6 +400,14 @@ class RedisStore:
         """The tenant the job id is bound to (None: not bound yet)."""
         owner = await self._redis.get(owner_key(job_id))
         return None if owner is None else _text(owner)
+
+    async def record_rejection(self, job_id: str, reason: str) -> None:
+        """Why a job was rejected (it is never registered), kept a week for its sender."""
+        await self._redis.set(rejection_key(job_id), reason, ex=REJECTION_TTL_S)
+
+    async def rejection(self, job_id: str) -> str | None:
+        reason = await self._redis.get(rejection_key(job_id))
+        return None if reason is None else _text(reason)
 
     async def tenant_job_ids(self, tenant: str) -> list[str]:
         return sorted(_text(m) for m in await self._redis.smembers(tenant_jobs_key(tenant)))

@@ -73,6 +73,10 @@ def owner_key(job_id: str) -> str:
     return f"owner:{job_id}"
 
 
+def rejection_key(job_id: str) -> str:
+    return f"rejected:{job_id}"
+
+
 def api_key_key(key_id: str) -> str:
     return f"apikey:{key_id}"
 

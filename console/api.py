@@ -230,9 +230,11 @@ def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> 
     @app.get("/v1/jobs/{job_id}", response_model=JobView)
     async def job(job_id: str, tenant: Tenant) -> JobView:
         record = await owned(job_id, tenant)
-        if record is None:
-            return JobView(job_id=job_id, tenant=tenant, status="submitted")
-        return await view_of(record)
+        if record is not None:
+            return await view_of(record)
+        if (reason := await client.store.rejection(job_id)) is not None:
+            return JobView(job_id=job_id, tenant=tenant, status="rejected", reason=reason)
+        return JobView(job_id=job_id, tenant=tenant, status="submitted")
 
     # Before `{action}`, which would take "sample" for an action.
     @app.post("/v1/jobs/{job_id}/sample", response_model=SampleAnswer)

@@ -151,6 +151,7 @@ class EnvService(Service):
             job_logger(log, job_id, tenant).warning("undecodable spec for a taken job id")
             return
         job_logger(log, job_id, tenant).warning("job rejected: %s", error.reason)
+        await store.record_rejection(job_id, error.reason)
         await self.io.send(
             job_event(job_id, "rejected", SERVICE, tenant=tenant, reason=error.reason)
         )
@@ -190,6 +191,7 @@ class EnvService(Service):
                 raise
             reason = _reason(exc)
             job_log.warning("job rejected: %s", reason)
+            await store.record_rejection(spec.job_id, reason)
             await self.io.send(
                 job_event(spec.job_id, "rejected", SERVICE, tenant=spec.tenant, reason=reason)
             )

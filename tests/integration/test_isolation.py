@@ -25,6 +25,7 @@ import pytest
 from common.artifacts import adapter_path
 from common.bus import Producer
 from common.config import SharedSettings
+from common.lifecycle import TERMINAL_STATES
 from common.messages import (
     AdapterUpdate,
     DeadLetter,
@@ -102,12 +103,14 @@ async def refused(call: Any, status: int) -> str:
     return str(info.value)
 
 
-async def wait_until_ended(client: TenantClient, job_id: str, timeout_s: float) -> dict[str, Any]:
+async def wait_until_ended(
+    client: TenantClient, job_id: str, timeout_s: float, *, rejected_ok: bool = False
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
-    while (view := await client.job(job_id))["status"] not in ("completed", "failed", "cancelled"):
-        assert view["status"] != "rejected", view
+    while (view := await client.job(job_id))["status"] not in TERMINAL_STATES:
         assert time.monotonic() < deadline, f"job {job_id} still {view['status']}"
         await asyncio.sleep(1.0)
+    assert rejected_ok or view["status"] != "rejected", view
     return view
 
 
@@ -247,3 +250,10 @@ async def test_limits_are_enforced_with_the_limit_named(
         assert "quota max_concurrent_jobs" in second and "its limit is 1" in second
         await wait_until_ended(client, first.job_id, timeout_s=600)
         await client.submit([tiny_job(base_model, max_steps=1)])  # the slot is free again
+        # A job env_svc rejects (the API cannot know every environment): its status says why.
+        unknown = msgspec.structs.replace(
+            tiny_job(base_model, max_steps=1), env=EnvSettings(name="no-such-env")
+        )
+        await client.submit([unknown])
+        view = await wait_until_ended(client, unknown.job_id, timeout_s=120, rejected_ok=True)
+        assert view["status"] == "rejected" and "unknown environment" in view["reason"]

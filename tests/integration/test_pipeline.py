@@ -129,7 +129,7 @@ async def test_concurrent_jobs_run_to_max_steps(
             bootstrap, duplicated.job_id, stop_duplicating, pipeline_services.settings.signer
         )
     )
-    await submit_jobs(bootstrap, specs)
+    await submit_jobs(bootstrap, specs, signing=pipeline_services.settings.signer)
     try:
         await watch_jobs(bootstrap, progress, timeout_s=900, on_event=events.append)
     finally:
