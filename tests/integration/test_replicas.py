@@ -68,9 +68,7 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
     services = replicated(SERVICES, {"env": 2, "rollout": 2, "trainer": 2})
     specs = jobs(8)
     async with LocalStack(settings, use_existing_from_env=False, services=services) as stack:
-        connected = settings.model_copy(
-            update={"kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url}
-        )
+        connected = stack.client_settings  # its broker, Redis and bus key
         async with MarlaasClient(connected, connect_timeout_s=60) as client:
             await client.submit(specs)
             trainers = [c for c in stack.children if c.name == "trainer_svc"]
