@@ -67,6 +67,7 @@ from common.tenants import (
     QuotaError,
     TenantLimits,
     TenantRegistry,
+    count_problem,
     owner_key,
     rejection_key,
     samples_in_flight,
@@ -379,17 +380,8 @@ class RedisStore:
                 *sorted(TERMINAL_STATES),
             ],
         )  # fmt: skip
-        if code == -1 and limits is not None:
-            raise QuotaError(
-                f"quota max_concurrent_jobs: tenant {spec.tenant!r} has {jobs} jobs that have "
-                f"not ended; its limit is {limits.max_concurrent_jobs}"
-            )
-        if code == -2 and limits is not None:
-            raise QuotaError(
-                f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {samples} "
-                f"samples in flight and this one adds {samples_in_flight(spec)} "
-                f"(G x B x (S + 1)); its limit is {limits.max_samples_in_flight}"
-            )
+        if code < 0 and limits is not None:
+            raise QuotaError(count_problem(spec, limits, jobs, samples) or f"quota: code {code}")
         return bool(code)
 
     async def bind_owner(self, job_id: str, tenant: str) -> str:

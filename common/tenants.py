@@ -112,6 +112,25 @@ def job_limit_problems(spec: JobSpec, limits: TenantLimits) -> list[str]:
     ]
 
 
+def count_problem(
+    spec: JobSpec, limits: TenantLimits, live_jobs: int, live_samples: int
+) -> str | None:
+    """Which count limit the job would take its tenant past, given the tenant's jobs that have
+    not ended and their samples in flight (None: it fits)."""
+    if live_jobs + 1 > limits.max_concurrent_jobs:
+        return (
+            f"quota max_concurrent_jobs: tenant {spec.tenant!r} has {live_jobs} jobs that have "
+            f"not ended; its limit is {limits.max_concurrent_jobs}"
+        )
+    if live_samples + samples_in_flight(spec) > limits.max_samples_in_flight:
+        return (
+            f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {live_samples} "
+            f"samples in flight and this one adds {samples_in_flight(spec)} (G x B x (S + 1)); "
+            f"its limit is {limits.max_samples_in_flight}"
+        )
+    return None
+
+
 def encode_limits(limits: TenantLimits) -> bytes:
     return msgspec.json.encode(limits)
 

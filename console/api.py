@@ -52,7 +52,7 @@ from common.messages import (
     new_id,
 )
 from common.store import JobRecord
-from common.tenants import TenantLimits, samples_in_flight
+from common.tenants import TenantLimits, count_problem, samples_in_flight
 from console.chat_client import ChatFailed, chat_completion
 from console.client import JobStateError, MarlaasClient
 
@@ -197,23 +197,13 @@ def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> 
                 if (record := await client.store.job(job_id)) is not None
                 and record.status not in TERMINAL_STATES
             ]
-            if len(live) + 1 > limits.max_concurrent_jobs:
-                raise HTTPException(
-                    429,
-                    f"quota max_concurrent_jobs: tenant {tenant!r} has {len(live)} jobs that "
-                    f"have not ended; its limit is {limits.max_concurrent_jobs}",
-                )
             busy = sum(samples_in_flight(r.spec) for r in live)
-            if busy + samples_in_flight(spec) > limits.max_samples_in_flight:
-                raise HTTPException(
-                    429,
-                    f"quota max_samples_in_flight: tenant {tenant!r}'s jobs have {busy} samples "
-                    f"in flight and this one adds {samples_in_flight(spec)}; its limit is "
-                    f"{limits.max_samples_in_flight}",
-                )
-        if await client.store.owner(spec.job_id) is not None:
-            raise HTTPException(409, f"job id {spec.job_id!r} is taken; leave job_id out")
-        if await client.store.bind_owner(spec.job_id, tenant) != tenant:
+            if (problem := count_problem(spec, limits, len(live), busy)) is not None:
+                raise HTTPException(429, problem)
+        # Taken: bound to anyone already, this tenant included (a resubmitted id).
+        if await client.store.owner(spec.job_id) is not None or (
+            await client.store.bind_owner(spec.job_id, tenant) != tenant
+        ):
             raise HTTPException(409, f"job id {spec.job_id!r} is taken; leave job_id out")
         await client.submit([spec])
         log.info("tenant %s submitted job %s", tenant, spec.job_id)
