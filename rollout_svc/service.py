@@ -323,7 +323,7 @@ class RolloutService(Service):
         return max(1, -(-self.settings.max_in_flight // max(1, len(active))))
 
     async def _generate(
-        self, request: GenerationRequest, release_commit: Callable[[], None], tenant: str = ""
+        self, request: GenerationRequest, release_commit: Callable[[], None], tenant: str
     ) -> None:
         """Sample, send the result, and only then let the request's offset be committed: a
         result that never reached the broker leaves its request to be read again."""
