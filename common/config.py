@@ -202,10 +202,10 @@ class RolloutSettings(BaseSettings):
     max_in_flight: int = Field(default=64, ge=1)
     """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
     fair_share_grace_s: float = Field(default=10.0, ge=0)
-    """Each active tenant may hold at most its share of the `max_in_flight` slots
-    (docs/architecture.md, "Rollout admission"); a tenant stays active this long after its last
-    request, so a job between two steps finds its share free instead of behind another
-    tenant's backlog. 0: only tenants with requests waiting or in the engine count."""
+    """Each tenant may hold at most its max-min fair share of the `max_in_flight` slots over
+    the tenants' demands (docs/architecture.md, "Rollout admission"); a tenant's demand is its
+    peak of this many seconds, so a job between two steps finds its share free instead of
+    behind another tenant's backlog. 0: current demands only (work-conserving)."""
     max_model_len: int = Field(default=1024, ge=64)
     """Longest context + completion the engine serves, in tokens."""
     kv_cache_gib: float | None = Field(default=None, gt=0)

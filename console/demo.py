@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from common.access import redacted
 from common.config import SharedSettings
 from common.lifecycle import SERVICES
 from common.messages import (
@@ -136,7 +137,7 @@ async def run_demo(
     specs = demo_jobs(settings.base_model, run_id, seed)
     started = time.time()
     async with LocalStack(run_settings, services=SERVICES) as stack:
-        console.print(f"stack up: Kafka {stack.kafka_bootstrap}, Redis {stack.redis_url}")
+        console.print(f"stack up: Kafka {stack.kafka_bootstrap}, Redis {redacted(stack.redis_url)}")
         console.print(f"service logs: {run_settings.state_dir / 'logs'}")
         async with MarlaasClient(stack.client_settings) as client:
             await client.submit(specs)

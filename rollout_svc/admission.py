@@ -59,9 +59,26 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    def waiting_of(self, tenant: str) -> int:
+        """Items waiting of one tenant."""
+        return sum(len(items) for items in self._tenants.get(tenant, {}).values())
+
     def waiting(self) -> dict[str, int]:
         """Items waiting per tenant."""
         return {
             tenant: sum(len(items) for items in jobs.values())
             for tenant, jobs in self._tenants.items()
         }
+
+
+def water_fill(demands: dict[str, int], slots: int) -> dict[str, int]:
+    """Max-min fair shares of `slots` among tenants wanting `demands`: a tenant wanting less
+    than an equal split gets what it wants, and what it leaves is split among the others, so
+    no slot is kept from a tenant that could use it unless another tenant wants it."""
+    shares: dict[str, int] = {}
+    left = slots
+    ordered = sorted(demands.items(), key=lambda item: item[1])
+    for index, (tenant, demand) in enumerate(ordered):
+        shares[tenant] = min(demand, -(-left // (len(ordered) - index)))
+        left -= shares[tenant]
+    return shares

@@ -46,7 +46,7 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
-from rollout_svc.admission import FairQueue
+from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
 
@@ -139,8 +139,9 @@ class RolloutService(Service):
         """Requests read, their commits held, not yet in the engine; with each its release and
         its tenant."""
         self._tenant_in_engine: dict[str, int] = {}
-        self._tenant_seen_at: dict[str, float] = {}
-        """When each tenant last had a request read or finished (its share's grace)."""
+        self._tenant_peak: dict[str, tuple[int, float]] = {}
+        """Each tenant's recent peak demand (waiting + in the engine) and when it was seen: its
+        claim on the slots for `fair_share_grace_s` (rollout_svc/admission.py `water_fill`)."""
         self.clock: Callable[[], float] = time.monotonic
         self._read_ahead = READ_AHEAD_PER_SLOT * settings.max_in_flight
         self._room = asyncio.Event()
@@ -267,8 +268,8 @@ class RolloutService(Service):
             self._room.clear()
             await self._room_or_stop()
         tenant = await self._tenant_of(request.job_id)
-        self._tenant_seen_at[tenant] = self.clock()
         self._waiting.put(tenant, request.job_id, (request, delivery.hold_commit(), tenant))
+        self._note_demand(tenant)
         self._admit()
 
     async def _room_or_stop(self) -> None:
@@ -294,7 +295,7 @@ class RolloutService(Service):
         ):  # fmt: skip
             try:
                 request, release_commit, tenant = self._waiting.pop(
-                    partial(self._below, self._fair_share())
+                    partial(self._below, self._shares())
                 )
             except LookupError:  # every waiting tenant holds its share: keep the rest free
                 return
@@ -308,19 +309,30 @@ class RolloutService(Service):
             self._generations.add(task)
             task.add_done_callback(self._generations.discard)
 
-    def _below(self, share: int, tenant: str) -> bool:
-        return self._tenant_in_engine.get(tenant, 0) < share
+    def _below(self, shares: dict[str, int], tenant: str) -> bool:
+        return self._tenant_in_engine.get(tenant, 0) < shares.get(tenant, 0)
 
-    def _fair_share(self) -> int:
-        """Slots one tenant may hold: `max_in_flight` split evenly among the active tenants
-        (requests waiting or in the engine, or one within `fair_share_grace_s`)."""
+    def _note_demand(self, tenant: str) -> None:
+        """Keep the tenant's peak demand of the last `fair_share_grace_s`."""
+        now = self.clock()
+        demand = self._tenant_in_engine.get(tenant, 0) + self._waiting.waiting_of(tenant)
+        peak, at = self._tenant_peak.get(tenant, (0, now))
+        if demand >= peak or now - at > self.settings.fair_share_grace_s:
+            self._tenant_peak[tenant] = (demand, now)
+
+    def _shares(self) -> dict[str, int]:
+        """Slots each tenant may hold: `max_in_flight` water-filled over the tenants' demands
+        (waiting + in the engine, or their peak within `fair_share_grace_s`, so a job between
+        two steps keeps its claim), docs/architecture.md, "Rollout admission"."""
         now, grace = self.clock(), self.settings.fair_share_grace_s
-        for tenant, at in list(self._tenant_seen_at.items()):
-            if now - at > grace and not self._tenant_in_engine.get(tenant):
-                del self._tenant_seen_at[tenant]
-        active = set(self._tenant_seen_at) | set(self._waiting.waiting())
-        active |= {t for t, n in self._tenant_in_engine.items() if n}
-        return max(1, -(-self.settings.max_in_flight // max(1, len(active))))
+        demands = {}
+        for tenant, (peak, at) in list(self._tenant_peak.items()):
+            current = self._tenant_in_engine.get(tenant, 0) + self._waiting.waiting_of(tenant)
+            if now - at > grace and not current:
+                del self._tenant_peak[tenant]
+                continue
+            demands[tenant] = max(current, peak if now - at <= grace else 0)
+        return water_fill(demands, self.settings.max_in_flight)
 
     async def _generate(
         self, request: GenerationRequest, release_commit: Callable[[], None], tenant: str
@@ -344,7 +356,7 @@ class RolloutService(Service):
         finally:
             self._in_engine -= 1
             self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 1) - 1
-            self._tenant_seen_at[tenant] = self.clock()
+            self._note_demand(tenant)
             self._admit()
 
     async def _sample(self, request: GenerationRequest) -> GenerationResult:

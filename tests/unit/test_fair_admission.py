@@ -15,7 +15,7 @@ import pytest
 
 from common.config import RolloutSettings, SharedSettings
 from common.messages import GenerationRequest, GenerationResult, JobSpec, Topic, result_for
-from rollout_svc.admission import FairQueue
+from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.engine import AdapterRef
 from rollout_svc.service import READ_AHEAD_PER_SLOT, RolloutService
 from tests.fakes import Inbox, MemoryBackend, memory_backend
@@ -61,6 +61,14 @@ def test_a_tenant_that_ran_out_rejoins_at_the_back() -> None:
     queue.put("initech", "i1", "initech-0")
     queue.put("acme", "a1", "acme-1")  # behind initech, who was waiting
     assert drain(queue) == ["globex-0", "initech-0", "acme-1"]
+
+
+def test_shares_are_max_min_fair_over_the_tenants_demands() -> None:
+    assert water_fill({"acme": 400, "globex": 8}, 16) == {"globex": 8, "acme": 8}
+    assert water_fill({"acme": 400, "globex": 8}, 64) == {"globex": 8, "acme": 56}
+    assert water_fill({"a": 30, "b": 30, "c": 3}, 64) == {"c": 3, "a": 30, "b": 30}
+    assert water_fill({"a": 100, "b": 100, "c": 100}, 64) == {"a": 22, "b": 21, "c": 21}
+    assert water_fill({}, 64) == {}
 
 
 def test_an_empty_queue_has_nothing_to_pop() -> None:
@@ -148,8 +156,7 @@ async def test_a_tenants_backlog_does_not_sit_ahead_of_another_tenants_requests(
     """acme floods marlaas.prompts with 10 jobs x 40 requests, then globex sends 8. In arrival
     order (the replica before issue 14) globex's first request entered the engine 401st, and
     the poll loop could not even read it while acme's backlog held every slot. Now every slot
-    that frees goes to globex until it has none waiting, and acme, holding more than its half
-    of the slots, gets one again only once it is below its share."""
+    that frees goes to globex until it has none waiting (acme holds more than its share)."""
     slots = 32  # a read-ahead of 16 x 32 = 512 holds everything below
     async with memory_backend() as backend:
         acme = [spec_of(f"acme{index}", "acme") for index in range(10)]
@@ -163,30 +170,28 @@ async def test_a_tenants_backlog_does_not_sit_ahead_of_another_tenants_requests(
         arrivals += [request_for(globex.job_id, index, 0) for index in range(8)]
         await read(prompts, service, arrivals)  # all 408: 32 in the engine, 376 waiting
         await engine.until_entered(slots)
-        for admitted in range(slots, slots + 8):  # free one slot at a time, oldest first
+        for admitted in range(slots, slots + 24):  # free one slot at a time, oldest first
             engine.let_out(engine.entered[admitted - slots])
             await engine.until_entered(admitted + 1)
         tenants = [tenant_of[request.job_id] for request in engine.entered]
         assert tenants[:slots] == ["acme"] * slots  # acme was alone when they were read
-        assert tenants[slots:] == ["globex"] * 8  # every freed slot, while globex waits
-        for index in range(8, 16):  # acme still holds 24 > 16 (half the slots): none enters
-            engine.let_out(engine.entered[index])
-        await asyncio.sleep(0.05)
-        assert len(engine.entered) == slots + 8
-        for index in range(16, 24):  # below its share: acme's jobs take turns again
-            engine.let_out(engine.entered[index])
-            await engine.until_entered(slots + 8 + index - 15)
+        # Every freed slot goes to globex while it waits; then, globex wanting no more than
+        # its 8, the rest are acme's again (no slot is kept from a tenant that can use it).
+        assert tenants[slots:] == ["globex"] * 8 + ["acme"] * 16
+        # acme's jobs take turns within acme's turns, each job in its own order.
         acme_after_fill = [r for r in engine.entered[slots:] if tenant_of[r.job_id] == "acme"]
-        assert [r.job_id for r in acme_after_fill] == [spec.job_id for spec in acme[:8]]
+        assert [r.job_id for r in acme_after_fill] == [
+            spec.job_id for spec in (*acme, acme[0], acme[1], *acme[2:6])
+        ]
         assert [r.request_id for r in acme_after_fill if r.job_id == acme[0].job_id] == [
-            f"{acme[0].job_id}/32/0/t0"
+            f"{acme[0].job_id}/{index}/0/t0" for index in (32, 33)
         ]
         # Results go out and commits move as before: only past what was sent.
         assert prompts.committable == 24
         assert await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=0) == []
         await stopped(service, engine)
         assert len(await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=8)) == 8
-        assert prompts.committable == 33  # acme0's 0..32 were sent, its 33 never started
+        assert prompts.committable == 34  # acme0's 0..33 were sent, its 34 never started
 
 
 async def test_the_poll_loop_waits_while_the_read_ahead_is_full() -> None:
