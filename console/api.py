@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -236,11 +236,9 @@ def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> 
         return await asyncio.to_thread(_chat, settings.chat_url, model, ask)
 
     @app.post("/v1/jobs/{job_id}/{action}", response_model=CommandDone)
-    async def command(
-        job_id: str, action: Literal["pause", "resume", "cancel"], tenant: Tenant
-    ) -> CommandDone:
+    async def command(job_id: str, action: JobAction, tenant: Tenant) -> CommandDone:
         await registered(job_id, tenant)
-        status = await _conflict_on(client.command(job_id, _action(action), wait_s=30.0))
+        status = await _conflict_on(client.command(job_id, action, wait_s=30.0))
         return CommandDone(job_id=job_id, status=status)
 
     @app.get("/v1/jobs/{job_id}/events", response_model=None)
@@ -328,11 +326,6 @@ def _view(record: JobRecord, version: int) -> JobView:
         env=spec.env.name, max_steps=spec.rl.max_steps, samples_in_flight=samples_in_flight(spec),
         created_at=record.created_at, updated_at=record.updated_at,
     )  # fmt: skip
-
-
-def _action(action: str) -> JobAction:
-    assert action in ("pause", "resume", "cancel")
-    return action  # type: ignore[return-value]
 
 
 async def _conflict_on(call: Awaitable[T]) -> T:
