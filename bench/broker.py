@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from machine import machine_fields, result_path  # bench/machine.py
 from multitask import bench_jobs, run_jobs  # bench/multitask.py
 from rich.console import Console
 
@@ -92,7 +91,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_job": args.steps,
         "records": RECORDS,
         "record_bytes": RECORD_BYTES,
-        "machine": f"{platform.machine()} {len(os.sched_getaffinity(0))} CPUs",
+        "machine": machine_fields(),
         "run_id": args.run_id,
     }
 
@@ -107,9 +106,7 @@ def main() -> None:
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"broker-{args.run_id}"
     result = asyncio.run(bench(args))
-    machine = f"cpu{len(os.sched_getaffinity(0))}"
-    date = args.run_id.split("-")[0]
-    out = args.out or Path(__file__).parent / "results" / f"broker-{date}-{machine}.json"
+    out = args.out or result_path("broker", date=args.run_id.split("-")[0])
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.print_json(json.dumps(result["ratios_s3_to_memory"]))
 

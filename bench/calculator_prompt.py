@@ -20,11 +20,11 @@ import argparse
 import json
 import os
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from machine import machine_fields, result_path  # bench/machine.py
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.models import resolve_base_model
@@ -141,10 +141,9 @@ def main() -> None:
                             args.samples)  # fmt: skip
             runs.append({"sums": name, "demonstration": demonstration, **found})
             print(json.dumps(runs[-1]), flush=True)
-    machine = f"cpu{len(os.sched_getaffinity(0))}"
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = args.out or HERE / "results" / f"calculator-prompt-{date}-{machine}.json"
+    out = args.out or result_path("calculator-prompt")
     result = {"bench": "calculator_prompt", "model": args.model, "tasks": args.tasks,
+              "machine": machine_fields(generation=str(generate.model.dtype).split(".")[-1]),
               "samples": args.samples, "max_turns": 2, "runs": runs}  # fmt: skip
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

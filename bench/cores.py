@@ -4,9 +4,10 @@
 
 One rollout engine (vLLM, SmolLM2, the stacked LoRA path) runs in this process; its worker
 binds its OpenMP thread to a core (`VLLM_CPU_OMP_THREADS_BIND=auto`). Beside it, in a child
-process, the trainer times `train_step` on the arithmetic demo job's batch shape (bf16, shared
-prompts) for each split: torch's default threads on every core, one thread on any core, one
-thread pinned to the core the engine leaves free. Each split is timed twice: while the engine
+process, the trainer times `train_step` on the arithmetic demo job's batch shape (in the
+trainer's precision on this machine, bench/machine.py; shared prompts) for each split:
+torch's default threads on every core, one thread on any core, one thread pinned to the core
+the engine leaves free. Each split is timed twice: while the engine
 is idle, and while it generates without pause (64 requests in flight, 8 adapters), whose
 tokens/s over the same window is recorded too. Every figure is a ratio to the default split
 measured in the same phase of the same run.
@@ -24,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from machine import engine_dtype, machine_fields, result_path, trainer_dtype  # bench/machine.py
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -48,9 +50,10 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     if config["cores"] is not None:
         os.sched_setaffinity(0, set(config["cores"]))
     policy = MultiAdapterPolicy(
-        resolve_base_model(config["model"]), compute_dtype="bfloat16",
+        resolve_base_model(config["model"]),
+        compute_dtype=config["dtype"],
         torch_threads=config["threads"],
-    )  # fmt: skip
+    )
     policy.add_job("job", LORA, RL)
     trajectories = batch(policy._base.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
@@ -110,7 +113,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for name, split in SPLITS.items():
                 cores = free if split["cores"] == "free" else split["cores"]
                 config = {"model": args.model, "steps": args.steps, "threads": split["threads"],
-                          "cores": cores}  # fmt: skip
+                          "cores": cores, "dtype": trainer_dtype()}  # fmt: skip
                 tokens_before, started = engine.generated_tokens, time.perf_counter()
                 trainer = await asyncio.to_thread(run_trainer, config)
                 elapsed = time.perf_counter() - started
@@ -162,17 +165,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--machine", default=f"cpu{os.cpu_count()}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--trainer-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trainer_child:
         print(json.dumps(trainer_child(json.loads(args.trainer_child))))
         return
-    result = {"bench": "cores", "model": args.model, "machine": args.machine,
-              **asyncio.run(measure(args))}  # fmt: skip
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = args.out or HERE / "results" / f"cores-{date}-{args.machine}.json"
+    machine = machine_fields(trainer=trainer_dtype(), engine=engine_dtype())
+    result = {"bench": "cores", "model": args.model, "machine": machine}
+    result |= asyncio.run(measure(args))
+    out = args.out or result_path("cores")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out}")
 

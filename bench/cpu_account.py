@@ -75,6 +75,7 @@ class Snapshot:
         processes = {k: v - before.processes.get(k, 0.0) for k, v in self.processes.items()}
         cores = {k: v - before.cores.get(k, 0.0) for k, v in self.cores.items()}
         return {
+            "cpu_s": round(sum(cores.values()), 1),
             "core_busy_share": {str(k): round(v / wall_s, 3) for k, v in sorted(cores.items())},
             "process_cpu_s": {k: round(v, 1) for k, v in processes.items()},
             "process_cpu_share": {k: round(v / wall_s, 3) for k, v in processes.items()},

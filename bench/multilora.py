@@ -22,14 +22,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from machine import engine_dtype, machine_fields, result_path  # bench/machine.py
 
 LORA_PATHS = {
     "vllm": {"VLLM_PLUGINS": ""},  # vLLM's own CPU LoRA ops, slots on every layer
@@ -191,7 +191,6 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--adapters", default="1,8,32")
     parser.add_argument("--paths", default="vllm,stacked")
-    parser.add_argument("--machine", default=f"cpu{os.cpu_count()}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,16 +223,14 @@ def main() -> None:
     result = {
         "bench": "multilora",
         "model": args.model,
-        "machine": args.machine,
-        "cpu": platform.processor() or platform.machine(),
+        "machine": machine_fields(engine=engine_dtype()),
         "requests": args.requests,
         "new_tokens": args.new_tokens,
         "lora": {"rank": RANK, "targets": list(ATTENTION_TARGETS)},
         "base": {k: v for k, v in base.items() if k != "greedy_token_ids"},
         "runs": runs,
     }
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = args.out or Path(__file__).parent / "results" / f"multilora-{date}-{args.machine}.json"
+    out = args.out or result_path("multilora")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out}")
 

@@ -9,12 +9,14 @@ step, at most 16 new tokens at temperature 1, LoRA r = 8 / alpha 16 on q/k/v/o, 
 learning rate, no KL term. TRL runs first in its own venv (`bench/peer_trl.py`, its
 defaults otherwise: float32 on the CPU, generation with transformers); then the MARLaaS job
 runs on a fresh embedded stack (rollout engine, env_svc, trainer), timed from its step
-events. Reported: the median s/step of each after `--warm-up` steps, each one's reward per
-step, and their ratio.
+events. Each side's s/step is the whole pipeline's pace from its first step's end to its
+last's, over the steps in between (generation, rewards and training all counted, start-up
+not); `step_ratio` is MARLaaS's over TRL's. Also reported: the medians after `--warm-up`
+steps, each one's reward per step, and the machine with each side's precision.
 
 Writes `bench/results/peer-<date>-<machine>.json`:
-`{"runs": [{"peer", "model", "peer_step_s", "marlaas_step_s", "step_ratio", "peer_rewards",
-"marlaas_rewards"}]}`.
+`{"machine", "runs": [{"peer", "model", "peer_step_s", "marlaas_step_s", "step_ratio",
+"peer_rewards", "marlaas_rewards", ...}]}`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import tempfile
@@ -31,6 +32,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from machine import machine_fields, result_path  # bench/machine.py
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
@@ -142,6 +145,7 @@ async def run_marlaas(config: dict[str, Any], run_dir: Path, run_id: str) -> dic
     return {
         "step_s": [b - a for a, b in itertools.pairwise(ends)],
         "rewards": [rewards[s] for s in steps],
+        "precision": {name: p.dtype for name, p in stack.precisions.items()},
     }
 
 
@@ -150,7 +154,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warm-up", type=int, default=3, help="steps left out of the median")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--machine", default=f"cpu{os.cpu_count()}")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     settings = load(SharedSettings)
@@ -160,14 +163,15 @@ def main() -> None:
     trl = run_trl(config)
     print(f"TRL: {statistics.median(trl['step_s'][args.warm_up :]):.2f} s/step", flush=True)
     marlaas = asyncio.run(run_marlaas(config, Path("runs").resolve() / f"peer-{run_id}", run_id))
-    peer_s = statistics.median(trl["step_s"][args.warm_up :])
-    ours_s = statistics.median(marlaas["step_s"][args.warm_up :])
+    peer_s, ours_s = first_to_last_step_s(trl["step_s"]), first_to_last_step_s(marlaas["step_s"])
     run = {
         "peer": f"trl {trl['trl']} GRPOTrainer",
         "model": settings.base_model,
         "peer_step_s": peer_s,
         "marlaas_step_s": ours_s,
         "step_ratio": ours_s / peer_s,
+        "peer_median_step_s": statistics.median(trl["step_s"][args.warm_up :]),
+        "marlaas_median_step_s": statistics.median(marlaas["step_s"][args.warm_up :]),
         "peer_rewards": trl["rewards"],
         "marlaas_rewards": marlaas["rewards"],
         "peer_all_step_s": trl["step_s"],
@@ -178,11 +182,23 @@ def main() -> None:
         f"MARLaaS {ours_s:.2f} s/step vs TRL {peer_s:.2f}: ratio {run['step_ratio']:.2f}; "
         f"reward first/last 5: TRL {_ends(trl['rewards'])}, MARLaaS {_ends(marlaas['rewards'])}"
     )
-    result = {"bench": "peer", "machine": args.machine, "settings": config, "runs": [run]}
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = args.out or HERE / "results" / f"peer-{date}-{args.machine}.json"
+    machine = machine_fields(
+        marlaas_trainer=marlaas["precision"]["trainer_svc"],
+        marlaas_engine=marlaas["precision"]["rollout_svc"],
+        trl=trl["dtype"],
+    )
+    result = {"bench": "peer", "machine": machine, "settings": config, "runs": [run]}
+    out = args.out or result_path("peer")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out}")
+
+
+def first_to_last_step_s(step_s: list[float]) -> float:
+    """Seconds per step from the end of the first step to the end of the last (`step_s`: each
+    step's duration, the first one counted from the start)."""
+    if len(step_s) < 2:
+        raise ValueError("needs at least 2 steps")
+    return sum(step_s[1:]) / (len(step_s) - 1)
 
 
 def _ends(rewards: list[float], window: int = 5) -> str:

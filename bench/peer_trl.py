@@ -77,6 +77,9 @@ def main() -> None:
         use_cpu=True,
         seed=config["seed"],
         shuffle_dataset=False,
+        # float32 as the comparison asks (TRL's CPU default); the converted model's
+        # config says bfloat16, which "auto" would load.
+        model_init_kwargs={"dtype": torch.float32},
     )
     trainer = GRPOTrainer(
         model=config["model_dir"],
@@ -102,6 +105,7 @@ def main() -> None:
                 "step_s": [b - a for a, b in itertools.pairwise(ends)],
                 "rewards": step_rewards,
                 "torch_threads": torch.get_num_threads(),
+                "dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
             }
         )
     )

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from machine import machine_fields, result_path  # bench/machine.py
 
 from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import resolve_base_model
@@ -188,7 +187,6 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--machine", default=f"cpu{torch.get_num_threads()}")
     parser.add_argument("--device", default="cpu", help='"cpu", "cuda" or "auto"')
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -216,8 +214,7 @@ def main() -> None:
     result = {
         "bench": "trainer",
         "model": args.model,
-        "machine": args.machine,
-        "cpu": platform.processor() or platform.machine(),
+        "machine": machine_fields(trainer="per variant"),
         "torch_threads": torch.get_num_threads(),
         "batch": {
             "trajectories": TRAJECTORIES,
@@ -230,8 +227,7 @@ def main() -> None:
         "bf16_over_fp32_peak": peaks["bfloat16"] / peaks["float32"],
         "runs": runs,
     }
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = args.out or Path(__file__).parent / "results" / f"trainer-{date}-{args.machine}.json"
+    out = args.out or result_path("trainer")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"peak fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.0f}")
     print(f"written to {out}")

@@ -11,12 +11,11 @@ batch), after a warm-up of each. Writes both operator tables, sorted by self CPU
 from __future__ import annotations
 
 import argparse
-import os
+import json
 from collections.abc import Callable
-from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
+from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 from torch.profiler import ProfilerActivity, profile
 from trainer import LORA, RL, batch  # bench/trainer.py
 
@@ -38,9 +37,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--machine", default=f"cpu{os.cpu_count()}")
     args = parser.parse_args()
-    policy = MultiAdapterPolicy(resolve_base_model(args.model), compute_dtype="bfloat16")
+    dtype = trainer_dtype()
+    policy = MultiAdapterPolicy(resolve_base_model(args.model), compute_dtype=dtype)
     job_ids = [f"job{i}" for i in range(args.jobs)]
     for index, job_id in enumerate(job_ids):
         policy.add_job(job_id, LORA, RL, seed=index)
@@ -51,10 +50,10 @@ def main() -> None:
     )
     batches = {j: (trajectories, advantages) for j in job_ids}
     batched_s, batched = table(lambda: policy.train_steps(batches), args.rows)
-    date = datetime.now(UTC).strftime("%Y%m%d")
-    out = Path(__file__).parent / "results" / f"trainer-batched-profile-{date}-{args.machine}.txt"
+    out = result_path("trainer-batched-profile", ".txt")
     out.write_text(
-        f"{args.jobs} jobs, bf16, shared prompts, {torch.get_num_threads()} threads\n"
+        f"{args.jobs} jobs, {dtype}, shared prompts, {torch.get_num_threads()} threads\n"
+        f"machine: {json.dumps(machine_fields(trainer=dtype))}\n"
         f"self CPU time summed over operators: in turn {in_turn_s:.1f} s, "
         f"batched {batched_s:.1f} s\n\n"
         f"=== {args.jobs} jobs one after another ===\n{in_turn}\n\n"

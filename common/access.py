@@ -95,7 +95,7 @@ GRANTS: Mapping[Principal, Grant] = {
         read_only=("adapter:*", "tenant:*", "adapter-versions:*", "stats:rollout:*"),
     ),
     "rollout_svc": Grant(
-        read_write=("stats:rollout:*", "stats-history:rollout:*"),
+        read_write=("stats:rollout:*", "stats-history:rollout:*", "runtime:rollout_svc:*"),
         # Adapter pointers (start-up scan, unseen versions), published URIs, job specs.
         read_only=("adapter:*", "adapter-versions:*", "job:*"),
     ),
@@ -111,6 +111,7 @@ GRANTS: Mapping[Principal, Grant] = {
             "dedup:trained:*",
             "dedup:dropped:*",
             "job:*",
+            "runtime:trainer_svc:*",
         ),
     ),
     "api": Grant(

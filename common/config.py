@@ -15,10 +15,11 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import AfterValidator, Field, SecretStr, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.cores import parse_cores
+from common.hardware import EngineDtype, TrainerDtype
 from common.logs import LogFormat
 from common.signing import RecordSigner, signer
 
@@ -225,6 +226,11 @@ class RolloutSettings(BaseSettings):
     api_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the OpenAI-compatible chat completions (`/v1/chat/completions`, a job id as
     the model) for trying a job's adapter; None: not served; 0: a free port (logged)."""
+    dtype: EngineDtype = "auto"
+    """The engine's precision: `auto` is bfloat16 where the hardware runs it natively (a GPU
+    with bf16, an AMX or AVX-512-bf16 CPU) and float32 on other CPUs (float16 on other GPUs);
+    common/hardware.py says why. An explicit bfloat16 on a CPU without it runs, ~40x slower
+    per matmul, with a warning at start."""
     cpu_cores: CoreList = ""
     """CPU cores the whole rollout service runs on (its Python, vLLM's engine process and
     its OpenMP threads, which vLLM binds there unless `VLLM_CPU_OMP_THREADS_BIND` says
@@ -262,10 +268,12 @@ class TrainerSettings(BaseSettings):
     max_jobs_per_step: int = Field(default=1, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Forward/backward precision of a step: `bfloat16` runs them under CPU autocast (bf16
-    matmuls on AVX-512-bf16/AMX) with float32 weights, LoRA masters, optimizer and loss;
-    2.05x the float32 step on the reference CPU (bench/results/trainer-20261203-cpu2.json)."""
+    compute_dtype: TrainerDtype = "auto"
+    """Forward/backward precision of a step: `bfloat16` runs them under autocast with float32
+    weights, LoRA masters, optimizer and loss (2.05x the float32 step on an AMX CPU,
+    bench/results/trainer-20261203-cpu2.json). `auto`: bfloat16 where the hardware runs it
+    natively (a GPU with bf16, an AMX or AVX-512-bf16 CPU), float32 elsewhere; an explicit
+    bfloat16 on a CPU without it runs, ~40x slower per matmul, with a warning at start."""
     metrics_port: int = Field(default=9103, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
 
@@ -282,10 +290,35 @@ SERVICE_SETTINGS: Mapping[str, type[ServiceSettings]] = {
 S = TypeVar("S", bound=BaseSettings)
 
 
+class SettingsError(ValueError):
+    """Settings that do not validate: one line per bad variable, naming what it takes."""
+
+
 def load(settings_class: type[S]) -> S:
-    """Environment variables first, then the embedded stack's `stack.env`, then defaults."""
+    """Environment variables first, then the embedded stack's `stack.env`, then defaults.
+
+    Raises SettingsError (one line per bad variable, e.g. "TRAINER_COMPUTE_DTYPE='fp16' must be
+    'auto', 'float32' or 'bfloat16'") instead of pydantic's multi-line report."""
     env_file = stack_env_file()
-    return settings_class(_env_file=env_file if env_file.is_file() else None)  # type: ignore[call-arg]
+    try:
+        return settings_class(_env_file=env_file if env_file.is_file() else None)  # type: ignore[call-arg]
+    except ValidationError as exc:
+        raise SettingsError(settings_problems(settings_class, exc)) from None
+
+
+def settings_problems(settings_class: type[BaseSettings], error: ValidationError) -> str:
+    """Each of `error`'s problems as `VARIABLE=value must be ...` (one a line)."""
+    prefix = settings_class.model_config.get("env_prefix", "")
+    lines = []
+    for problem in error.errors():
+        field_name = str(problem["loc"][0]) if problem["loc"] else ""
+        field = settings_class.model_fields.get(field_name)
+        alias = field.validation_alias if field is not None else None
+        variable = alias if isinstance(alias, str) else f"{prefix}{field_name}".upper()
+        message = problem["msg"].replace("Input should be", "must be")
+        message = message.removeprefix("Value error, ")
+        lines.append(f"{variable}={problem.get('input')!r}: {message}")
+    return "\n".join(lines)
 
 
 @cache

@@ -93,6 +93,10 @@ class StateStore(Protocol):
 
     async def replica_stats(self) -> dict[str, RolloutReplicaStats]: ...
 
+    async def put_runtime(
+        self, service: str, replica: str, fields: Mapping[str, str], *, ttl_s: int
+    ) -> None: ...
+
     # de-duplication
     async def dropped_among(self, job_id: str, group_ids: Sequence[str]) -> set[str]: ...
 

@@ -10,16 +10,18 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings
 
 from common.access import redacted
-from common.backoff import retry_transient
+from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Handler, Producer
-from common.config import SharedSettings
+from common.config import SettingsError, SharedSettings
+from common.hardware import Hardware, Precision
 from common.health import HealthServer
 from common.lifecycle import CONSUMED_TOPICS
 from common.messages import Message
@@ -138,6 +140,54 @@ class Connections:
         """Send each as `send` does, all at once: the producer batches what arrives within
         its linger, so n records cost about one round trip instead of n."""
         await asyncio.gather(*(self.send(message) for message in messages))
+
+
+RUNTIME_INTERVAL_S = 20.0
+"""How often a replica refreshes its `runtime:{service}:{replica}` record (kept 3 times as
+long, so a stopped replica's record goes within a minute)."""
+
+
+def runtime_fields(hardware: Hardware, precision: Precision | None) -> dict[str, str]:
+    """What `marlaas status` shows of a replica: its hardware and its precision, with why."""
+    fields = {"hardware": hardware.describe(), "machine_class": hardware.machine_class}
+    if precision is not None:
+        fields |= {"precision": precision.dtype, "why": precision.reason}
+    return fields
+
+
+async def announce_runtime(
+    connections: Connections,
+    service: str,
+    replica: str,
+    fields: Callable[[], Mapping[str, str]],
+    stopping: asyncio.Event,
+) -> None:
+    """Keep `fields()` in Redis as this replica's runtime record until `stopping` is set. A
+    Redis away for a while skips a refresh, no more: this is telemetry."""
+    while not stopping.is_set():
+        try:
+            await connections.require_store().put_runtime(
+                service, replica, fields(), ttl_s=int(3 * RUNTIME_INTERVAL_S)
+            )
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("%s runtime record not refreshed (%r)", service, exc)
+        try:
+            await asyncio.wait_for(stopping.wait(), RUNTIME_INTERVAL_S)
+        except TimeoutError:
+            pass
+
+
+def exit_code(service: str, main: Callable[[], int]) -> int:
+    """Run a service's `main`; a bad setting is one line on stderr per variable (naming the
+    values it takes) and exit code 2, not a traceback."""
+    try:
+        return main()
+    except SettingsError as exc:
+        for line in str(exc).splitlines():
+            print(f"{service}: {line}", file=sys.stderr)
+        return 2
 
 
 def log_settings(*settings: BaseSettings) -> None:

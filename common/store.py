@@ -17,6 +17,8 @@ Keys (who writes and reads each: docs/architecture.md, "Redis keys"):
 - `dedup:{scope}:{job}` set of ids already handled in that scope (e.g. trained groups)
 - `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
   `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
+- `runtime:{service}:{replica}` hash of what a replica computes on and in (hardware,
+  precision, why), expiring
 
 Every read-modify-write is one Lua script, so concurrent replicas cannot interleave.
 """
@@ -81,6 +83,7 @@ TRAINED = "trained"
 DROPPED = "dropped"
 """De-dup scope of the groups counted as dropped."""
 _STATS = "stats:rollout:"
+_RUNTIME = "runtime:"
 _STATS_HISTORY = "stats-history:rollout:"
 STATS_HISTORY_SAMPLES = 20_000
 """Samples kept per replica (one per 5 s report: over a day)."""
@@ -527,6 +530,29 @@ class RedisStore:
             found[_text(key).removeprefix(_STATS_HISTORY)] = [
                 RolloutReplicaStats.of(_numbers(fields or {})) for _, fields in entries
             ]
+        return found
+
+    # --- what each replica runs on ---------------------------------------------------
+
+    async def put_runtime(
+        self, service: str, replica: str, fields: Mapping[str, str], *, ttl_s: int
+    ) -> None:
+        """Publish what a replica computes on and in (common/hardware.py); it vanishes
+        `ttl_s` after the replica stops refreshing it."""
+        key = f"{_RUNTIME}{service}:{replica}"
+        values: dict[Any, Any] = dict(fields)  # redis-py's mapping types are invariant
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=values)
+            pipe.expire(key, ttl_s)
+            await pipe.execute()
+
+    async def runtimes(self) -> dict[tuple[str, str], dict[str, str]]:
+        """Every live replica's runtime fields, by (service, replica)."""
+        found: dict[tuple[str, str], dict[str, str]] = {}
+        async for key in self._redis.scan_iter(match=f"{_RUNTIME}*", count=500):
+            service, _, replica = _text(key).removeprefix(_RUNTIME).partition(":")
+            fields = await self._redis.hgetall(key)
+            found[service, replica] = {_text(k): _text(v) for k, v in fields.items()}
         return found
 
     # --- the embedded stack --------------------------------------------------------

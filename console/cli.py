@@ -72,6 +72,9 @@ def _stack_table(stack: LocalStack) -> Table:
     )
     if stack.api_url:
         table.add_row("tenant API", f"{stack.api_url}/v1 (schema: {stack.api_url}/docs)")
+    table.add_row("hardware", stack.hardware.describe())
+    for service, precision in stack.precisions.items():
+        table.add_row(f"{service} precision", precision.describe())
     table.add_row("state dir", str(stack.state_dir))
     table.add_row("connection file", str(stack.env_file))
     for child in stack.children:

@@ -139,6 +139,9 @@ async def run_demo(
     async with LocalStack(run_settings, services=SERVICES) as stack:
         console.print(f"stack up: Kafka {stack.kafka_bootstrap}, Redis {redacted(stack.redis_url)}")
         console.print(f"service logs: {run_settings.state_dir / 'logs'}")
+        console.print(f"hardware: {stack.hardware.describe()}")
+        for service, precision in stack.precisions.items():
+            console.print(f"{service} computes in {precision.describe()}")
         async with MarlaasClient(stack.client_settings) as client:
             await client.submit(specs)
             async with client.status_board([spec.job_id for spec in specs]) as board:
@@ -152,11 +155,15 @@ async def run_demo(
                 for replica, stats in (await client.store.replica_stats()).items()
             }
             report = await client.report(list(jobs), run_dir / "report")
+        machine = stack.hardware.record() | {
+            "precision": {service: p.dtype for service, p in stack.precisions.items()}
+        }
     console.print(progress_table(jobs, final=True))
     summary = {
         "run_id": run_id,
         "base_model": settings.base_model,
         "seed": seed,
+        "machine": machine,
         "wall_s": round(time.time() - started, 1),
         "reward_window_steps": REWARD_WINDOW,
         "jobs": [job.summary(REWARD_WINDOW) for job in jobs.values()],

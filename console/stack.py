@@ -36,10 +36,14 @@ from common.access import Principal, new_passwords, redis_url_for, valkey_acl_li
 from common.artifacts import atomic_write_text
 from common.config import (
     SERVICE_SETTINGS,
+    RolloutSettings,
     SharedSettings,
+    TrainerSettings,
+    load,
     stack_env_file,
 )
 from common.cores import engine_trainer_split, format_cores
+from common.hardware import Hardware, Precision, detect, engine_precision, trainer_precision
 from common.lifecycle import SERVICES
 from common.store import RedisStore
 from console.children import (
@@ -290,6 +294,21 @@ def stop_services(services: list[ChildServer], timeout_s: float = 60.0) -> None:
         child.stop(timeout_s=timeout_s)
 
 
+def service_precisions(services: tuple[str, ...], hardware: Hardware) -> dict[str, Precision]:
+    """The precision each of `services` that computes with the model will choose at its start
+    on this machine, from the same settings (a bad one raises SettingsError here, before
+    anything starts)."""
+    precisions = {}
+    if "rollout_svc" in services:
+        precisions["rollout_svc"] = engine_precision(load(RolloutSettings).dtype, hardware)
+    if "trainer_svc" in services:
+        trainer = load(TrainerSettings)
+        precisions["trainer_svc"] = trainer_precision(
+            trainer.compute_dtype, trainer.device, hardware
+        )
+    return precisions
+
+
 class LocalStack:
     """Broker + Redis (+ the services) for one machine. `await start()`, then `stop()`."""
 
@@ -303,6 +322,9 @@ class LocalStack:
     ) -> None:
         self.settings = settings
         self.services = services
+        self.hardware = detect()
+        self.precisions = service_precisions(services, self.hardware)
+        """What the model-running services will compute in (they log the same at start)."""
         self.state_dir = settings.state_dir
         self._external_kafka = (
             os.environ.get("MARLAAS_KAFKA_BOOTSTRAP") if use_existing_from_env else None

@@ -8,6 +8,7 @@ Nothing here talks to a service, so it works from any machine that reaches both 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Collection
@@ -80,6 +81,17 @@ class StatusSnapshot:
     taken_at: float
     restarts: dict[str, int] = field(default_factory=dict)
     """Restarts of each service by the embedded stack's supervisor."""
+    runtimes: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    """What each live replica computes on and in, by (service, replica)."""
+
+    def computes_in(self, service: str) -> str:
+        """`service`'s precision and hardware (each distinct one of its replicas'), or ""."""
+        found = {
+            f"{fields.get('precision', '-')} on {fields.get('hardware', '?')}"
+            for (name, _), fields in self.runtimes.items()
+            if name == service
+        }
+        return "; ".join(sorted(found))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +100,10 @@ class StatusSnapshot:
             "services": [lag.__dict__ for lag in self.lags],
             "rollout_replicas": [replica.__dict__ for replica in self.replicas],
             "restarts": self.restarts,
+            "runtimes": [
+                {"service": service, "replica": replica, **fields}
+                for (service, replica), fields in sorted(self.runtimes.items())
+            ],
         }
 
 
@@ -135,13 +151,18 @@ class StatusBoard:
             for row, job_id in zip(rows, sorted(job_ids), strict=True):
                 if row is None:
                     raise UnknownJobError(job_id)
-        lags, replicas, restarts = await asyncio.gather(
-            self._lags(), self._replicas(), self.store.restarts()
+        lags, replicas, restarts, runtimes = await asyncio.gather(
+            self._lags(), self._replicas(), self.store.restarts(), self.store.runtimes()
         )
         jobs = [row for row in rows if row is not None]
         jobs.sort(key=lambda row: (row.progress.done, row.progress.submitted_at))
         return StatusSnapshot(
-            jobs=jobs, lags=lags, replicas=replicas, taken_at=time.time(), restarts=restarts
+            jobs=jobs,
+            lags=lags,
+            replicas=replicas,
+            taken_at=time.time(),
+            restarts=restarts,
+            runtimes=runtimes,
         )
 
     def expect(self, specs: Collection[JobSpec]) -> None:
@@ -215,19 +236,70 @@ async def live_view(
     final evaluations of completed ones are in.
 
     Raises TimeoutError when `timeout_s` passes first.
+
+    Off a terminal (a pipe, a log file, a container) a live table would show only at the end:
+    there each job's steps, evaluations and state changes are printed as lines instead.
     """
     detail = board.job_ids is not None and len(board.job_ids) == 1
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     snapshot = await board.snapshot()
-    with Live(render(snapshot, detail=detail), console=console, auto_refresh=False) as live:
-        while not (until_done and all(row.progress.reported for row in snapshot.jobs)):
+    progress_log = None if console.is_terminal else ProgressLog()
+    with contextlib.ExitStack() as screen:
+        live = None
+        if progress_log is None:
+            live = screen.enter_context(
+                Live(render(snapshot, detail=detail), console=console, auto_refresh=False)
+            )
+        while True:
+            if progress_log is not None:
+                for line in progress_log.new_lines(snapshot):
+                    console.print(line, highlight=False, soft_wrap=True, markup=False)
+            if until_done and all(row.progress.reported for row in snapshot.jobs):
+                break
             if deadline is not None and time.monotonic() > deadline:
                 pending = [r.progress.job_id for r in snapshot.jobs if not r.progress.reported]
                 raise TimeoutError(f"jobs not finished after {timeout_s:.0f}s: {pending}")
             await asyncio.sleep(interval_s)
             snapshot = await board.snapshot()
-            live.update(render(snapshot, detail=detail), refresh=True)
+            if live is not None:
+                live.update(render(snapshot, detail=detail), refresh=True)
     return snapshot
+
+
+@dataclass
+class ProgressLog:
+    """What changed since the last snapshot, as log lines: one per trained step, evaluation
+    and state change of each job (`HH:MM:SS job: ...`)."""
+
+    _steps: dict[str, int] = field(default_factory=dict)
+    _evals: dict[str, set[int]] = field(default_factory=dict)
+    _states: dict[str, str] = field(default_factory=dict)
+
+    def new_lines(self, snapshot: StatusSnapshot) -> list[str]:
+        lines = []
+        for row in snapshot.jobs:
+            p = row.progress
+            clock = time.strftime("%H:%M:%S", time.localtime(snapshot.taken_at))
+            if self._states.get(p.job_id) != row.state:
+                self._states[p.job_id] = row.state
+                reason = f": {p.reason}" if p.reason else ""
+                lines.append(f"{clock} {p.job_id}: {row.state}{reason}")
+            for index in range(self._steps.get(p.job_id, 0), len(p.rewards)):
+                lines.append(
+                    f"{clock} {p.job_id}: step {index + 1}/{p.max_steps} "
+                    f"mean reward {p.rewards[index]:.3f}"
+                )
+            self._steps[p.job_id] = len(p.rewards)
+            seen = self._evals.setdefault(p.job_id, set())
+            for version in sorted(set(p.evals) - seen):
+                metrics = p.evals[version]
+                lines.append(
+                    f"{clock} {p.job_id}: eval v{version} accuracy "
+                    f"{metrics.get('eval_accuracy', 0.0):.3f} "
+                    f"±{metrics.get('eval_accuracy_stderr', 0.0):.3f}"
+                )
+                seen.add(version)
+        return lines
 
 
 # --- rendering --------------------------------------------------------------------------
@@ -305,14 +377,16 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
         "engine busy",
         "tokens/s",
         "in engine",
+        "computes in",
     )
     for column in columns:
         table.add_column(column)
     for lag in snapshot.lags:
         replicas = list(snapshot.replicas) if lag.service == "rollout_svc" else []
         restarts = str(snapshot.restarts.get(lag.service, 0))
+        computes_in = snapshot.computes_in(lag.service)
         if not replicas:
-            table.add_row(lag.service, lag.group, str(lag.lag), restarts, "", "", "")
+            table.add_row(lag.service, lag.group, str(lag.lag), restarts, "", "", "", computes_in)
         for index, replica in enumerate(replicas):
             first = index == 0
             table.add_row(
@@ -320,7 +394,7 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
                 str(lag.lag) if first else "", restarts if first else "",
                 _busy(replica),
                 "-" if replica.tokens_per_s is None else f"{replica.tokens_per_s:.1f}",
-                str(replica.in_flight),
+                str(replica.in_flight), computes_in if first else "",
             )  # fmt: skip
     return table
 

@@ -7,7 +7,7 @@ import sys
 
 from common.config import EnvServiceSettings, SharedSettings, load
 from common.logs import setup_logging
-from common.service import log_settings, run_service
+from common.service import exit_code, log_settings, run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code("env_svc", main))

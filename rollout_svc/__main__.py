@@ -10,7 +10,7 @@ from common.config import RolloutSettings, SharedSettings, load
 from common.cores import pin_to_cores
 from common.imports import load_object
 from common.logs import setup_logging
-from common.service import log_settings, run_service
+from common.service import exit_code, log_settings, run_service
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
         lora_target_modules=shared.lora_target_modules,
         max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
         gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager,
+        enforce_eager=settings.enforce_eager, dtype=settings.dtype,
     ) if settings.engine == "vllm" else load_object(settings.engine)(model)  # fmt: skip
     service = RolloutService(shared, settings, engine)
     return asyncio.run(
@@ -39,4 +39,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # vLLM spawns an engine process that re-imports the main module
-    sys.exit(main())
+    sys.exit(exit_code("rollout_svc", main))

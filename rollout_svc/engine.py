@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.hardware import Precision, detect, engine_precision, log_precision
 from common.messages import (
     ContextTooLongError,
     FinishReason,
@@ -133,7 +134,7 @@ class RolloutEngine:
         max_num_seqs: int | None = None,
         kv_cache_gib: float | None = None,
         gpu_memory_utilization: float = 0.85,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         enforce_eager: bool | None = None,
         logprobs_mode: str = "raw_logprobs",
         seed: int = 0,
@@ -147,8 +148,10 @@ class RolloutEngine:
         LoRA slots; None lets vLLM give every supported linear layer one, which costs compute
         on layers no adapter targets. `kv_cache_gib`: KV cache size; None: 1 GiB on a CPU, and
         on a GPU what `gpu_memory_utilization` leaves. `enforce_eager` None: eager on a CPU,
-        CUDA graphs on a GPU. `logprobs_mode`: `raw_logprobs` returns the
-        model's log-softmax before temperature/top-p, the quantity the trainer recomputes;
+        CUDA graphs on a GPU. `dtype`: `auto` (bf16 where the hardware runs it natively, else
+        float32 on a CPU and float16 on a GPU, common/hardware.py) or a dtype.
+        `logprobs_mode`: `raw_logprobs` returns the model's log-softmax before temperature/top-p,
+        the quantity the trainer recomputes;
         `processed_logprobs` returns the distribution actually sampled from.
         """
         if max_lora_rank not in VLLM_LORA_RANKS:
@@ -166,6 +169,8 @@ class RolloutEngine:
         self.kv_cache_gib = kv_cache_gib
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = dtype
+        self.precision: Precision | None = None
+        """What `dtype` resolved to at `start()`, and why."""
         self.enforce_eager = enforce_eager
         self.logprobs_mode = logprobs_mode
         self.seed = seed
@@ -207,10 +212,14 @@ class RolloutEngine:
             )
             extra_slots = 1
         on_cpu = current_platform.is_cpu()
+        hardware = detect(gpus=not on_cpu)
+        precision = engine_precision(self.dtype, hardware, on_gpu=not on_cpu)
+        log_precision("rollout engine", precision, hardware)
+        self.precision = precision
         kv_cache_gib = self.kv_cache_gib or (CPU_KV_CACHE_GIB if on_cpu else None)
         args = AsyncEngineArgs(
             model=self.model,
-            dtype=self.dtype,  # type: ignore[arg-type]
+            dtype=precision.dtype,
             enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_lora=self.enable_lora,

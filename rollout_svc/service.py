@@ -22,6 +22,7 @@ from common.broadcast import BroadcastReader
 from common.bus import ConsumerLoop, Delivery
 from common.config import RolloutSettings, SharedSettings
 from common.faults import fault_point
+from common.hardware import detect
 from common.health import redis_ready
 from common.lifecycle import RolloutReplicaStats, ServiceName
 from common.logs import job_logger
@@ -45,7 +46,7 @@ from common.metrics import (
     export_service_metrics,
 )
 from common.ports import Sender, StateStore
-from common.service import Connections, Service
+from common.service import Connections, Service, announce_runtime, runtime_fields
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
@@ -221,6 +222,13 @@ class RolloutService(Service):
             "rollout-adapters": self.adapters.run(),
             "rollout-stats": self._report_stats(),
             "rollout-engine": self._watch_engine(),
+            "rollout-runtime": announce_runtime(
+                self.io,
+                SERVICE,
+                self.replica,
+                lambda: runtime_fields(detect(gpus=False), getattr(self.engine, "precision", None)),
+                self._stopping,
+            ),
         }
 
     async def _watch_engine(self) -> None:

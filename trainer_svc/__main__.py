@@ -7,8 +7,9 @@ import sys
 
 from common.config import SharedSettings, TrainerSettings, load
 from common.cores import pin_to_cores
+from common.hardware import detect, log_precision, trainer_precision
 from common.logs import setup_logging
-from common.service import log_settings, run_service
+from common.service import exit_code, log_settings, run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     threads = pin_to_cores(settings.cpu_cores, settings.torch_threads)
+    hardware = detect()
+    precision = trainer_precision(settings.compute_dtype, settings.device, hardware)
+    log_precision("trainer_svc", precision, hardware)
     from common.models import resolve_base_model
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
@@ -27,13 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
             resolve_base_model(shared.base_model, shared.cache_dir), torch_threads=threads,
-            compute_dtype=settings.compute_dtype, device=settings.device,
+            compute_dtype=precision.dtype, device=settings.device,
         )  # fmt: skip
 
-    service = TrainerService(shared, settings, load_policy)  # loads the model in start()
+    # The model loads in start().
+    service = TrainerService(shared, settings, load_policy, precision=precision)
     if check:
         asyncio.run(service.load_model())
-        print(f"trainer_svc start-up check passed: {shared.base_model} on {service.policy.device}")
+        print(
+            f"trainer_svc start-up check passed: {shared.base_model} on "
+            f"{service.policy.device} in {precision.dtype}"
+        )
         return 0
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
@@ -41,4 +49,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code("trainer_svc", main))

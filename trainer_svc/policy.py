@@ -21,9 +21,10 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
+from common.hardware import ComputeDtype
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import masked_token_logprobs, policy_loss, token_logprobs
 from trainer_svc.packing import PackRow, plan_packs
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
-ComputeDtype = Literal["float32", "bfloat16"]
 
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -82,8 +82,8 @@ class MultiAdapterPolicy:
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
-        `compute_dtype` "bfloat16" runs a training step's forward and backward under CPU
-        autocast (bf16 matmuls on AVX-512-bf16/AMX); weights, LoRA masters, optimizer state
+        `compute_dtype` "bfloat16" runs a training step's forward and backward under autocast
+        (common/hardware.py says where that pays); weights, LoRA masters, optimizer state
         and the loss stay float32. `device`: "cpu", "cuda", "cuda:N" or "auto" (CUDA when
         present). `share_prefixes`: run each group's common prompt once, not once per
         sample (trainer_svc/packing.py)."""
@@ -416,7 +416,9 @@ class MultiAdapterPolicy:
         model: Any = self._peft_model().get_base_model()
         decoder = model.get_decoder()
         with torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"
+            self.device.type,
+            dtype=getattr(torch, self.compute_dtype),
+            enabled=self.compute_dtype != "float32",
         ):
             past = None
             if prefix is not None:

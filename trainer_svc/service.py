@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -23,6 +25,7 @@ from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
 from common.faults import fault_point
+from common.hardware import Precision, detect
 from common.health import redis_ready
 from common.lifecycle import (
     STATE_AFTER,
@@ -48,7 +51,7 @@ from common.metrics import (
     export_service_metrics,
 )
 from common.ports import Sender, StateStore
-from common.service import Connections, Service
+from common.service import Connections, Service, announce_runtime, runtime_fields
 from common.store import DROPPED, TRAINED, FencedError
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
 from trainer_svc.groups import Group, checked, group_index, not_of_job, verdict
@@ -96,13 +99,17 @@ class TrainerService(Service):
         *,
         producer: Sender | None = None,
         store: StateStore | None = None,
+        precision: Precision | None = None,
     ) -> None:
         """`load_policy` loads the base model; `start()` calls it in a thread.
 
         `producer` / `store`: given (tests), they are used as they are; else `start()`
-        connects to Kafka and Redis."""
+        connects to Kafka and Redis. `precision`: what the policy computes in and why, for
+        this replica's runtime record (`marlaas status`)."""
         self.shared = shared
         self.settings = settings
+        self.precision = precision
+        self.replica = f"{socket.gethostname()}-{os.getpid()}"
         self._load_policy = load_policy
         self._policy: MultiAdapterPolicy | None = None
         export_service_metrics(SERVICE)
@@ -141,7 +148,17 @@ class TrainerService(Service):
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
-        return {"trainer-consume": self.consumer.run(), "trainer-steps": self.train_loop()}
+        return {
+            "trainer-consume": self.consumer.run(),
+            "trainer-steps": self.train_loop(),
+            "trainer-runtime": announce_runtime(
+                self.io,
+                SERVICE,
+                self.replica,
+                lambda: runtime_fields(detect(), self.precision),
+                self._stopping,
+            ),
+        }
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -20,6 +20,7 @@ from aiokafka import AIOKafkaConsumer
 from typer.testing import CliRunner
 
 from common.bus import Producer
+from common.hardware import CpuInfo, Hardware, trainer_precision
 from common.lifecycle import RolloutReplicaStats
 from common.messages import (
     EnvSettings,
@@ -32,6 +33,7 @@ from common.messages import (
     job_event,
     new_id,
 )
+from common.service import runtime_fields
 from common.store import RedisStore
 from console.cli import app
 from console.stack import LocalStack, free_port
@@ -241,6 +243,23 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     code, out, _ = invoke(cli, "status", "--once")
     line = next(ln for ln in out.splitlines() if replica in ln)
     assert "50% now, 80% since start" in line and "72.5" in line
+
+
+def test_status_shows_what_each_service_computes_in_and_on(cli: CliRunner, redis_url: str) -> None:
+    replica = f"status-{new_id()[:8]}"
+    cpu = CpuInfo("AMD EPYC 7B13", "avx2", "avx2", "", 1)
+    precision = trainer_precision("auto", "cpu", Hardware(cpu))
+    fields = runtime_fields(Hardware(cpu), precision)
+    with_store(redis_url, lambda r: r.put_runtime("trainer_svc", replica, fields, ttl_s=60))
+    code, out, _ = invoke(cli, "status", "--json")
+    assert code == 0
+    (seen,) = [r for r in json.loads(out)["runtimes"] if r["replica"] == replica]
+    assert seen["service"] == "trainer_svc" and seen["precision"] == "float32"
+    assert seen["why"] == "auto: the AVX2 CPU has no native bf16"
+    assert seen["machine_class"] == "cpu-avx2"
+    code, out, _ = invoke(cli, "status", "--once")
+    line = next(ln for ln in out.splitlines() if ln.lstrip("│ ").startswith("trainer_svc"))
+    assert "float32 on AMD EPYC 7B13, 1 core, AVX2" in line
 
 
 def test_status_table_shows_every_job_including_rejected_ones(

@@ -230,6 +230,24 @@ def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
         output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert not [pid for pid in tree if alive(pid)]
+    # The table names the machine and what each model-running service computes in.
+    assert "hardware" in output and "cores" in output
+    assert "rollout_svc precision" in output and "trainer_svc precision" in output
+
+
+def test_up_refuses_a_bad_dtype_in_one_line_before_starting_anything(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [MARLAAS, "up"],
+        env=cli_env(tmp_path, ROLLOUT_DTYPE="half"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: ROLLOUT_DTYPE='half': must be 'auto', 'float32', 'bfloat16' or 'float16'"
+    )
+    assert not (tmp_path / "logs").exists()
 
 
 def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and_restart(

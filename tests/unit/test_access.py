@@ -47,6 +47,8 @@ def test_every_service_and_the_api_and_operator_are_principals() -> None:
         ("dedup:results:j", {"env_svc"}, {"env_svc"}),
         ("dedup:trained:j", {"trainer_svc"}, {"trainer_svc"}),
         ("stack:restarts", set(), set()),
+        ("runtime:rollout_svc:host-1", {"rollout_svc"}, {"rollout_svc"}),
+        ("runtime:trainer_svc:host-2", {"trainer_svc"}, {"trainer_svc"}),
     ],
 )
 def test_who_may_write_and_read_a_key(key: str, written_by: set[str], read_by: set[str]) -> None:

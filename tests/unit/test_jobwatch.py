@@ -7,6 +7,7 @@ import pytest
 
 from common.messages import Event, job_event
 from console.jobwatch import ETA_WINDOW, JobProgress
+from console.status import JobRow, ProgressLog, StatusSnapshot
 
 
 def at(event: Event, when: float) -> Event:
@@ -44,3 +45,29 @@ def test_no_eta_before_a_pace_is_known_or_once_the_job_has_ended() -> None:
     job = progress(1000.0, [1010.0, 1020.0], max_steps=2)
     job.apply(at(job_event("j", "completed", "trainer_svc"), 1021.0))
     assert job.eta_s(1030.0) is None
+
+
+def test_off_a_terminal_each_step_evaluation_and_state_change_is_printed_once() -> None:
+    job = progress(1000.0, [1010.0, 1020.0], max_steps=3)
+    row = JobRow(job, "running", in_flight_episodes=0)
+    log = ProgressLog()
+    first = log.new_lines(StatusSnapshot([row], [], [], taken_at=1021.0))
+    assert [line.split(" ", 1)[1] for line in first] == [
+        "j: running",
+        "j: step 1/3 mean reward 0.500",
+        "j: step 2/3 mean reward 0.500",
+    ]
+    assert log.new_lines(StatusSnapshot([row], [], [], taken_at=1022.0)) == []
+    job.apply(
+        at(job_event("j", "step", "trainer_svc", step=3, metrics={"mean_reward": 0.75}), 1030.0)
+    )
+    eval_metrics = {"eval_accuracy": 0.8125, "eval_accuracy_stderr": 0.069}
+    job.apply(at(job_event("j", "eval", "env_svc", step=3, metrics=eval_metrics), 1031.0))
+    job.apply(at(job_event("j", "completed", "trainer_svc"), 1032.0))
+    row = JobRow(job, "completed", in_flight_episodes=0)
+    later = log.new_lines(StatusSnapshot([row], [], [], taken_at=1033.0))
+    assert [line.split(" ", 1)[1] for line in later] == [
+        "j: completed",
+        "j: step 3/3 mean reward 0.750",
+        "j: eval v3 accuracy 0.812 ±0.069",
+    ]

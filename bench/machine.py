@@ -1,0 +1,56 @@
+"""The machine a benchmark ran on, recorded in every result (bench/README.md, "Machines").
+
+Figures from different CPUs differ several-fold (an AVX2-only CPU runs bf16 some 40x slower
+than float32, an AMX one 2-5x faster), so each result names its machine class in its file
+name and carries the CPU model, ISA level (after any cap such as `ONEDNN_MAX_CPU_ISA`), cores
+and the precision each part computed in.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.config import RolloutSettings, TrainerSettings, load
+from common.hardware import (
+    ComputeDtype,
+    Hardware,
+    detect,
+    engine_precision,
+    trainer_precision,
+)
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine_tag(hardware: Hardware | None = None) -> str:
+    """What result files are named by: `cpu<cores>-<isa>` (e.g. cpu2-avx2) or `gpu-<name>`."""
+    hardware = hardware or detect()
+    if hardware.gpus:
+        return hardware.machine_class
+    return f"cpu{hardware.cpu.cores}-{hardware.cpu.isa}"
+
+
+def machine_fields(**precision: str) -> dict[str, Any]:
+    """The `machine` block of a result: the hardware, and what each named part (trainer,
+    engine, ...) computed in."""
+    return {**detect().record(), "tag": machine_tag(), "precision": precision}
+
+
+def result_path(what: str, suffix: str = ".json", *, date: str | None = None) -> Path:
+    """`bench/results/<what>-<date>-<machine tag><suffix>`."""
+    date = date or datetime.now(UTC).strftime("%Y%m%d")
+    return RESULTS / f"{what}-{date}-{machine_tag()}{suffix}"
+
+
+def trainer_dtype() -> ComputeDtype:
+    """What the trainer computes in on this machine with its settings (`TRAINER_COMPUTE_DTYPE`,
+    default auto), so a bench measures the trainer the service would run."""
+    settings = load(TrainerSettings)
+    return trainer_precision(settings.compute_dtype, settings.device, detect()).dtype
+
+
+def engine_dtype() -> ComputeDtype:
+    """The rollout engine's, likewise (`ROLLOUT_DTYPE`, default auto)."""
+    return engine_precision(load(RolloutSettings).dtype, detect()).dtype
