@@ -6,7 +6,7 @@ EXTRAS := local,api,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker chaos
+.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
 
 venv: $(STAMP)
 
@@ -65,6 +65,9 @@ bench-multitask: venv
 
 bench-broker: venv
 	$(BIN)/python bench/broker.py
+
+bench-precision: venv
+	$(BIN)/python bench/precision.py
 
 # The kill -9 chaos run (tests/chaos/driver.py); minutes, not part of `make test`.
 chaos: venv
