@@ -57,10 +57,11 @@ TrainerDtype = Literal["auto", "float32", "bfloat16"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
-BF16_EMULATED_SLOWDOWN = 39
-"""float32 matmul rate / bf16 matmul rate on a CPU without native bf16: 93 vs 2.4 GFLOP/s,
-one thread, AMD EPYC (Zen 5) with oneDNN capped at AVX2
-(bench/results/precision-20261204-epyc-avx2.json); the AVX2 EPYC of issue 22 measured 31x."""
+BF16_EMULATED_SLOWDOWN = 38
+"""float32 matmul rate / bf16 matmul rate on a CPU without native bf16: 105.8 vs 2.8 GFLOP/s,
+one thread, an AMD EPYC (Zen 5) capped to AVX2 (bench/results/precision-20261204-cpu2-avx2.json;
+on two threads 75x: the emulated path does not parallelise); the AVX2-only EPYC of issue 22
+measured 31x."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.hardware import Precision, detect, engine_precision, log_precision
+from common.hardware import Hardware, Precision, detect, engine_precision, log_precision
 from common.messages import (
     ContextTooLongError,
     FinishReason,
@@ -171,6 +171,8 @@ class RolloutEngine:
         self.dtype = dtype
         self.precision: Precision | None = None
         """What `dtype` resolved to at `start()`, and why."""
+        self.hardware: Hardware | None = None
+        """What the engine computes on (its GPUs included), read at `start()`."""
         self.enforce_eager = enforce_eager
         self.logprobs_mode = logprobs_mode
         self.seed = seed
@@ -212,10 +214,9 @@ class RolloutEngine:
             )
             extra_slots = 1
         on_cpu = current_platform.is_cpu()
-        hardware = detect(gpus=not on_cpu)
-        precision = engine_precision(self.dtype, hardware, on_gpu=not on_cpu)
+        self.hardware = hardware = detect(gpus=not on_cpu)
+        self.precision = precision = engine_precision(self.dtype, hardware, on_gpu=not on_cpu)
         log_precision("rollout engine", precision, hardware)
-        self.precision = precision
         kv_cache_gib = self.kv_cache_gib or (CPU_KV_CACHE_GIB if on_cpu else None)
         args = AsyncEngineArgs(
             model=self.model,

@@ -226,10 +226,15 @@ class RolloutService(Service):
                 self.io,
                 SERVICE,
                 self.replica,
-                lambda: runtime_fields(detect(gpus=False), getattr(self.engine, "precision", None)),
+                self._runtime_fields,
                 self._stopping,
             ),
         }
+
+    def _runtime_fields(self) -> dict[str, str]:
+        """The engine's hardware and precision (an engine other than vLLM's reports none)."""
+        hardware = getattr(self.engine, "hardware", None) or detect(gpus=False)
+        return runtime_fields(hardware, getattr(self.engine, "precision", None))
 
     async def _watch_engine(self) -> None:
         """End the replica when its engine dies: a restart serves the requests it held (their
