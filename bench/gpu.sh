@@ -9,6 +9,7 @@
 #   trainer-<date>-gpu-*.json    one job, 8 jobs in turn, 8 jobs batched, vs the GPU's matmul peak
 #   multilora-<date>-gpu-*.json  the engine's tokens/s with 0, 1, 8 and 32 adapters (vLLM's
 #                                own GPU LoRA kernels: the stacked CPU path is for CPUs only)
+#   precision-choice-<date>-gpu-*.json  what `auto` precision picks there (bf16 on a bf16 GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -27,7 +28,18 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cs 'A-Za
 MACHINE="gpu-${GPU}"
 DATE=$(date -u +%Y%m%d)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PYTHON" - > "$RESULTS/precision-choice-$DATE-$MACHINE.json" <<'PY'
+import json
+from common.hardware import detect, engine_precision, trainer_precision
+hardware = detect()
+print(json.dumps({
+    "machine": hardware.record(),
+    "engine": engine_precision("auto", hardware).describe(),
+    "trainer": trainer_precision("auto", "auto", hardware).describe(),
+}, indent=2))
+PY
+cat "$RESULTS/precision-choice-$DATE-$MACHINE.json"
 timeout 240 "$PYTHON" bench/trainer.py --device cuda --jobs 8 --repeats 3 \
-  --machine "$MACHINE" --out "$RESULTS/trainer-$DATE-$MACHINE.json"
+  --out "$RESULTS/trainer-$DATE-$MACHINE.json"
 timeout 300 "$PYTHON" bench/multilora.py --paths vllm --requests 64 --new-tokens 64 \
-  --machine "$MACHINE" --out "$RESULTS/multilora-$DATE-$MACHINE.json"
+  --out "$RESULTS/multilora-$DATE-$MACHINE.json"

@@ -7,7 +7,8 @@ Same model (SmolLM2-135M-Instruct), task (the `arithmetic` environment: 1-digit 
 its own reward functions and seeded tasks, in the same order), G = 8, 16 completions per
 step, at most 16 new tokens at temperature 1, LoRA r = 8 / alpha 16 on q/k/v/o, the same
 learning rate, no KL term. TRL runs first in its own venv (`bench/peer_trl.py`, its
-defaults otherwise: float32 on the CPU, generation with transformers); then the MARLaaS job
+defaults otherwise: generation with transformers, gradient checkpointing; weights in float32
+and bf16 autocast only where the CPU runs bf16 natively, as for MARLaaS); then the MARLaaS job
 runs on a fresh embedded stack (rollout engine, env_svc, trainer), timed from its step
 events. Each side's s/step is the whole pipeline's pace from its first step's end to its
 last's, over the steps in between (generation, rewards and training all counted, start-up
@@ -33,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from machine import machine_fields, result_path  # bench/machine.py
+from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
@@ -66,6 +67,8 @@ def settings_of(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "completions_per_step": 16,
         "max_new_tokens": 16,
         "temperature": 1.0,
+        # Each side computes in the precision that is fast on this CPU (common/hardware.py).
+        "bf16": trainer_dtype() == "bfloat16",
         "learning_rate": args.learning_rate,
         "lora_rank": 8,
         "lora_alpha": 16,

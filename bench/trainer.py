@@ -3,9 +3,9 @@
     python bench/trainer.py [--model smollm2-135m-instruct] [--jobs 8] [--repeats 3]
 
 For each trainer variant — the code before issue 10's first changes (float32, logits at every
-position), logits at the loss positions only (float32), the same under bf16 autocast, and
-that with each group's shared prompt computed once (trainer_svc/packing.py) —
-it times one job's `train_step` on a demo-sized batch (16 trajectories of a 45-token prompt +
+position), logits at the loss positions only, and that with each group's shared prompt
+computed once (trainer_svc/packing.py), in float32 and (where the CPU runs bf16 natively, or
+named with `--variants`) under bf16 autocast — it times one job's `train_step` on a demo-sized batch (16 trajectories of a 45-token prompt +
 16 sampled tokens, the arithmetic demo job's shape), 8 jobs' steps one after another, and the
 same 8 jobs in one batched step (`train_steps`: shared passes, per-job loss and optimizer). Beside
 them, in the same run: the best square-matmul rate in float32 and bfloat16 on the same
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_fields, result_path  # bench/machine.py
+from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
 from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import resolve_base_model
@@ -40,7 +40,15 @@ from trainer_svc.grpo import token_logprobs
 from trainer_svc.policy import MultiAdapterPolicy, SharedPrefix, resolve_device
 
 PROMPT_TOKENS, SAMPLED_TOKENS, TRAJECTORIES, GROUP_SIZE = 45, 16, 16, 8
-VARIANTS = ("fp32_full_logits", "fp32_loss_logits", "bf16_loss_logits", "bf16_shared_prompt")
+VARIANTS = (
+    "fp32_full_logits",
+    "fp32_loss_logits",
+    "fp32_shared_prompt",
+    "bf16_loss_logits",
+    "bf16_shared_prompt",
+)
+"""The bf16 ones run by default only where the trainer's `auto` precision is bf16: on a CPU
+without native bf16 they are ~40x slower (bench/precision.py) and say nothing new."""
 LORA = LoraSettings(rank=8, alpha=16)
 RL = RLSettings(learning_rate=1e-4)
 
@@ -122,7 +130,7 @@ def measure(
     model_dir: Path, variant: str, jobs: int, repeats: int, peaks: dict[str, float], device: str
 ) -> dict[str, Any]:
     dtype = "bfloat16" if variant.startswith("bf16") else "float32"
-    shared = variant == "bf16_shared_prompt"
+    shared = variant.endswith("_shared_prompt")
     policy = MultiAdapterPolicy(
         model_dir,
         compute_dtype=dtype,  # type: ignore[arg-type]
@@ -189,7 +197,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help='"cpu", "cuda" or "auto"')
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--variants", default="", help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args()
+    bf16 = trainer_dtype() == "bfloat16"
+    default = [v for v in VARIANTS if bf16 or not v.startswith("bf16")]
+    variants = args.variants.split(",") if args.variants else default
     model_dir = resolve_base_model(args.model)
     device = resolve_device(args.device)
     peaks = {
@@ -198,7 +210,7 @@ def main() -> None:
     }
     runs = [
         measure(model_dir, variant, args.jobs, args.repeats, peaks, args.device)
-        for variant in VARIANTS
+        for variant in variants
     ]
     before = runs[0]["one_job_step_s"]
     for run in runs:
