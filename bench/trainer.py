@@ -8,9 +8,10 @@ computed once (trainer_svc/packing.py), in float32 and (where the CPU runs bf16 
 named with `--variants`) under bf16 autocast — it times one job's `train_step` on a
 demo-sized batch (16 trajectories of a 45-token prompt + 16 sampled tokens, the arithmetic demo
 job's shape), 8 jobs' steps one after another, and the same 8 jobs in one batched step
-(`train_steps`: shared passes, per-job loss and optimizer). Beside them, in the same run: the best square-matmul rate in float32 and bfloat16 on the same
-threads. Writes `bench/results/trainer-<date>-<machine>.json`; every figure that matters is a
-ratio of two of its numbers.
+(`train_steps`: shared passes, per-job loss and optimizer). Beside them, in the same run:
+the best square-matmul rate in float32 and bfloat16 on the same threads. Writes
+`bench/results/trainer-<date>-<machine>.json`; every figure that matters is a ratio of two of
+its numbers.
 
 Model FLOPs of a LoRA step (frozen base): forward 2·N·T, backward through the activations
 2·N·T (no weight gradients for frozen weights), so 4·N·T for the decoder's N weights over all
