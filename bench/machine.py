@@ -12,14 +12,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.config import RolloutSettings, TrainerSettings, load
-from common.hardware import (
-    ComputeDtype,
-    Hardware,
-    detect,
-    engine_precision,
-    trainer_precision,
-)
+from common.hardware import ComputeDtype, Hardware, detect
+from console.stack import service_precisions
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,10 +41,9 @@ def result_path(what: str, suffix: str = ".json", *, date: str | None = None) ->
 def trainer_dtype() -> ComputeDtype:
     """What the trainer computes in on this machine with its settings (`TRAINER_COMPUTE_DTYPE`,
     default auto), so a bench measures the trainer the service would run."""
-    settings = load(TrainerSettings)
-    return trainer_precision(settings.compute_dtype, settings.device, detect()).dtype
+    return service_precisions(("trainer_svc",), detect())["trainer_svc"].dtype
 
 
 def engine_dtype() -> ComputeDtype:
     """The rollout engine's, likewise (`ROLLOUT_DTYPE`, default auto)."""
-    return engine_precision(load(RolloutSettings).dtype, detect()).dtype
+    return service_precisions(("rollout_svc",), detect())["rollout_svc"].dtype

@@ -190,7 +190,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}")
     concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}")
     async with LocalStack(settings, services=SERVICES) as stack:
-        precisions = {name: p.dtype for name, p in stack.precisions.items()}
+        precisions = stack.dtypes
         stack_settings = stack.client_settings
         async with MarlaasClient(stack_settings) as client:
             await measure(client, stack, "warm-up", [warmup], args.timeout_s)

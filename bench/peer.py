@@ -148,7 +148,7 @@ async def run_marlaas(config: dict[str, Any], run_dir: Path, run_id: str) -> dic
     return {
         "step_s": [b - a for a, b in itertools.pairwise(ends)],
         "rewards": [rewards[s] for s in steps],
-        "precision": {name: p.dtype for name, p in stack.precisions.items()},
+        "precision": stack.dtypes,
     }
 
 

@@ -155,9 +155,7 @@ async def run_demo(
                 for replica, stats in (await client.store.replica_stats()).items()
             }
             report = await client.report(list(jobs), run_dir / "report")
-        machine = stack.hardware.record() | {
-            "precision": {service: p.dtype for service, p in stack.precisions.items()}
-        }
+        machine = stack.hardware.record() | {"precision": stack.dtypes}
     console.print(progress_table(jobs, final=True))
     summary = {
         "run_id": run_id,

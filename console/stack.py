@@ -348,6 +348,11 @@ class LocalStack:
         self._lock_file: IO[str] | None = None
 
     @property
+    def dtypes(self) -> dict[str, str]:
+        """Each model-running service's precision, by service (what results record)."""
+        return {service: precision.dtype for service, precision in self.precisions.items()}
+
+    @property
     def env_file(self) -> Path:
         return stack_env_file(self.state_dir)
 
