@@ -52,6 +52,8 @@ class Phase:
     rollout: dict[str, float] = field(default_factory=dict)
     trainer_busy_s: float = 0.0
     trainer_tokens: float = 0.0
+    trainer_samples: float = 0.0
+    zero_advantage_samples: float = 0.0
     jobs: list[dict[str, Any]] = field(default_factory=list)
     cpu: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +71,8 @@ class Phase:
             # Trained completion tokens; equal to the generated ones when nothing was dropped.
             "trainer_tokens": self.trainer_tokens,
             "trainer_tokens_per_wall_s": _share(self.trainer_tokens, self.wall_s),
+            # Trajectories whose advantage was 0: the trainer leaves them out of its passes.
+            "zero_advantage_share": _share(self.zero_advantage_samples, self.trainer_samples),
             "cpu": self.cpu,
             "work_bound_s": round(self.cpu.get("cpu_s", 0.0) / _cpus(), 1),
             "jobs": self.jobs,
@@ -167,6 +171,11 @@ async def measure(
             # sum over jobs is the trainer's compute time (wall_step_s would count it twice).
             phase.trainer_busy_s += float(metrics.get("step_s", 0.0))
             phase.trainer_tokens += float(metrics.get("tokens", 0.0))
+            samples = float(metrics.get("samples", 0.0))
+            phase.trainer_samples += samples
+            phase.zero_advantage_samples += samples * float(
+                metrics.get("zero_advantage_share", 0.0)
+            )
         phase.jobs += [job.summary(REWARD_WINDOW) for job in jobs.values()]
     phase.wall_s = time.time() - started
     phase.cpu = Snapshot.take(roots).since(cpu_before, phase.wall_s)

@@ -134,6 +134,12 @@ class StepMetrics(_Numbers):
     """Jobs trained in the same forward/backward passes (1: alone)."""
     wall_step_s: float | None = None
     """Whole step: training, saving and publishing."""
+    threads: float | None = None
+    """CPU threads per forward/backward pass, mean over the step's passes (above the
+    trainer's own cores when it borrowed idle ones, trainer_svc/compute.py)."""
+    zero_advantage_share: float | None = None
+    """Share of the step's trajectories whose advantage was 0 (their group's rewards all
+    equal): no learning signal, left out of the passes."""
 
     @property
     def trainer_tokens_per_s(self) -> float | None:

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +79,8 @@ class MultiAdapterPolicy:
         compute_dtype: ComputeDtype = "float32",
         device: str = "cpu",
         share_prefixes: bool = True,
+        skip_zero_advantages: bool = True,
+        before_pass: Callable[[], int] | None = None,
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
@@ -86,7 +88,10 @@ class MultiAdapterPolicy:
         (common/hardware.py says where that pays); weights, LoRA masters, optimizer state
         and the loss stay float32. `device`: "cpu", "cuda", "cuda:N" or "auto" (CUDA when
         present). `share_prefixes`: run each group's common prompt once, not once per
-        sample (trainer_svc/packing.py)."""
+        sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage
+        is 0 out of the passes (their loss and gradient are 0; see `train_steps`).
+        `before_pass`: called before each forward/backward pass of a step, returns the threads
+        the pass runs on (trainer_svc/compute.py lends idle cores this way)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -96,6 +101,8 @@ class MultiAdapterPolicy:
         self.micro_batch_tokens = micro_batch_tokens
         self.compute_dtype = compute_dtype
         self.share_prefixes = share_prefixes
+        self.skip_zero_advantages = skip_zero_advantages
+        self.before_pass = before_pass
         self.device = resolve_device(device)
         self._base = AutoModelForCausalLM.from_pretrained(
             self.base_model_dir, dtype=torch.float32, device_map=self.device
@@ -169,6 +176,13 @@ class MultiAdapterPolicy:
         accumulate gradients: policy_loss returns a mean over one job's rows in one
         micro-batch, re-weighted by (those tokens / the job's batch tokens). Each job's
         `step_s` is its share of the shared time, by trained tokens.
+
+        A row whose advantage is 0 (every row of a group whose rewards are all equal) adds
+        exactly 0 to the loss and to every gradient (the objective has no other term), so it
+        is not put through the model: the update is the same, the job's token count (the
+        loss's denominator) still includes its tokens, and the ratio/clip/IS/KL metrics are
+        means over the rows that were computed. `zero_advantage_share` says how many rows
+        were left out.
         """
         import torch
 
@@ -186,12 +200,23 @@ class MultiAdapterPolicy:
             total_tokens[job_id] = sum(sum(t.loss_mask[1:]) for t in trajectories)
         self._train_only(jobs.values())
         sums = {job_id: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0) for job_id in jobs}
+        computed = [
+            i for i, (_, _, a) in enumerate(rows) if a != 0.0 or not self.skip_zero_advantages
+        ]
+        computed_tokens = dict.fromkeys(jobs, 0)
+        for i in computed:
+            computed_tokens[rows[i][0]] += sum(rows[i][1].loss_mask[1:])
         pack_rows = [
-            PackRow((job_id, t.group_id), t.token_ids, t.loss_mask) for job_id, t, _ in rows
+            PackRow((rows[i][0], rows[i][1].group_id), rows[i][1].token_ids, rows[i][1].loss_mask)
+            for i in computed
         ]
         packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
+        threads: list[int] = []
         for pack in packs:
-            indices = pack.rows
+            if self.before_pass is not None:
+                threads.append(self.before_pass())
+            # Pack indices are into `computed`; from here on, indices into `rows`.
+            indices = [computed[i] for i in pack.rows]
             owners = [rows[i][0] for i in indices]
             # In a pack everything is in suffix coordinates: position 0 is `prefix_len`.
             token_ids_BT, attention_BT, mask_BT, behaviour_BT = (
@@ -202,10 +227,15 @@ class MultiAdapterPolicy:
             if pack.prefix_len:
                 prefix = SharedPrefix(
                     token_ids_GP=torch.tensor(
-                        [rows[r][1].token_ids[: pack.prefix_len] for r in pack.prefix_rows],
+                        [
+                            rows[computed[r]][1].token_ids[: pack.prefix_len]
+                            for r in pack.prefix_rows
+                        ],
                         device=self.device,
                     ),
-                    adapter_names_G=[jobs[rows[r][0]].adapter_name for r in pack.prefix_rows],
+                    adapter_names_G=[
+                        jobs[rows[computed[r]][0]].adapter_name for r in pack.prefix_rows
+                    ],
                     group_of_row_B=torch.tensor(pack.prefix_of_row, device=self.device),
                 )
             logprobs_BT = self._loss_logprobs(
@@ -235,12 +265,22 @@ class MultiAdapterPolicy:
                 if metrics["tokens"] > 0:
                     objective = loss * share if objective is None else objective + loss * share
                 for key in _TOKEN_MEAN_METRICS:
-                    sums[job_id][key] += metrics[key] * share
+                    # The loss is a mean over all the job's tokens (skipped rows add 0), the
+                    # other metrics over the computed ones.
+                    of = total_tokens if key == "loss" else computed_tokens
+                    sums[job_id][key] += metrics[key] * metrics["tokens"] / max(of[job_id], 1)
             if objective is not None:
                 objective.backward()
+        zero_rows = {job_id: sum(a == 0.0 for a in batches[job_id][1]) for job_id in jobs}
         results: dict[str, dict[str, float]] = {}
         for job_id, job in jobs.items():
             # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
+            # A skipped row would have reached it with a zero gradient, which still moves
+            # Adam's state: give it that zero.
+            if self.skip_zero_advantages and zero_rows[job_id]:
+                for param in job.params:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
             grad_norm = torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM)
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
@@ -248,12 +288,15 @@ class MultiAdapterPolicy:
                 **sums[job_id],
                 "grad_norm": float(grad_norm),
                 "tokens": float(total_tokens[job_id]),
+                "zero_advantage_share": zero_rows[job_id] / len(batches[job_id][0]),
             }
         elapsed, all_tokens = time.monotonic() - started, sum(total_tokens.values())
         for job_id, metrics in results.items():
             share = total_tokens[job_id] / all_tokens if all_tokens else 1 / len(jobs)
             metrics["step_s"] = elapsed * share
             metrics["jobs_in_step"] = float(len(jobs))
+            if threads:
+                metrics["threads"] = sum(threads) / len(threads)
         return results
 
     def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:

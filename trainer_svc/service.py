@@ -54,6 +54,7 @@ from common.ports import Sender, StateStore
 from common.service import Connections, Service, announce_runtime, runtime_fields
 from common.store import DROPPED, TRAINED, FencedError
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
+from trainer_svc.compute import ComputeThread
 from trainer_svc.groups import Group, checked, group_index, not_of_job, verdict
 from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
@@ -100,17 +101,20 @@ class TrainerService(Service):
         producer: Sender | None = None,
         store: StateStore | None = None,
         precision: Precision | None = None,
+        compute: ComputeThread | None = None,
     ) -> None:
         """`load_policy` loads the base model; `start()` calls it in a thread.
 
         `producer` / `store`: given (tests), they are used as they are; else `start()`
         connects to Kafka and Redis. `precision`: what the policy computes in and why, for
-        this replica's runtime record (`marlaas status`)."""
+        this replica's runtime record (`marlaas status`). `compute`: the thread every model
+        call runs on (trainer_svc/compute.py; default: one on this process's cores)."""
         self.shared = shared
         self.settings = settings
         self.precision = precision
         self.replica = f"{socket.gethostname()}-{os.getpid()}"
         self._load_policy = load_policy
+        self.compute = compute or ComputeThread(set(), set(), 0)
         self._policy: MultiAdapterPolicy | None = None
         export_service_metrics(SERVICE)
         self.artifacts = shared.artifacts
@@ -144,7 +148,7 @@ class TrainerService(Service):
 
     async def load_model(self) -> None:
         if self._policy is None:
-            self._policy = await asyncio.to_thread(self._load_policy)
+            self._policy = await self.compute.run(self._load_policy)
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -236,7 +240,7 @@ class TrainerService(Service):
         self.policy.add_job(job_id, spec.lora, spec.rl, seed=spec.env.seed)
         job = OwnedJob(spec=spec, partition=partition, version=0, epoch=epoch)
         try:
-            checkpoint = await asyncio.to_thread(self.checkpoints.resume, self.policy, job_id)
+            checkpoint = await self.compute.run(self.checkpoints.resume, self.policy, job_id)
         except Exception as exc:
             self.policy.remove_job(job_id)
             if is_transient(exc):
@@ -527,7 +531,7 @@ class TrainerService(Service):
         for job in live:
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
-            uri = await asyncio.to_thread(
+            uri = await self.compute.run(
                 self.checkpoints.save, self.policy, job_id, version,
                 [g.group_id for g in groups], job.epoch,
             )  # fmt: skip
@@ -570,7 +574,7 @@ class TrainerService(Service):
                     [t.reward for t in valid], std_normalize=job.spec.rl.std_normalize
                 )
             batches[job.spec.job_id] = (trajectories, advantages)
-        policy_metrics = await asyncio.to_thread(self.policy.train_steps, batches)
+        policy_metrics = await self.compute.run(self.policy.train_steps, batches)
         out: dict[str, StepMetrics] = {}
         for job in jobs:
             job_id = job.spec.job_id
@@ -643,9 +647,10 @@ class TrainerService(Service):
             TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens_per_s)
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
-            "step %d/%d reward %.3f loss %.4f staleness %d (%.1fs)",
+            "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% (%.1fs)",
             version, spec.rl.max_steps, metrics.mean_reward, metrics.loss or 0.0,
-            metrics.staleness_max or 0, metrics.wall_step_s or 0.0,
+            metrics.staleness_max or 0, 100 * (metrics.zero_advantage_share or 0.0),
+            metrics.wall_step_s or 0.0,
         )  # fmt: skip
         if version >= spec.rl.max_steps:
             await self._complete(job)

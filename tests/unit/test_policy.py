@@ -118,6 +118,27 @@ def test_zero_advantages_change_nothing(base_dir: Path) -> None:
     _assert_same_state(policy.adapter_state("a"), before, atol=0)
 
 
+def test_rows_without_advantage_are_skipped_with_the_same_update(base_dir: Path) -> None:
+    """Rows whose advantage is 0 stay out of the passes; the adapter ends where computing them
+    takes it, also over a step where every row is 0 (Adam's momentum still moves it)."""
+    policies = {}
+    for skip in (True, False):
+        policy = MultiAdapterPolicy(base_dir, skip_zero_advantages=skip)
+        policy.add_job("a", LORA, RL, seed=5)
+        policies[skip] = policy
+    steps = [[1.0, 0.0, -0.5, 0.0], [0.0, 0.75, 0.0, -1.0], [0.0] * 4]
+    for advantages in steps:
+        skipped = policies[True].train_step("a", _batch(), advantages)
+        computed = policies[False].train_step("a", _batch(), advantages)
+        assert skipped["loss"] == pytest.approx(computed["loss"], rel=1e-5, abs=1e-7)
+        assert skipped["tokens"] == computed["tokens"]
+        assert skipped["zero_advantage_share"] == advantages.count(0.0) / 4
+        _assert_same_state(
+            policies[True].adapter_state("a"), policies[False].adapter_state("a"), atol=1e-6
+        )
+    assert computed["zero_advantage_share"] == 1.0
+
+
 def test_micro_batches_give_the_same_update_as_one_batch(base_dir: Path) -> None:
     whole = MultiAdapterPolicy(base_dir, micro_batch_tokens=4096)
     split = MultiAdapterPolicy(base_dir, micro_batch_tokens=14)  # [12], [10], [7, 5]
