@@ -37,6 +37,9 @@ SPLITS: dict[str, dict[str, Any]] = {
     "default": {"threads": 0, "cores": None},  # torch's default: one thread per core
     "one_thread": {"threads": 1, "cores": None},
     "one_thread_free_core": {"threads": 1, "cores": "free"},
+    # What the embedded stack runs: one thread pinned to the free core, plus one on the
+    # engine's core for each pass while the engine leaves it idle (trainer_svc/compute.py).
+    "borrow_engine_core": {"threads": 1, "cores": "free", "lent": "engine"},
 }
 
 
@@ -45,21 +48,31 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
     from common.models import resolve_base_model
+    from trainer_svc.compute import ComputeThread
     from trainer_svc.policy import MultiAdapterPolicy
 
     if config["cores"] is not None:
         os.sched_setaffinity(0, set(config["cores"]))
-    policy = MultiAdapterPolicy(
+    own, lent = set(config["cores"] or ()), set(config.get("lent") or ())
+    compute = ComputeThread(own, lent, config["threads"] or len(os.sched_getaffinity(0)))
+    policy = compute.call(
+        MultiAdapterPolicy,
         resolve_base_model(config["model"]),
         compute_dtype=config["dtype"],
         torch_threads=config["threads"],
+        before_pass=compute.threads_for_next_pass if lent else None,
     )
     policy.add_job("job", LORA, RL)
     trajectories = batch(policy._base.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
-    step_s = timed(lambda: policy.train_step("job", trajectories, advantages), config["steps"],
-                   policy.device)  # fmt: skip
-    return {"step_s": step_s, "threads": torch.get_num_threads()}
+    step_s = compute.call(
+        timed, lambda: policy.train_step("job", trajectories, advantages), config["steps"],
+        policy.device,
+    )  # fmt: skip
+    threads = compute.call(torch.get_num_threads)
+    compute.shutdown()
+    return {"step_s": step_s, "threads": threads, "borrowed_passes": compute.borrowed_passes,
+            "passes": compute.passes}  # fmt: skip
 
 
 def run_trainer(config: dict[str, Any]) -> dict[str, Any]:
@@ -112,8 +125,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(5)  # let the batch fill
             for name, split in SPLITS.items():
                 cores = free if split["cores"] == "free" else split["cores"]
+                lent = [engine_core] if split.get("lent") and engine_core is not None else []
                 config = {"model": args.model, "steps": args.steps, "threads": split["threads"],
-                          "cores": cores, "dtype": trainer_dtype()}  # fmt: skip
+                          "cores": cores, "lent": lent, "dtype": trainer_dtype()}  # fmt: skip
                 tokens_before, started = engine.generated_tokens, time.perf_counter()
                 trainer = await asyncio.to_thread(run_trainer, config)
                 elapsed = time.perf_counter() - started

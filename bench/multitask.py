@@ -53,7 +53,9 @@ class Phase:
     trainer_busy_s: float = 0.0
     trainer_tokens: float = 0.0
     trainer_samples: float = 0.0
+    trainer_thread_s: float = 0.0
     zero_advantage_samples: float = 0.0
+    steps: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     cpu: dict[str, Any] = field(default_factory=dict)
 
@@ -71,11 +73,14 @@ class Phase:
             # Trained completion tokens; equal to the generated ones when nothing was dropped.
             "trainer_tokens": self.trainer_tokens,
             "trainer_tokens_per_wall_s": _share(self.trainer_tokens, self.wall_s),
+            # Threads per pass, weighted by step time: above 1 where it borrowed the engine's core.
+            "trainer_threads": _share(self.trainer_thread_s, self.trainer_busy_s),
             # Trajectories whose advantage was 0: the trainer leaves them out of its passes.
             "zero_advantage_share": _share(self.zero_advantage_samples, self.trainer_samples),
             "cpu": self.cpu,
             "work_bound_s": round(self.cpu.get("cpu_s", 0.0) / _cpus(), 1),
             "jobs": self.jobs,
+            "steps": sorted(self.steps, key=lambda step: step["at_s"]),
         }
 
 
@@ -170,7 +175,22 @@ async def measure(
             # step_s is each job's share of a step it may have shared with others, so the
             # sum over jobs is the trainer's compute time (wall_step_s would count it twice).
             phase.trainer_busy_s += float(metrics.get("step_s", 0.0))
+            phase.steps.append(
+                {
+                    "job": "-".join(event.job_id.rsplit("-", 2)[-2:]),
+                    "step": event.step,
+                    "at_s": round(event.at - started, 1),
+                    **{
+                        key: round(metrics[key], 3)
+                        for key in ("step_s", "threads", "zero_advantage_share", "tokens")
+                        if key in metrics
+                    },
+                }
+            )
             phase.trainer_tokens += float(metrics.get("tokens", 0.0))
+            phase.trainer_thread_s += float(metrics.get("step_s", 0.0)) * float(
+                metrics.get("threads", 1.0)
+            )
             samples = float(metrics.get("samples", 0.0))
             phase.trainer_samples += samples
             phase.zero_advantage_samples += samples * float(

@@ -250,6 +250,10 @@ class TrainerSettings(BaseSettings):
     cpu_cores: CoreList = ""
     """CPU cores the trainer runs on; empty: every core. The embedded stack gives the trainer
     the cores the rollout service is not on (common/cores.py says why)."""
+    borrow_cores: CoreList = ""
+    """CPU cores the trainer adds a thread on for each pass while other processes leave
+    them idle (trainer_svc/compute.py); empty: none. The embedded stack lends the trainer
+    the rollout service's cores."""
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""

@@ -5,7 +5,8 @@ Measured on the 2-core reference machine (bench/results/cores-20261203-cpu2.json
 engine generates, a trainer on torch's default threads (one per core) shares the engine's
 core, and both slow down (trainer 4.34 s/step, engine 58 tok/s); the trainer on one thread
 pinned to the other core takes 2.39 s/step and leaves the engine 110 tok/s. Only while the
-engine idles do the trainer's two threads pay (1.65 vs 2.43 s/step).
+engine idles do the trainer's two threads pay (1.65 vs 2.43 s/step): then the trainer
+borrows the engine's core (trainer_svc/compute.py).
 """
 
 from __future__ import annotations

@@ -269,20 +269,25 @@ def core_placement(
     modules: tuple[str, ...], cores: set[int], environ: Mapping[str, str]
 ) -> dict[str, dict[str, str]]:
     """On one machine, the rollout service (its Python and vLLM's threads) on half the cores
-    and the trainer on the other half (common/cores.py has the measurements), unless
-    `environ` already says where either goes. Per module, the variables to add to its
-    environment."""
+    and the trainer on the other half (common/cores.py has the measurements), the engine's
+    lent to the trainer while they idle (trainer_svc/compute.py), unless `environ` already
+    says where either goes (or, `TRAINER_BORROW_CORES`, what is lent). Per module, the
+    variables to add to its environment."""
     split = engine_trainer_split(cores)
     if split is None or not {"rollout_svc", "trainer_svc"} <= set(modules):
         return {}
     if {"VLLM_CPU_OMP_THREADS_BIND", "ROLLOUT_CPU_CORES", "TRAINER_CPU_CORES"} & environ.keys():
         return {}
     engine, trainer = split
-    log.info("cores: rollout engine %s, trainer %s", format_cores(engine), format_cores(trainer))
-    return {
-        "rollout_svc": {"ROLLOUT_CPU_CORES": format_cores(engine)},
-        "trainer_svc": {"TRAINER_CPU_CORES": format_cores(trainer)},
-    }
+    trainer_env = {"TRAINER_CPU_CORES": format_cores(trainer)}
+    if "TRAINER_BORROW_CORES" not in environ:  # set (even empty), it says what is lent
+        trainer_env["TRAINER_BORROW_CORES"] = format_cores(engine)
+    log.info(
+        "cores: rollout engine %s, trainer %s (borrowing %s while it idles)",
+        format_cores(engine), format_cores(trainer),
+        trainer_env.get("TRAINER_BORROW_CORES") or environ["TRAINER_BORROW_CORES"] or "none",
+    )  # fmt: skip
+    return {"rollout_svc": {"ROLLOUT_CPU_CORES": format_cores(engine)}, "trainer_svc": trainer_env}
 
 
 def stop_services(services: list[ChildServer], timeout_s: float = 60.0) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 from common.config import SharedSettings, TrainerSettings, load
-from common.cores import pin_to_cores
+from common.cores import parse_cores, pin_to_cores
 from common.hardware import detect, log_precision, trainer_precision
 from common.logs import setup_logging
 from common.service import exit_code, log_settings, run_service
@@ -25,17 +25,24 @@ def main(argv: list[str] | None = None) -> int:
     precision = trainer_precision(settings.compute_dtype, settings.device, hardware)
     log_precision("trainer_svc", precision, hardware)
     from common.models import resolve_base_model
+    from trainer_svc.compute import ComputeThread
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
+
+    own, lent = (
+        parse_cores(spec) if spec else set() for spec in (settings.cpu_cores, settings.borrow_cores)
+    )
+    compute = ComputeThread(own, lent, threads)
 
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
             resolve_base_model(shared.base_model, shared.cache_dir), torch_threads=threads,
             compute_dtype=precision.dtype, device=settings.device,
+            before_pass=compute.threads_for_next_pass,
         )  # fmt: skip
 
     # The model loads in start().
-    service = TrainerService(shared, settings, load_policy, precision=precision)
+    service = TrainerService(shared, settings, load_policy, precision=precision, compute=compute)
     if check:
         asyncio.run(service.load_model())
         print(

@@ -38,9 +38,13 @@ def test_engine_gets_the_first_half_trainer_the_rest() -> None:
 def test_the_stack_places_engine_and_trainer_unless_told_otherwise() -> None:
     assert core_placement(SERVICES, {0, 1}, {}) == {
         "rollout_svc": {"ROLLOUT_CPU_CORES": "0"},
-        "trainer_svc": {"TRAINER_CPU_CORES": "1"},
+        "trainer_svc": {"TRAINER_CPU_CORES": "1", "TRAINER_BORROW_CORES": "0"},
     }
     assert core_placement(SERVICES, {0, 1}, {"TRAINER_CPU_CORES": "0-1"}) == {}
+    assert core_placement(SERVICES, {0, 1}, {"TRAINER_BORROW_CORES": ""}) == {
+        "rollout_svc": {"ROLLOUT_CPU_CORES": "0"},
+        "trainer_svc": {"TRAINER_CPU_CORES": "1"},
+    }
     assert core_placement(("env_svc", "trainer_svc"), {0, 1}, {}) == {}
     assert core_placement(SERVICES, {0}, {}) == {}
 

@@ -1,0 +1,173 @@
+"""The one thread the trainer's model runs on, and the cores it borrows while they idle.
+
+On one machine the embedded stack gives the rollout engine half the cores and the trainer the
+other half (common/cores.py), and the trainer is the busier: in the 8-job run on 2 cores its
+core was busy 93% of the time, the engine's 52% (bench/results/multitask-8x4-20261204-
+cpu2-avx2.json). While the engine idles, a second trainer thread on its core makes a step
+x1.4 faster (`cores-20261204-cpu2-avx2.json`); while it generates, that thread halves both.
+So the trainer may be lent cores (`TRAINER_BORROW_CORES`, the engine's in the embedded stack)
+and, before each forward/backward pass, adds one OpenMP thread per lent core when other
+processes kept those cores less than `BORROW_BELOW` busy since its last look (/proc/stat,
+less the trainer's own helper threads): an idle engine keeps its core 5-15% busy, a
+generating one 100%, in runs of seconds, so the last pass's window predicts the next.
+
+Placement is what makes this work, and it needs one thread: OpenMP's thread count and its
+helper threads belong to the thread that runs the parallel regions. Every model call runs on
+`ComputeThread`'s single thread, pinned to the trainer's own cores, so a pass on one thread
+never lands on a lent core. Its OpenMP helpers are started once, while the thread is briefly
+allowed the lent cores too, and keep that wider mask: when they run, the scheduler puts them
+where the pinned thread is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from common.cores import format_cores
+
+log = logging.getLogger(__name__)
+
+BORROW_BELOW = 0.3
+"""Borrow while other processes kept the lent cores busy less than this share of the time."""
+MIN_WINDOW_S = 0.2
+"""Shorter windows keep the last choice (a tick is 10 ms; fewer say little)."""
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class _Look:
+    at: float
+    core_busy: int
+    """Busy ticks of the lent cores, all processes (/proc/stat)."""
+    helpers: int
+    """Ticks of this process's OpenMP helper threads."""
+
+
+class ComputeThread:
+    """Runs the model's calls one at a time on one thread; says how many OpenMP threads the
+    next pass may use."""
+
+    def __init__(self, own: set[int], lent: set[int], threads: int) -> None:
+        """`own`: the cores the trainer runs on (empty: whatever the process may use);
+        `lent`: cores it may add threads on while others leave them idle; `threads`: the
+        OpenMP threads of a pass on its own cores (0: one per own core)."""
+        self.own = own or os.sched_getaffinity(0)
+        self.lent = lent - self.own
+        self.threads = threads or len(self.own)
+        self._helpers: set[int] = set()
+        self._last: _Look | None = None
+        self._borrowing = False
+        self.borrowed_passes = 0
+        self.passes = 0
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="trainer-compute", initializer=self._start
+        )
+
+    async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)` on the compute thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)` on the compute thread, waited for (for callers without an
+        event loop)."""
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def threads_for_next_pass(self) -> int:
+        """Called on the compute thread before each pass: sets and returns its threads."""
+        import torch
+
+        self.passes += 1
+        if self.lent:
+            self._decide()
+        threads = self.threads + (len(self.lent) if self._borrowing else 0)
+        self.borrowed_passes += self._borrowing
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+    def _decide(self) -> None:
+        """Borrow for the next pass when others left the lent cores idle since the last look."""
+        look = self._look()
+        if self._last is not None and look.at - self._last.at < MIN_WINDOW_S:
+            return
+        if self._last is not None:
+            others = (look.core_busy - self._last.core_busy) - (look.helpers - self._last.helpers)
+            window = (look.at - self._last.at) * _TICKS_PER_S * len(self.lent)
+            borrowing = max(0, others) / window < BORROW_BELOW
+            if borrowing != self._borrowing:
+                log.debug(
+                    "others kept cores %s %.0f%% busy: %s", format_cores(self.lent),
+                    100 * others / window, "borrowing" if borrowing else "giving back",
+                )  # fmt: skip
+            self._borrowing = borrowing
+        self._last = look
+
+    def _start(self) -> None:
+        """Thread initializer: start the OpenMP helpers with the lent cores allowed, then pin
+        this thread to its own cores."""
+        import torch
+
+        if self.lent:
+            before = _task_ids()
+            os.sched_setaffinity(0, self.own | self.lent)
+            torch.set_num_threads(self.threads + len(self.lent))
+            torch.ones(1 << 22).mul_(2)  # large enough for a parallel region: starts the helpers
+            self._helpers = _task_ids() - before
+            log.info(
+                "trainer computes on cores %s, borrowing %s while others leave them idle "
+                "(%d helper threads)", format_cores(self.own), format_cores(self.lent),
+                len(self._helpers),
+            )  # fmt: skip
+        os.sched_setaffinity(0, self.own)
+        torch.set_num_threads(self.threads)
+
+    def _look(self) -> _Look:
+        return _Look(time.monotonic(), _busy_ticks(self.lent), _thread_ticks(self._helpers))
+
+
+def _task_ids() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/task")} - {threading.get_native_id()}
+
+
+def _busy_ticks(cores: Iterable[int], stat: Path = Path("/proc/stat")) -> int:
+    """Ticks `cores` spent on anything but idle and I/O wait since boot."""
+    wanted = {f"cpu{core}" for core in cores}
+    busy = 0
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if name in wanted:
+            ticks = [int(field) for field in fields]
+            busy += sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+            # guest time is already in user time
+            busy -= sum(ticks[8:10]) if len(ticks) >= 10 else 0
+    return busy
+
+
+def _thread_ticks(tids: Iterable[int]) -> int:
+    """User + system ticks of this process's threads `tids` (gone ones count 0)."""
+    total = 0
+    for tid in tids:
+        try:
+            text = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state is field 3
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total
