@@ -18,8 +18,9 @@ from aiokafka.structs import TopicPartition
 from common.backoff import retry_transient
 from common.bus import start_client
 from common.config import kafka_client_options
-from common.messages import Message, MessageDecodeError, decode
+from common.messages import Message, MessageDecodeError
 from common.signing import RecordSigner
+from common.wire import decode
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,12 @@ from aiokafka.structs import TopicPartition
 
 from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
 from common.config import kafka_client_options
-from common.messages import (
+from common.messages import Message, MessageDecodeError, Topic
+from common.metrics import ConsumerMetrics, consumer_metrics
+from common.offsets import OffsetTracker
+from common.signing import RecordSigner
+from common.wire import (
     MAX_RECORD_BYTES,
-    Message,
-    MessageDecodeError,
-    Topic,
     WireSchema,
     dead_letter,
     decode,
@@ -42,9 +43,6 @@ from common.messages import (
     key_bytes,
     topic_of,
 )
-from common.metrics import ConsumerMetrics, consumer_metrics
-from common.offsets import OffsetTracker
-from common.signing import RecordSigner
 
 if TYPE_CHECKING:
     from common.ports import Sender

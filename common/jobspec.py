@@ -6,7 +6,11 @@ Used by the CLI before anything is sent and by env_svc before a job is accepted.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+from msgspec import inspect
 
 from common.messages import JobSpec
 from common.tenants import TenantLimits, job_limit_problems
@@ -26,21 +30,6 @@ NAME_RULE = (
 def is_name(text: str) -> bool:
     """True for a usable job id or tenant name."""
     return _NAME.fullmatch(text) is not None
-
-
-MAX_EVAL_TASKS = 1024
-
-# Upper bounds on every number of a job, whatever its tenant's limits: beyond them a job is a
-# mistake or an attack (a window of 10^6 groups, a rank no engine slot has).
-MAX_GROUP_SIZE = 256
-MAX_GROUPS_PER_STEP = 256
-MAX_STEPS = 1_000_000
-MAX_STALENESS = 64
-MAX_TURNS = 64
-MAX_CONTEXT_TOKENS = 131_072
-MAX_LORA_RANK = 512
-MAX_TARGET_MODULES = 32
-MAX_EVAL_EVERY_STEPS = MAX_STEPS
 
 
 class JobSpecError(ValueError):
@@ -75,27 +64,16 @@ def _problems(
     lora_target_modules: Sequence[str] | None,
     max_model_len: int | None,
 ) -> list[str]:
-    rl, lora, sampling, evals = spec.rl, spec.lora, spec.rl.sampling, spec.eval
+    rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
     checks: list[tuple[str, bool, str]] = [
         ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
         ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
         ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
-        _within("rl.group_size", rl.group_size, 2, MAX_GROUP_SIZE),
-        _within("rl.groups_per_step", rl.groups_per_step, 1, MAX_GROUPS_PER_STEP),
-        _within("rl.max_steps", rl.max_steps, 1, MAX_STEPS),
-        _within("rl.max_staleness", rl.max_staleness, 0, MAX_STALENESS),
+        *((field, False, message) for field, message in bound_problems(spec)),
         (
-            "rl.learning_rate",
-            0 < rl.learning_rate < 1,
-            f"must be in (0, 1), got {rl.learning_rate}",
-        ),
-        ("rl.clip_low", 0 <= rl.clip_low < 1, f"must be in [0, 1), got {rl.clip_low}"),
-        ("rl.clip_high", rl.clip_high >= 0, f"must be >= 0, got {rl.clip_high}"),
-        ("rl.is_cap", rl.is_cap >= 1, f"must be >= 1, got {rl.is_cap}"),
-        (
-            "rl.max_turns",
-            rl.max_turns is None or 1 <= rl.max_turns <= MAX_TURNS,
-            f"must be in [1, {MAX_TURNS}] or unset, got {rl.max_turns}",
+            "rl.sampling.temperature",
+            sampling.temperature > 0,
+            f"must be > 0 for RL exploration, got {sampling.temperature}",
         ),
         (
             "rl.max_context_tokens",
@@ -103,28 +81,7 @@ def _problems(
             f"must exceed rl.sampling.max_new_tokens ({sampling.max_new_tokens}), "
             f"got {rl.max_context_tokens}",
         ),
-        (
-            "rl.sampling.temperature",
-            sampling.temperature > 0,
-            f"must be > 0 for RL exploration, got {sampling.temperature}",
-        ),
-        ("rl.sampling.top_p", 0 < sampling.top_p <= 1, f"must be in (0, 1], got {sampling.top_p}"),
-        (
-            "rl.sampling.max_new_tokens",
-            sampling.max_new_tokens >= 1,
-            f"must be >= 1, got {sampling.max_new_tokens}",
-        ),
-        _within("rl.max_context_tokens", rl.max_context_tokens, 2, MAX_CONTEXT_TOKENS),
-        _within("lora.rank", lora.rank, 1, MAX_LORA_RANK),
-        ("lora.alpha", 0 < lora.alpha <= 16 * MAX_LORA_RANK,
-         f"must be in (0, {16 * MAX_LORA_RANK}], got {lora.alpha}"),
-        ("lora.dropout", 0 <= lora.dropout < 1, f"must be in [0, 1), got {lora.dropout}"),
-        ("lora.target_modules", 1 <= len(lora.target_modules) <= MAX_TARGET_MODULES,
-         f"must name 1-{MAX_TARGET_MODULES} modules, got {len(lora.target_modules)}"),
-        ("eval.tasks", 0 <= evals.tasks <= MAX_EVAL_TASKS,
-         f"must be in [0, {MAX_EVAL_TASKS}], got {evals.tasks}"),
-        _within("eval.every_steps", evals.every_steps, 0, MAX_EVAL_EVERY_STEPS),
-    ]  # fmt: skip
+    ]
     if max_lora_rank is not None:
         checks.append(
             (
@@ -163,5 +120,65 @@ def _problems(
     return [f"{field}: {message}" for field, ok, message in checks if not ok]
 
 
-def _within(field: str, value: int, low: int, high: int) -> tuple[str, bool, str]:
-    return field, low <= value <= high, f"must be in [{low}, {high}], got {value}"
+def bound_problems(
+    value: msgspec.Struct | Mapping[str, Any],
+    kind: type[msgspec.Struct] | None = None,
+    at: str = "",
+) -> list[tuple[str, str]]:
+    """(dotted field, what is wrong) for every number or list in `value` outside the bounds
+    its field declares (`msgspec.Meta` in common/messages.py). Decoding enforces the same
+    bounds but stops at the first; this names all of them, for a struct built in Python or
+    for the plain mapping (a job file's table) that is to become a `kind`. Values of the
+    wrong type are left to decoding."""
+    return _bounds(value, inspect.type_info(kind or type(value)), at)
+
+
+def _bounds(value: Any, info: inspect.Type, at: str, or_unset: str = "") -> list[tuple[str, str]]:
+    if isinstance(info, inspect.StructType):
+        found: list[tuple[str, str]] = []
+        for field in info.fields:
+            path = f"{at}.{field.encode_name}" if at else field.encode_name
+            if isinstance(value, Mapping):
+                if field.encode_name in value:
+                    found += _bounds(value[field.encode_name], field.type, path)
+            elif isinstance(value, info.cls):
+                found += _bounds(getattr(value, field.name), field.type, path)
+        return found
+    if isinstance(info, inspect.UnionType):
+        kinds = [t for t in info.types if not isinstance(t, inspect.NoneType)]
+        return _bounds(value, kinds[0], at, " or unset") if len(kinds) == 1 else []
+    if isinstance(info, (inspect.IntType, inspect.FloatType)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or _within(value, info):
+            return []
+        return [(at, f"must be {_range(info)}{or_unset}, got {value}")]
+    if isinstance(info, inspect.ListType) and isinstance(value, list):
+        low, high = info.min_length or 0, info.max_length
+        if len(value) >= low and (high is None or len(value) <= high):
+            return []
+        return [
+            (at, f"must have {low}-{high if high is not None else 'any'} items, got {len(value)}")
+        ]
+    return []
+
+
+def _within(value: float, info: inspect.IntType | inspect.FloatType) -> bool:
+    return (
+        (info.ge is None or value >= info.ge)
+        and (info.gt is None or value > info.gt)
+        and (info.le is None or value <= info.le)
+        and (info.lt is None or value < info.lt)
+    )
+
+
+def _range(info: inspect.IntType | inspect.FloatType) -> str:
+    """ "in [2, 256]", "in (0, 1)", ">= 1" from a field's bounds."""
+    low = ("[", info.ge) if info.ge is not None else ("(", info.gt) if info.gt is not None else None
+    high = (
+        ("]", info.le) if info.le is not None else (")", info.lt) if info.lt is not None else None
+    )
+    if low and high:
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    assert high is not None
+    return f"{'<=' if high[0] == ']' else '<'} {high[1]}"

@@ -3,8 +3,9 @@
 This module owns the wire contract (docs/architecture.md, "Topics and messages"). Payloads
 are `msgspec.Struct`s encoded as msgpack maps keyed by field name, with a `kind` tag; a
 record may also be a JSON object of the same shape (jobs produced by any Kafka client).
-Each carries the `schema` version of the build that wrote it and an id that consumers use
-for de-duplication.
+Each carries the `schema` version of the build that wrote it and names the field consumers
+de-duplicate on and the one that keys its record (`DEDUP_FIELD`, `KEY_FIELD`). This module
+holds the types only: `common/wire.py` turns them into bytes and back.
 
 How messages evolve: a field is only ever added, with a default, and `SCHEMA_VERSION` goes
 up by one; a field is never removed, renamed or given another meaning. A reader fills in
@@ -20,9 +21,10 @@ from __future__ import annotations
 import time
 import uuid
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from msgspec import Meta
 
 SCHEMA_VERSION = 3
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
@@ -68,6 +70,20 @@ class _Wire(msgspec.Struct, omit_defaults=True, kw_only=True, tag_field="kind"):
 
     schema: int = msgspec.field(default_factory=lambda: SCHEMA_VERSION)
 
+    DEDUP_FIELD: ClassVar[str]
+    """The field consumers de-duplicate on (`dedup_id`); a class may compute it instead."""
+    KEY_FIELD: ClassVar[str]
+    """The field whose value is the record's Kafka key (`kafka_key`): its partition."""
+
+    @property
+    def dedup_id(self) -> str:
+        return str(getattr(self, self.DEDUP_FIELD))
+
+    @property
+    def kafka_key(self) -> str | bytes | None:
+        value: str | bytes | None = getattr(self, self.KEY_FIELD)
+        return value
+
 
 class _Part(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Nested settings blocks (job files and messages share their field names). Unknown
@@ -76,6 +92,20 @@ class _Part(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 # --- job settings (nested in JobSpec) -------------------------------------------------
+
+# Upper bounds on every number of a job, whatever its tenant's limits: beyond them a job is a
+# mistake or an attack (a window of 10^6 groups, a rank no engine slot has). Each field carries
+# its bounds (`Meta`): decoding refuses a value outside them, the JSON Schema states them, and
+# `common.jobspec.validate_job` names every one a job breaks.
+MAX_GROUP_SIZE = 256
+MAX_GROUPS_PER_STEP = 256
+MAX_STEPS = 1_000_000
+MAX_STALENESS = 64
+MAX_TURNS = 64
+MAX_CONTEXT_TOKENS = 131_072
+MAX_LORA_RANK = 512
+MAX_TARGET_MODULES = 32
+MAX_EVAL_TASKS = 1024
 
 
 class EnvSettings(_Part):
@@ -90,29 +120,29 @@ class EnvSettings(_Part):
 
 
 class LoraSettings(_Part):
-    rank: int = 8
+    rank: Annotated[int, Meta(ge=1, le=MAX_LORA_RANK)] = 8
     """LoRA rank r, >= 1 and at most the deployment's `MARLAAS_MAX_LORA_RANK` (default 16);
     trainable parameters grow linearly with it."""
-    alpha: int = 16
+    alpha: Annotated[int, Meta(gt=0, le=16 * MAX_LORA_RANK)] = 16
     """LoRA scaling numerator, > 0: the adapter's update is scaled by alpha / rank."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     """LoRA dropout probability in [0, 1), passed to PEFT. The trainer keeps the model in eval
     mode, so it has no effect at present."""
-    target_modules: list[str] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    target_modules: Annotated[list[str], Meta(min_length=1, max_length=MAX_TARGET_MODULES)] = (
+        msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     )
     """Names of the base model's linear modules that get an adapter (Llama-style names); at
     least one, and ones vLLM can serve LoRA on."""
 
 
 class SamplingSettings(_Part):
-    temperature: float = 1.0
-    """Sampling temperature, > 0 (RL needs exploration); the recorded logprobs are the model's
-    own, before temperature."""
-    top_p: float = 1.0
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    """Sampling temperature, >= 0 (0: greedy, as evaluations sample; a job's own must be > 0,
+    RL needs exploration); the recorded logprobs are the model's own, before temperature."""
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     """Nucleus sampling mass in (0, 1]: sample only from the most likely tokens covering it;
     1 = off."""
-    max_new_tokens: int = 32
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_CONTEXT_TOKENS)] = 32
     """Most tokens sampled per turn, >= 1; a turn that reaches it ends with finish reason
     `length`. Counts against `max_context_tokens`."""
     stop: list[str] = []
@@ -121,31 +151,31 @@ class SamplingSettings(_Part):
 
 
 class RLSettings(_Part):
-    group_size: int = 8
+    group_size: Annotated[int, Meta(ge=2, le=MAX_GROUP_SIZE)] = 8
     """G, >= 2: samples per task; advantages are relative within a group."""
-    groups_per_step: int = 4
+    groups_per_step: Annotated[int, Meta(ge=1, le=MAX_GROUPS_PER_STEP)] = 4
     """B, >= 1: groups per optimizer step (each step trains G * B episodes)."""
-    max_steps: int = 20
+    max_steps: Annotated[int, Meta(ge=1, le=MAX_STEPS)] = 20
     """Optimizer steps (= adapter versions), >= 1, after which the job completes; also caps
     the groups ever issued at max_steps * B."""
-    max_staleness: int = 1
+    max_staleness: Annotated[int, Meta(ge=0, le=MAX_STALENESS)] = 1
     """S, >= 0: how many adapter versions generation may run ahead of training (0 = on-policy);
     a group sampled more than S versions behind is dropped and replaced."""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, Meta(gt=0, lt=1)] = 1e-4
     """AdamW learning rate of the job's adapter, in (0, 1); no weight decay."""
-    clip_low: float = 0.2
+    clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2
     """PPO clip below, in [0, 1): the policy ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: Annotated[float, Meta(ge=0)] = 0.28
     """PPO clip above, >= 0: the ratio is clipped at 1 + clip_high (DAPO's clip-higher when
     above clip_low: more room for unlikely tokens with a positive advantage to grow)."""
-    is_cap: float = 2.0
+    is_cap: Annotated[float, Meta(ge=1)] = 2.0
     """Truncated importance-sampling cap, >= 1, on the weight correcting the sampler/trainer
     mismatch (staleness, kernel differences)."""
     std_normalize: bool = False
     """Divide advantages by the group's reward std (GRPO); off = Dr. GRPO."""
-    max_turns: int | None = None
+    max_turns: Annotated[int, Meta(ge=1, le=MAX_TURNS)] | None = None
     """Cap on model turns per episode, >= 1; None leaves the environment's own limit."""
-    max_context_tokens: int = 512
+    max_context_tokens: Annotated[int, Meta(ge=2, le=MAX_CONTEXT_TOKENS)] = 512
     """Longest episode context in tokens, > max_new_tokens: a prompt that leaves no room for a
     turn rejects the job, and an episode whose next turn would not fit is scored as it stands."""
     sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
@@ -153,10 +183,10 @@ class RLSettings(_Part):
 
 
 class EvalSettings(_Part):
-    tasks: int = 32
+    tasks: Annotated[int, Meta(ge=0, le=MAX_EVAL_TASKS)] = 32
     """Held-out tasks per evaluation, 0..1024 (0 = no evaluation): one greedy episode each,
     from the environment's evaluation stream (`Environment.eval_task_for`), never trained."""
-    every_steps: int = 0
+    every_steps: Annotated[int, Meta(ge=0, le=MAX_STEPS)] = 0
     """Also evaluate every this many adapter versions, >= 0; 0 = only the base model
     (version 0) and the final adapter."""
     seed: int = 0
@@ -182,13 +212,8 @@ class JobSpec(_Wire, tag="job_spec", kw_only=True):
     eval: EvalSettings = msgspec.field(default_factory=EvalSettings)
     submitted_at: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return self.job_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    DEDUP_FIELD = "job_id"
+    KEY_FIELD = "job_id"
 
 
 JobAction = Literal["pause", "resume", "cancel"]
@@ -202,13 +227,8 @@ class JobCommand(_Wire, tag="job_command"):
     action: JobAction
     issued_at: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return self.command_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    DEDUP_FIELD = "command_id"
+    KEY_FIELD = "job_id"
 
 
 # --- marlaas.prompts / marlaas.rollouts -----------------------------------------------
@@ -235,13 +255,8 @@ class GenerationRequest(_Wire, tag="generation_request"):
     """Sample with exactly this adapter version (0: the base model), as evaluations do; -1:
     the job's latest, at least `min_adapter_version`."""
 
-    @property
-    def dedup_id(self) -> str:
-        return self.request_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.episode_id
+    DEDUP_FIELD = "request_id"
+    KEY_FIELD = "episode_id"
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -267,13 +282,8 @@ class GenerationResult(_Wire, tag="generation_result"):
     queue_s: float = 0.0
     generate_s: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return self.request_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.episode_id
+    DEDUP_FIELD = "request_id"
+    KEY_FIELD = "episode_id"
 
 
 def result_for(
@@ -321,13 +331,8 @@ class Trajectory(_Wire, tag="trajectory"):
     """Why the reward could not be computed: recorded, never silently scored 0."""
     finished_at: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return self.episode_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    DEDUP_FIELD = "episode_id"
+    KEY_FIELD = "job_id"
 
 
 # --- marlaas.adapters -----------------------------------------------------------------
@@ -347,13 +352,11 @@ class AdapterUpdate(_Wire, tag="adapter_update"):
     metrics: dict[str, float] = {}
     published_at: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return f"{self.job_id}@v{self.version}"
+    KEY_FIELD = "job_id"
 
     @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    def dedup_id(self) -> str:  # a version is published once per job
+        return f"{self.job_id}@v{self.version}"
 
 
 # --- marlaas.control -----------------------------------------------------------------
@@ -375,13 +378,8 @@ class GroupDropped(_Wire, tag="group_dropped"):
     reason: str = ""
     dropped_at: float = 0.0
 
-    @property
-    def dedup_id(self) -> str:
-        return self.group_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    DEDUP_FIELD = "group_id"
+    KEY_FIELD = "job_id"
 
 
 # --- marlaas.events -------------------------------------------------------------------
@@ -416,13 +414,8 @@ class Event(_Wire, tag="event"):
     groups: list[str] = []
     """`step`: the ids of the groups that version trained (the audit ledger has them too)."""
 
-    @property
-    def dedup_id(self) -> str:
-        return self.event_id
-
-    @property
-    def kafka_key(self) -> str:
-        return self.job_id
+    DEDUP_FIELD = "event_id"
+    KEY_FIELD = "job_id"
 
 
 # --- marlaas.dlq ----------------------------------------------------------------------
@@ -440,46 +433,11 @@ class DeadLetter(_Wire, tag="dead_letter"):
     service: str
     at: float = 0.0
 
+    KEY_FIELD = "source_key"
+
     @property
-    def dedup_id(self) -> str:
+    def dedup_id(self) -> str:  # one letter per source record
         return f"{self.source_topic}/{self.source_partition}/{self.source_offset}"
-
-    @property
-    def kafka_key(self) -> bytes | None:
-        return self.source_key
-
-
-MAX_RECORD_BYTES = 1_048_576
-"""The largest record a producer sends: Kafka's default broker limit (`message.max.bytes`),
-so an oversized message fails at once in the sender, as a non-retriable error."""
-MAX_DEAD_LETTER_RAW_BYTES = 512 * 1024
-"""A dead letter keeps at most this much of the record it reports, so the letter itself
-always fits under MAX_RECORD_BYTES: a letter that could never be written would stop its
-partition."""
-
-
-def dead_letter(
-    *,
-    source_topic: str,
-    source_partition: int,
-    source_offset: int,
-    source_key: bytes | None,
-    raw_value: bytes,
-    error: str,
-    service: str,
-) -> DeadLetter:
-    """A DeadLetter whose raw value (and error text) are cut to a size the broker takes;
-    the error says when the value was cut, and from how many bytes."""
-    if len(raw_value) > MAX_DEAD_LETTER_RAW_BYTES:
-        error = (
-            f"{error} [raw value cut from {len(raw_value)} to {MAX_DEAD_LETTER_RAW_BYTES} bytes]"
-        )
-        raw_value = raw_value[:MAX_DEAD_LETTER_RAW_BYTES]
-    return DeadLetter(
-        source_topic=source_topic, source_partition=source_partition,
-        source_offset=source_offset, source_key=source_key, raw_value=raw_value,
-        error=error[-16_384:], service=service, at=time.time(),
-    )  # fmt: skip
 
 
 Message = (
@@ -505,130 +463,6 @@ TOPIC_MESSAGES: dict[Topic, Any] = {
     Topic.DLQ: DeadLetter,
 }
 """Which message types a topic may carry; producing anything else is a bug."""
-
-_encoder = msgspec.msgpack.Encoder()
-_decoders = {topic: msgspec.msgpack.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
-_json_decoders = {topic: msgspec.json.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
-_ARRAY_MARKERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
-"""First byte of a msgpack array: a schema-1 record."""
-
-WireSchema = Literal[1, 2]
-
-
-def encode(message: Message, schema: WireSchema = 2) -> bytes:
-    """`message` as msgpack, in the layout of wire `schema` (1 only for readers of builds
-    from before schema 2)."""
-    if schema == 1:
-        from common import wire_v1  # the legacy layout, built on the classes here
-
-        return _encoder.encode(wire_v1.to_v1(message))
-    return _encoder.encode(message)
-
-
-def decode(topic: str, raw: bytes | None) -> Message:
-    """Decode a record's value for `topic`: a msgpack map (schema >= 2), a JSON object, or a
-    schema-1 msgpack array. Raises MessageDecodeError on anything invalid."""
-    try:
-        known = Topic(topic)
-    except ValueError:
-        raise MessageDecodeError(topic, "not a marlaas topic") from None
-    if raw is None:
-        raise MessageDecodeError(topic, "empty record (tombstone)")
-    raw = bytes(raw)
-    try:
-        if _is_json(raw):
-            message: Message = _json_decoders[known].decode(raw)
-            generic = msgspec.json.decode(raw) if known is Topic.JOBS else None
-        elif raw[:1] and raw[0] in _ARRAY_MARKERS:
-            from common import wire_v1  # the legacy layout, built on the classes here
-
-            return wire_v1.decode(known, raw)
-        else:
-            message = _decoders[known].decode(raw)
-            generic = msgspec.msgpack.decode(raw) if known is Topic.JOBS else None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageDecodeError(topic, str(exc)) from None
-    if generic is not None and message.schema <= SCHEMA_VERSION:
-        # A job of this schema or older with a field this build does not know: a typo in
-        # hand-written JSON, never a newer writer's field.
-        if unknown := unknown_fields(generic, type(message)):
-            raise MessageDecodeError(topic, f"{unknown[0]}: unknown field")
-    return message
-
-
-def _is_json(raw: bytes) -> bool:
-    """A JSON object rather than msgpack (whose messages never start with `{` or a space)."""
-    return raw[:1] == b"{" or (raw[:1].isspace() and raw.lstrip()[:1] == b"{")
-
-
-def json_schema(topic: Topic) -> dict[str, Any]:
-    """The JSON Schema of the records `topic` accepts (JSON objects; msgpack maps have the
-    same shape), for producers outside MARLaaS (`marlaas schema`, schemas/)."""
-    schema = msgspec.json.schema(TOPIC_MESSAGES[topic])
-    for definition in schema.get("$defs", {}).values():
-        if "properties" in definition:  # a field this build does not know is refused
-            definition["additionalProperties"] = False
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": f"https://marlaas.dev/schemas/{topic.value}.schema.json",
-        "title": f"{topic.value} record (wire schema {SCHEMA_VERSION})",
-        "description": "One JSON object per Kafka record, keyed by job_id; `kind` tells the "
-        "message types apart. Fields left out take their defaults. A job with a field this "
-        "schema does not have is rejected.",
-        **schema,
-    }
-
-
-def job_named_in(raw: bytes | None) -> tuple[str, str] | None:
-    """(job_id, tenant) of a record that reads as a job spec map or JSON object but may not
-    decode as one (a typo, a wrong type): so its sender can be told why it was refused."""
-    raw = raw or b""
-    try:
-        data = msgspec.json.decode(raw) if _is_json(raw) else msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(data, dict) or data.get("kind") != "job_spec":
-        return None
-    job_id, tenant = data.get("job_id"), data.get("tenant", "")
-    if not isinstance(job_id, str) or not job_id:
-        return None
-    return job_id, tenant if isinstance(tenant, str) else ""
-
-
-def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[str]:
-    """Dotted paths of the keys in `data` (a decoded map) that `kind` and its nested
-    structs do not have; the tag field counts as known."""
-    if not isinstance(data, dict):
-        return []
-    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
-    tag_field = kind.__struct_config__.tag_field
-    found = []
-    for key, value in data.items():
-        path = f"{at}{key}"
-        if key == tag_field:
-            continue
-        if (info := fields.get(key)) is None:
-            found.append(path)
-        elif isinstance(info.type, type) and issubclass(info.type, msgspec.Struct):
-            found += unknown_fields(value, info.type, f"{path}.")
-    return found
-
-
-def topic_of(message: Message) -> Topic:
-    """The one topic a message type travels on."""
-    for topic, kind in TOPIC_MESSAGES.items():
-        if isinstance(message, _types_of(kind)):
-            return topic
-    raise TypeError(f"{type(message).__name__} belongs to no topic")
-
-
-def _types_of(kind: Any) -> tuple[type, ...]:
-    return tuple(getattr(kind, "__args__", (kind,)))
-
-
-def key_bytes(message: Message) -> bytes | None:
-    key = message.kafka_key
-    return key.encode() if isinstance(key, str) else key
 
 
 def job_event(

@@ -64,7 +64,7 @@ from common.flow import (
     ledger_key,
 )
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState, RolloutReplicaStats
-from common.messages import JobSpec, Topic, decode, encode
+from common.messages import JobSpec, Topic
 from common.tenants import (
     QuotaError,
     TenantLimits,
@@ -75,6 +75,7 @@ from common.tenants import (
     samples_in_flight,
     tenant_jobs_key,
 )
+from common.wire import decode, encode
 
 _RESTARTS = "stack:restarts"
 REJECTION_TTL_S = 7 * 24 * 3600

@@ -42,17 +42,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common.config import SharedSettings, load
 from common.jobspec import JobSpecError, validate_job
 from common.lifecycle import TERMINAL_STATES
-from common.messages import (
-    JobAction,
-    JobSpec,
-    MessageDecodeError,
-    Topic,
-    decode,
-    json_schema,
-    new_id,
-)
+from common.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
 from common.store import JobRecord
 from common.tenants import TenantLimits, count_problem, samples_in_flight
+from common.wire import decode, json_schema
 from console.chat_client import ChatFailed, chat_completion
 from console.client import JobStateError, MarlaasClient
 

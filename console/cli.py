@@ -176,7 +176,8 @@ def schema(
     """Print the JSON Schema of a topic's records, for producing jobs from any Kafka client."""
     import json
 
-    from common.messages import Topic, json_schema
+    from common.messages import Topic
+    from common.wire import json_schema
 
     known = {t.value: t for t in Topic} | {t.value.removeprefix("marlaas."): t for t in Topic}
     if topic not in known:

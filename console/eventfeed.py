@@ -16,8 +16,9 @@ from aiokafka.structs import TopicPartition
 
 from common.bus import start_client
 from common.config import kafka_client_options
-from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic, decode
+from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
 from common.signing import RecordSigner
+from common.wire import decode
 
 M = TypeVar("M", bound=Message)
 

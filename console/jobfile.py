@@ -24,16 +24,9 @@ from typing import Any
 
 import msgspec
 
-from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, validate_job
-from common.messages import (
-    EnvSettings,
-    EvalSettings,
-    JobSpec,
-    LoraSettings,
-    RLSettings,
-    new_id,
-    unknown_fields,
-)
+from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, bound_problems, validate_job
+from common.messages import EnvSettings, EvalSettings, JobSpec, LoraSettings, RLSettings, new_id
+from common.wire import unknown_fields
 
 
 class JobFileError(ValueError):
@@ -102,6 +95,14 @@ def _spec_of(
     for name, kind in _TOP_LEVEL.items():
         if name in data and not isinstance(data[name], kind):
             raise JobFileError(f"{name}: expected {kind.__name__}, got {type(data[name]).__name__}")
+    # Every bound a table breaks at once (converting stops at the first).
+    if problems := [
+        f"{path}: {problem}"
+        for name, kind in _TABLES.items()
+        if isinstance(data.get(name), dict)
+        for path, problem in bound_problems(data[name], kind, name)
+    ]:
+        raise JobFileError("; ".join(problems))
     parts = {name: _table(name, data[name], kind) for name, kind in _TABLES.items() if name in data}
     tenant = data["tenant"]
     spec = msgspec.structs.replace(

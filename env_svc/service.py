@@ -43,12 +43,12 @@ from common.messages import (
     Topic,
     Trajectory,
     job_event,
-    job_named_in,
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service
 from common.store import JobRecord
 from common.tenants import QuotaError
+from common.wire import job_named_in
 from env_svc.calls import EnvCalls
 from env_svc.episodes import (
     ChatTokenizer,

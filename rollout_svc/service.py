@@ -32,8 +32,6 @@ from common.messages import (
     GenerationRequest,
     GenerationResult,
     Topic,
-    dead_letter,
-    encode,
     result_for,
 )
 from common.metrics import (
@@ -47,6 +45,7 @@ from common.metrics import (
 )
 from common.ports import Sender, StateStore
 from common.service import Connections, Service, announce_runtime, runtime_fields
+from common.wire import dead_letter, encode
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef

@@ -22,10 +22,11 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from common.bus import Delivery, Producer
-from common.messages import Message, Topic, decode, encode, topic_of
+from common.messages import Message, Topic
 from common.offsets import OffsetTracker
 from common.ports import Sender
 from common.store import RedisStore
+from common.wire import decode, encode, topic_of
 
 HANDLER_TESTS_DB = 2
 

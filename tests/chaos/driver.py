@@ -62,11 +62,10 @@ from common.messages import (
     SamplingSettings,
     Topic,
     Trajectory,
-    decode,
-    encode,
     new_id,
 )
 from common.models import tiny_model
+from common.wire import decode, encode
 from console.children import ChildServer, RestartPolicy, unless_stack_fails
 from console.client import MarlaasClient
 from console.eventfeed import AdapterFeed, TopicFeed

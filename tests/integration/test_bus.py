@@ -22,9 +22,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.backoff import RetryableError, ServerUnreachable
 from common.bus import ConsumerLoop, Delivery, Producer
-from common.messages import DeadLetter, Event, Topic, decode, encode, new_id
+from common.messages import DeadLetter, Event, Topic, new_id
 from common.signing import RecordSigner
 from common.store import RedisStore
+from common.wire import decode, encode
 from console.stack import free_port, start_valkey
 from console.topics import ensure_topics, group_lag
 

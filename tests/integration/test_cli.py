@@ -29,12 +29,12 @@ from common.messages import (
     Message,
     RLSettings,
     Topic,
-    decode,
     job_event,
     new_id,
 )
 from common.service import runtime_fields
 from common.store import RedisStore
+from common.wire import decode
 from console.cli import app
 from console.stack import LocalStack, free_port
 from tests.conftest import with_store

@@ -37,13 +37,11 @@ from common.messages import (
     SamplingSettings,
     Topic,
     Trajectory,
-    encode,
-    key_bytes,
     new_id,
-    topic_of,
 )
 from common.store import RedisStore
 from common.tenants import TenantLimits
+from common.wire import encode, key_bytes, topic_of
 from console.api_client import ApiError, TenantClient
 from console.client import MarlaasClient
 from console.stack import LocalStack

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from common.messages import JobSpec, Topic, decode, new_id
+from common.messages import JobSpec, Topic, new_id
+from common.wire import decode
 from console.jobwatch import JobProgress, watch_jobs
 from console.stack import LocalStack
 from tests.conftest import RunningServices

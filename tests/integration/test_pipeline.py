@@ -26,11 +26,11 @@ from common.messages import (
     SamplingSettings,
     Topic,
     Trajectory,
-    decode,
     new_id,
 )
 from common.signing import RecordSigner
 from common.store import RedisStore
+from common.wire import decode
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack import LocalStack
 from tests.conftest import RunningServices

@@ -30,11 +30,11 @@ from common.messages import (
     MessageDecodeError,
     Topic,
     Trajectory,
-    decode,
     new_id,
     result_for,
 )
 from common.store import TRAINED
+from common.wire import decode
 from console.audit import audit
 from env_svc import protocol
 from env_svc.episodes import ChatTokenizer

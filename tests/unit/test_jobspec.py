@@ -5,9 +5,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.jobspec import JobSpecError, validate_job
-from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, SamplingSettings
+from common.jobspec import JobSpecError, bound_problems, validate_job
+from common.messages import (
+    EnvSettings,
+    EvalSettings,
+    JobSpec,
+    LoraSettings,
+    MessageDecodeError,
+    RLSettings,
+    SamplingSettings,
+    Topic,
+)
 from common.tenants import TenantLimits
+from common.wire import decode, json_schema
 
 
 def spec(**changes: object) -> JobSpec:
@@ -37,7 +47,7 @@ def test_a_good_spec_passes() -> None:
         ({"rl": RLSettings(max_turns=1000)}, "rl.max_turns: must be in [1, 64] or unset"),
         (
             {"lora": LoraSettings(target_modules=[f"m{i}" for i in range(40)])},
-            "lora.target_modules: must name 1-32 modules, got 40",
+            "lora.target_modules: must have 1-32 items, got 40",
         ),
         (
             {"lora": LoraSettings(rank=64)},
@@ -111,3 +121,24 @@ def test_a_tenants_per_job_limits_are_named_when_exceeded() -> None:
     wide = spec(rl=RLSettings(group_size=8, groups_per_step=4, max_staleness=3))
     with pytest.raises(JobSpecError, match=r"quota max_samples_in_flight: G x B x \(S \+ 1\) 128"):
         validate_job(wide, limits=TenantLimits(max_samples_in_flight=127))
+
+
+def test_bounds_are_declared_once_and_carried_by_decoding_and_the_schema() -> None:
+    """A field's bounds live on the field: validate_job names every one a job breaks, decoding
+    refuses the first, and the JSON Schema producers read states them."""
+    bad = spec(rl=RLSettings(group_size=1, learning_rate=2.0), eval=EvalSettings(tasks=5000))
+    assert bound_problems(bad) == [
+        ("rl.group_size", "must be in [2, 256], got 1"),
+        ("rl.learning_rate", "must be in (0, 1), got 2.0"),
+        ("eval.tasks", "must be in [0, 1024], got 5000"),
+    ]
+    with pytest.raises(JobSpecError, match=r"rl\.group_size.*rl\.learning_rate.*eval\.tasks"):
+        validate_job(bad)
+    with pytest.raises(MessageDecodeError, match=r"Expected `int` >= 2 - at `\$.rl.group_size`"):
+        decode(Topic.JOBS, msgspec.json.encode(bad))
+    rl = json_schema(Topic.JOBS)["$defs"]["RLSettings"]["properties"]
+    assert (rl["group_size"]["minimum"], rl["group_size"]["maximum"]) == (2, 256)
+    assert (rl["learning_rate"]["exclusiveMinimum"], rl["learning_rate"]["exclusiveMaximum"]) == (
+        0,
+        1,
+    )

@@ -62,3 +62,32 @@ def test_every_common_module_is_used_by_a_service() -> None:
             reached.add(module)
             frontier += imports_of(common[module])
     assert sorted(set(common) - reached) == []
+
+
+def test_common_modules_import_each_other_without_a_cycle() -> None:
+    """Even an import inside a function counts: a cycle means two modules own one contract
+    (as `messages` and its wire layouts did)."""
+    common = modules("common")
+
+    def module_of(name: str) -> str | None:
+        return name if name in common else name.rsplit(".", 1)[0] if "." in name else None
+
+    graph = {
+        module: {m for name in imports_of(path) if (m := module_of(name)) in common} - {module}
+        for module, path in common.items()
+    }
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph[module]):
+            if imported in path:
+                cycles.append([*path[path.index(imported) :], imported])
+            elif imported not in done:
+                visit(imported, [*path, imported])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert cycles == []

@@ -25,11 +25,8 @@ from common.messages import (
     SamplingSettings,
     Topic,
     Trajectory,
-    decode,
-    encode,
-    key_bytes,
-    topic_of,
 )
+from common.wire import decode, encode, key_bytes, topic_of
 
 ALL_MESSAGES = [
     JobSpec, JobCommand, GenerationRequest, GenerationResult, Trajectory, AdapterUpdate, Event,
@@ -43,10 +40,22 @@ _float = st.floats(allow_nan=False, allow_infinity=False, width=64)
 def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
     """A hypothesis strategy for any msgspec type, derived from its schema."""
     match info:
-        case mi.IntType():
-            return st.integers(-(2**40), 2**40)
-        case mi.FloatType():
-            return _float
+        case mi.IntType(ge=ge, gt=gt, le=le, lt=lt):  # within the field's declared bounds
+            first = ge if ge is not None else gt + 1 if gt is not None else -(2**40)
+            last = le if le is not None else lt - 1 if lt is not None else 2**40
+            return st.integers(first, last)
+        case mi.FloatType(ge=ge, gt=gt, le=le, lt=lt):
+            low, high = ge if ge is not None else gt, le if le is not None else lt
+            if low is None and high is None:
+                return _float
+            return st.floats(
+                min_value=low,
+                max_value=high,
+                exclude_min=gt is not None,
+                exclude_max=lt is not None,
+                allow_nan=False,
+                allow_infinity=False,
+            )
         case mi.StrType():
             return _text
         case mi.BoolType():
@@ -59,8 +68,8 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
             return st.one_of(st.integers(-1000, 1000), _text, st.booleans())
         case mi.LiteralType(values=values):
             return st.sampled_from(values)
-        case mi.ListType(item_type=item):
-            return st.lists(strategy_for(item), max_size=8)
+        case mi.ListType(item_type=item, min_length=low, max_length=high):
+            return st.lists(strategy_for(item), min_size=low or 0, max_size=min(high or 8, 8))
         case mi.DictType(key_type=key, value_type=value):
             return st.dictionaries(strategy_for(key), strategy_for(value), max_size=4)
         case mi.UnionType(types=types):
@@ -152,7 +161,7 @@ def test_defaults_are_omitted_on_the_wire() -> None:
 
 
 def test_a_dead_letter_always_fits_under_the_record_limit() -> None:
-    from common.messages import MAX_RECORD_BYTES, dead_letter, encode
+    from common.wire import MAX_RECORD_BYTES, dead_letter, encode
 
     huge = b"x" * (2 * MAX_RECORD_BYTES)
     letter = dead_letter(
@@ -167,3 +176,19 @@ def test_a_dead_letter_always_fits_under_the_record_limit() -> None:
         raw_value=b"abc", error="bad", service="env_svc",
     )  # fmt: skip
     assert (small.raw_value, small.error) == (b"abc", "bad")
+
+
+def test_every_message_names_its_key_and_dedup_fields() -> None:
+    """Declared once per class: the key field is a field, and the de-dup id is a field unless
+    the class computes it."""
+    import msgspec
+
+    from common.messages import TOPIC_MESSAGES
+
+    kinds = {k for union in TOPIC_MESSAGES.values() for k in getattr(union, "__args__", (union,))}
+    assert len(kinds) == 9
+    for kind in kinds:
+        names = {field.name for field in msgspec.structs.fields(kind)}
+        assert kind.KEY_FIELD in names, kind
+        computed = "dedup_id" in vars(kind)
+        assert computed or kind.DEDUP_FIELD in names, kind

@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.messages import EnvSettings, JobSpec, MessageDecodeError, Topic, encode
+from common.messages import EnvSettings, JobSpec, MessageDecodeError, Topic
 from common.tenants import TenantLimits
+from common.wire import encode
 from env_svc.episodes import ChatTokenizer
 from env_svc.service import ForeignJobError
 from tests.fakes import Backend, Inbox

@@ -28,11 +28,8 @@ from common.messages import (
     MessageDecodeError,
     RLSettings,
     Topic,
-    decode,
-    encode,
-    json_schema,
-    topic_of,
 )
+from common.wire import decode, encode, json_schema, topic_of
 from tests.wire_samples import SAMPLES, as_read_from, readme_json_job
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

@@ -1,0 +1,268 @@
+"""How messages cross the wire: msgpack maps (schema >= 2), JSON objects, and the schema-1
+positional layout; the JSON Schema of each topic; record keys and size limits.
+
+The types themselves, and the rules by which they evolve, are in `common/messages.py`; this
+module is the only one that turns them into bytes and back (docs/architecture.md, "Topics
+and messages").
+
+Schema 1: messages as positional msgpack arrays (`[kind, field..., schema]`), the layout of
+builds before schema 2. Read always, written only when `MARLAAS_WIRE_SCHEMA=1` (while readers
+of such a build are still running during a rolling upgrade). Its layouts are frozen below as
+they were: a field added to a message since is not part of them and takes its default when a
+schema-1 record is read.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from functools import reduce
+from typing import Any, Literal
+
+import msgspec
+
+from common.messages import (
+    SCHEMA_VERSION,
+    TOPIC_MESSAGES,
+    DeadLetter,
+    Message,
+    MessageDecodeError,
+    Topic,
+)
+
+MAX_RECORD_BYTES = 1_048_576
+"""The largest record a producer sends: Kafka's default broker limit (`message.max.bytes`),
+so an oversized message fails at once in the sender, as a non-retriable error."""
+MAX_DEAD_LETTER_RAW_BYTES = 512 * 1024
+"""A dead letter keeps at most this much of the record it reports, so the letter itself
+always fits under MAX_RECORD_BYTES: a letter that could never be written would stop its
+partition."""
+
+
+def dead_letter(
+    *,
+    source_topic: str,
+    source_partition: int,
+    source_offset: int,
+    source_key: bytes | None,
+    raw_value: bytes,
+    error: str,
+    service: str,
+) -> DeadLetter:
+    """A DeadLetter whose raw value (and error text) are cut to a size the broker takes;
+    the error says when the value was cut, and from how many bytes."""
+    if len(raw_value) > MAX_DEAD_LETTER_RAW_BYTES:
+        error = (
+            f"{error} [raw value cut from {len(raw_value)} to {MAX_DEAD_LETTER_RAW_BYTES} bytes]"
+        )
+        raw_value = raw_value[:MAX_DEAD_LETTER_RAW_BYTES]
+    return DeadLetter(
+        source_topic=source_topic, source_partition=source_partition,
+        source_offset=source_offset, source_key=source_key, raw_value=raw_value,
+        error=error[-16_384:], service=service, at=time.time(),
+    )  # fmt: skip
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {topic: msgspec.msgpack.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
+_json_decoders = {topic: msgspec.json.Decoder(kind) for topic, kind in TOPIC_MESSAGES.items()}
+_ARRAY_MARKERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+"""First byte of a msgpack array: a schema-1 record."""
+
+WireSchema = Literal[1, 2]
+
+
+def encode(message: Message, schema: WireSchema = 2) -> bytes:
+    """`message` as msgpack, in the layout of wire `schema` (1 only for readers of builds
+    from before schema 2)."""
+    if schema == 1:
+        return _encoder.encode(_to_v1(message))
+    return _encoder.encode(message)
+
+
+def decode(topic: str, raw: bytes | None) -> Message:
+    """Decode a record's value for `topic`: a msgpack map (schema >= 2), a JSON object, or a
+    schema-1 msgpack array. Raises MessageDecodeError on anything invalid."""
+    try:
+        known = Topic(topic)
+    except ValueError:
+        raise MessageDecodeError(topic, "not a marlaas topic") from None
+    if raw is None:
+        raise MessageDecodeError(topic, "empty record (tombstone)")
+    raw = bytes(raw)
+    try:
+        if _is_json(raw):
+            message: Message = _json_decoders[known].decode(raw)
+            generic = msgspec.json.decode(raw) if known is Topic.JOBS else None
+        elif raw[:1] and raw[0] in _ARRAY_MARKERS:
+            return _decode_v1(known, raw)
+        else:
+            message = _decoders[known].decode(raw)
+            generic = msgspec.msgpack.decode(raw) if known is Topic.JOBS else None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(topic, str(exc)) from None
+    if generic is not None and message.schema <= SCHEMA_VERSION:
+        # A job of this schema or older with a field this build does not know: a typo in
+        # hand-written JSON, never a newer writer's field.
+        if unknown := unknown_fields(generic, type(message)):
+            raise MessageDecodeError(topic, f"{unknown[0]}: unknown field")
+    return message
+
+
+def _is_json(raw: bytes) -> bool:
+    """A JSON object rather than msgpack (whose messages never start with `{` or a space)."""
+    return raw[:1] == b"{" or (raw[:1].isspace() and raw.lstrip()[:1] == b"{")
+
+
+def json_schema(topic: Topic) -> dict[str, Any]:
+    """The JSON Schema of the records `topic` accepts (JSON objects; msgpack maps have the
+    same shape), for producers outside MARLaaS (`marlaas schema`, schemas/)."""
+    schema = msgspec.json.schema(TOPIC_MESSAGES[topic])
+    for definition in schema.get("$defs", {}).values():
+        if "properties" in definition:  # a field this build does not know is refused
+            definition["additionalProperties"] = False
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://marlaas.dev/schemas/{topic.value}.schema.json",
+        "title": f"{topic.value} record (wire schema {SCHEMA_VERSION})",
+        "description": "One JSON object per Kafka record, keyed by job_id; `kind` tells the "
+        "message types apart. Fields left out take their defaults. A job with a field this "
+        "schema does not have is rejected.",
+        **schema,
+    }
+
+
+def job_named_in(raw: bytes | None) -> tuple[str, str] | None:
+    """(job_id, tenant) of a record that reads as a job spec map or JSON object but may not
+    decode as one (a typo, a wrong type): so its sender can be told why it was refused."""
+    raw = raw or b""
+    try:
+        data = msgspec.json.decode(raw) if _is_json(raw) else msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("kind") != "job_spec":
+        return None
+    job_id, tenant = data.get("job_id"), data.get("tenant", "")
+    if not isinstance(job_id, str) or not job_id:
+        return None
+    return job_id, tenant if isinstance(tenant, str) else ""
+
+
+def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[str]:
+    """Dotted paths of the keys in `data` (a decoded map) that `kind` and its nested
+    structs do not have; the tag field counts as known."""
+    if not isinstance(data, dict):
+        return []
+    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
+    tag_field = kind.__struct_config__.tag_field
+    found = []
+    for key, value in data.items():
+        path = f"{at}{key}"
+        if key == tag_field:
+            continue
+        if (info := fields.get(key)) is None:
+            found.append(path)
+        elif isinstance(info.type, type) and issubclass(info.type, msgspec.Struct):
+            found += unknown_fields(value, info.type, f"{path}.")
+    return found
+
+
+def topic_of(message: Message) -> Topic:
+    """The one topic a message type travels on."""
+    for topic, kind in TOPIC_MESSAGES.items():
+        if isinstance(message, _types_of(kind)):
+            return topic
+    raise TypeError(f"{type(message).__name__} belongs to no topic")
+
+
+def _types_of(kind: Any) -> tuple[type, ...]:
+    return tuple(getattr(kind, "__args__", (kind,)))
+
+
+def key_bytes(message: Message) -> bytes | None:
+    key = message.kafka_key
+    return key.encode() if isinstance(key, str) else key
+
+
+# --- schema 1 ------------------------------------------------------------------------------
+
+_V1_FIELDS: dict[str, tuple[str, ...]] = {
+    "job_spec": ("job_id", "tenant", "base_model", "env", "lora", "rl", "submitted_at"),
+    "job_command": ("command_id", "job_id", "action", "issued_at"),
+    "generation_request": (
+        "request_id", "job_id", "episode_id", "group_id", "sample_index", "turn",
+        "context_token_ids", "sampling", "env_state", "issued_at", "min_adapter_version",
+    ),
+    "generation_result": (
+        "request_id", "job_id", "episode_id", "group_id", "sample_index", "turn",
+        "context_token_ids", "completion_token_ids", "logprobs", "adapter_version",
+        "finish_reason", "env_state", "queue_s", "generate_s",
+    ),
+    "trajectory": (
+        "episode_id", "job_id", "group_id", "sample_index", "group_size", "token_ids",
+        "loss_mask", "behaviour_logprobs", "reward", "reward_components", "adapter_versions",
+        "error", "finished_at",
+    ),
+    "adapter_update": ("job_id", "version", "uri", "step", "metrics", "published_at"),
+    "group_dropped": ("job_id", "group_id", "verdict", "reason", "dropped_at"),
+    "event": (
+        "event_id", "job_id", "event", "service", "tenant", "step", "reason", "metrics", "at",
+        "groups",
+    ),
+    "dead_letter": (
+        "source_topic", "source_partition", "source_offset", "source_key", "raw_value",
+        "error", "service", "at",
+    ),
+}  # fmt: skip
+"""Each message's fields in schema-1 order (the `schema` field followed them)."""
+
+
+def _v1_layout(kind: type[Message]) -> type[msgspec.Struct]:
+    tag = kind.__struct_config__.tag
+    infos = {info.name: info for info in msgspec.structs.fields(kind)}
+    fields: list[Any] = []
+    for name in _V1_FIELDS[str(tag)]:
+        info = infos[name]
+        if info.default is not msgspec.NODEFAULT:
+            fields.append((name, info.type, info.default))
+        elif info.default_factory is not msgspec.NODEFAULT:
+            fields.append((name, info.type, msgspec.field(default_factory=info.default_factory)))
+        else:
+            fields.append((name, info.type))
+    fields.append(("schema", int, 1))
+    return msgspec.defstruct(
+        f"{kind.__name__}V1", fields, array_like=True, kw_only=True, tag_field="kind", tag=tag
+    )
+
+
+def _kinds(union: Any) -> tuple[type[Message], ...]:
+    return tuple(getattr(union, "__args__", (union,)))
+
+
+_V1_LAYOUTS: dict[type[Message], type[msgspec.Struct]] = {
+    kind: _v1_layout(kind) for union in TOPIC_MESSAGES.values() for kind in _kinds(union)
+}
+_V1_CURRENT = {layout: kind for kind, layout in _V1_LAYOUTS.items()}
+_V1_DECODERS = {
+    topic: msgspec.msgpack.Decoder(reduce(operator.or_, (_V1_LAYOUTS[k] for k in _kinds(union))))
+    for topic, union in TOPIC_MESSAGES.items()
+}
+
+
+def _decode_v1(topic: Topic, raw: bytes) -> Message:
+    """A schema-1 record of `topic` as today's message (schema 1, later fields defaulted)."""
+    try:
+        old = _V1_DECODERS[topic].decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(topic.value, f"schema 1: {exc}") from None
+    kind = _V1_CURRENT[type(old)]
+    values = {name: getattr(old, name) for name in _V1_FIELDS[str(kind.__struct_config__.tag)]}
+    message: Message = kind(**values, schema=1)
+    return message
+
+
+def _to_v1(message: Message) -> msgspec.Struct:
+    """`message` in its schema-1 layout (fields added since are left out)."""
+    layout = _V1_LAYOUTS[type(message)]
+    names = _V1_FIELDS[str(type(message).__struct_config__.tag)]
+    return layout(**{name: getattr(message, name) for name in names}, schema=1)
