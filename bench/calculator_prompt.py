@@ -137,14 +137,21 @@ def main() -> None:
     runs = []
     for name, params in SETTINGS.items():
         for demonstration in (False, True):
-            found = measure(generate, {**params, "demonstration": demonstration}, args.tasks,
-                            args.samples)  # fmt: skip
+            found = measure(
+                generate, {**params, "demonstration": demonstration}, args.tasks, args.samples
+            )
             runs.append({"sums": name, "demonstration": demonstration, **found})
             print(json.dumps(runs[-1]), flush=True)
     out = args.out or result_path("calculator-prompt")
-    result = {"bench": "calculator_prompt", "model": args.model, "tasks": args.tasks,
-              "machine": machine_fields(generation=str(generate.model.dtype).split(".")[-1]),
-              "samples": args.samples, "max_turns": 2, "runs": runs}  # fmt: skip
+    result = {
+        "bench": "calculator_prompt",
+        "model": args.model,
+        "tasks": args.tasks,
+        "machine": machine_fields(generation=str(generate.model.dtype).split(".")[-1]),
+        "samples": args.samples,
+        "max_turns": 2,
+        "runs": runs,
+    }
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

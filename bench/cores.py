@@ -66,20 +66,28 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     trajectories = batch(policy._base.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
     step_s = compute.call(
-        timed, lambda: policy.train_step("job", trajectories, advantages), config["steps"],
+        timed,
+        lambda: policy.train_step("job", trajectories, advantages),
+        config["steps"],
         policy.device,
-    )  # fmt: skip
+    )
     threads = compute.call(torch.get_num_threads)
     compute.shutdown()
-    return {"step_s": step_s, "threads": threads, "borrowed_passes": compute.borrowed_passes,
-            "passes": compute.passes}  # fmt: skip
+    return {
+        "step_s": step_s,
+        "threads": threads,
+        "borrowed_passes": compute.borrowed_passes,
+        "passes": compute.passes,
+    }
 
 
 def run_trainer(config: dict[str, Any]) -> dict[str, Any]:
     completed = subprocess.run(
         [sys.executable, __file__, "--trainer-child", json.dumps(config)],
-        check=True, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
@@ -107,10 +115,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         while True:
             await busy.wait()
             request = GenerationRequest(
-                request_id=f"r{slot}-{index}", job_id="bench", episode_id=f"e{slot}",
-                group_id="g", sample_index=0, turn=0, context_token_ids=context[slot],
+                request_id=f"r{slot}-{index}",
+                job_id="bench",
+                episode_id=f"e{slot}",
+                group_id="g",
+                sample_index=0,
+                turn=0,
+                context_token_ids=context[slot],
                 sampling=sampling,
-            )  # fmt: skip
+            )
             await engine.generate(request, adapters[slot % len(adapters)])
             index += 1
 
@@ -126,8 +139,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for name, split in SPLITS.items():
                 cores = free if split["cores"] == "free" else split["cores"]
                 lent = [engine_core] if split.get("lent") and engine_core is not None else []
-                config = {"model": args.model, "steps": args.steps, "threads": split["threads"],
-                          "cores": cores, "lent": lent, "dtype": trainer_dtype()}  # fmt: skip
+                config = {
+                    "model": args.model,
+                    "steps": args.steps,
+                    "threads": split["threads"],
+                    "cores": cores,
+                    "lent": lent,
+                    "dtype": trainer_dtype(),
+                }
                 tokens_before, started = engine.generated_tokens, time.perf_counter()
                 trainer = await asyncio.to_thread(run_trainer, config)
                 elapsed = time.perf_counter() - started

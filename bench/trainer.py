@@ -88,12 +88,17 @@ def batch(vocab: int, seed: int) -> list[Trajectory]:
         mask = [0] * PROMPT_TOKENS + [1] * SAMPLED_TOKENS
         out.append(
             Trajectory(
-                episode_id=f"e{index}", job_id="bench", group_id=f"g{index // GROUP_SIZE}",
-                sample_index=index % GROUP_SIZE, group_size=GROUP_SIZE, token_ids=ids,
+                episode_id=f"e{index}",
+                job_id="bench",
+                group_id=f"g{index // GROUP_SIZE}",
+                sample_index=index % GROUP_SIZE,
+                group_size=GROUP_SIZE,
+                token_ids=ids,
                 loss_mask=mask,
-                behaviour_logprobs=[-2.0 * m for m in mask], reward=float(index % 2),
+                behaviour_logprobs=[-2.0 * m for m in mask],
+                reward=float(index % 2),
             )
-        )  # fmt: skip
+        )
     return out
 
 

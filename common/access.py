@@ -35,9 +35,18 @@ PRINCIPALS: tuple[Principal, ...] = get_args(Principal)
 """Every Redis user; the services' names are common/lifecycle.py's SERVICES."""
 
 SERVICE_COMMANDS = (
-    "-@all", "+@read", "+@write", "+@transaction", "+@connection",
-    "+eval", "+evalsha", "+script|load", "-@admin", "-@dangerous", "-function",
-)  # fmt: skip
+    "-@all",
+    "+@read",
+    "+@write",
+    "+@transaction",
+    "+@connection",
+    "+eval",
+    "+evalsha",
+    "+script|load",
+    "-@admin",
+    "-@dangerous",
+    "-function",
+)
 """Data commands, MULTI/EXEC (the store's pipelines), AUTH/HELLO/PING, and the store's Lua
 (redis-py runs EVALSHA and loads the script on NOSCRIPT). Never FLUSHALL, CONFIG, ACL, KEYS,
 DEBUG or anything else @admin or @dangerous, nor FUNCTION LOAD|FLUSH (in @write)."""
@@ -69,6 +78,7 @@ class Grant:
         return " ".join([*channels, *keys, *self.commands])
 
 
+# A table, laid out by hand: each grant on the lines its comment explains.
 # fmt: off
 GRANTS: Mapping[Principal, Grant] = {
     "env_svc": Grant(
@@ -211,6 +221,7 @@ def _group_of(service: str) -> str:
     return str(SERVICE_SETTINGS[service].model_fields["consumer_group"].default)
 
 
+# A table, laid out by hand: each grant on the lines its comment explains.
 # fmt: off
 KAFKA_GRANTS: Mapping[Principal, KafkaGrant] = {
     "env_svc": KafkaGrant(

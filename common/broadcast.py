@@ -88,8 +88,13 @@ class BroadcastReader(Generic[M]):
                             record.topic, record.key, record.value, record.headers
                         )
                     ):
-                        log.error("%s: skipping %s@%d: %s", self.service, record.topic,
-                                  record.offset, untrusted)  # fmt: skip
+                        log.error(
+                            "%s: skipping %s@%d: %s",
+                            self.service,
+                            record.topic,
+                            record.offset,
+                            untrusted,
+                        )
                         continue
                     try:
                         message = decode(record.topic, record.value)

@@ -449,8 +449,12 @@ class ConsumerLoop(Generic[M]):
             metrics.failed.inc()
             log.warning(
                 "%s: %s[%d]@%d dropped: %s",
-                self.service, record.topic, record.partition, record.offset, untrusted,
-            )  # fmt: skip
+                self.service,
+                record.topic,
+                record.partition,
+                record.offset,
+                untrusted,
+            )
             await self._dead_letter(record, untrusted)
             return
         try:
@@ -505,8 +509,13 @@ class ConsumerLoop(Generic[M]):
             # topic at this offset, and this line says where.
             log.error(
                 "%s: %s[%d]@%d failed (%s) and its dead letter was refused (%r); skipped",
-                self.service, record.topic, record.partition, record.offset, error, exc,
-            )  # fmt: skip
+                self.service,
+                record.topic,
+                record.partition,
+                record.offset,
+                error,
+                exc,
+            )
             return
         self.dead_letter_count += 1
         self._metrics_for(record.topic).dead_letters.inc()

@@ -298,13 +298,21 @@ def result_for(
 ) -> GenerationResult:
     """The answer to `request`: its ids and context echoed, with what was sampled."""
     return GenerationResult(
-        request_id=request.request_id, job_id=request.job_id, episode_id=request.episode_id,
-        group_id=request.group_id, sample_index=request.sample_index, turn=request.turn,
-        context_token_ids=request.context_token_ids, env_state=request.env_state,
-        completion_token_ids=completion_token_ids, logprobs=logprobs,
-        adapter_version=adapter_version, finish_reason=finish_reason, queue_s=queue_s,
+        request_id=request.request_id,
+        job_id=request.job_id,
+        episode_id=request.episode_id,
+        group_id=request.group_id,
+        sample_index=request.sample_index,
+        turn=request.turn,
+        context_token_ids=request.context_token_ids,
+        env_state=request.env_state,
+        completion_token_ids=completion_token_ids,
+        logprobs=logprobs,
+        adapter_version=adapter_version,
+        finish_reason=finish_reason,
+        queue_s=queue_s,
         generate_s=generate_s,
-    )  # fmt: skip
+    )
 
 
 # --- marlaas.trajectories -------------------------------------------------------------
@@ -478,6 +486,14 @@ def job_event(
 ) -> Event:
     """An `Event` stamped with a fresh id and the current time."""
     return Event(
-        event_id=new_id(), job_id=job_id, event=event, service=service, tenant=tenant,
-        step=step, reason=reason, metrics=metrics or {}, at=time.time(), groups=groups or [],
-    )  # fmt: skip
+        event_id=new_id(),
+        job_id=job_id,
+        event=event,
+        service=service,
+        tenant=tenant,
+        step=step,
+        reason=reason,
+        metrics=metrics or {},
+        at=time.time(),
+        groups=groups or [],
+    )

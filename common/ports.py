@@ -106,9 +106,15 @@ class StateStore(Protocol):
     async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]: ...
 
     async def record_eval(
-        self, job_id: str, version: int, episode_id: str, *, reward: float, solved: bool,
+        self,
+        job_id: str,
+        version: int,
+        episode_id: str,
+        *,
+        reward: float,
+        solved: bool,
         components: Mapping[str, float],
-    ) -> int: ...  # fmt: skip
+    ) -> int: ...
 
     async def eval_tally(self, job_id: str, version: int) -> EvalTally: ...
 

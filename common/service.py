@@ -120,11 +120,16 @@ class Connections:
         each message to `handler`; dead letters go out through this producer. `options` are
         `ConsumerLoop`'s (revocation callback, sticky assignment)."""
         loop = ConsumerLoop(
-            bootstrap=self._shared.kafka_bootstrap, group_id=group_id,
-            topics=CONSUMED_TOPICS[service], handler=handler, dead_letters=self.producer,
-            service=service, session_timeout_s=self._shared.consumer_session_timeout_s,
-            signing=self._shared.signer, **options,
-        )  # fmt: skip
+            bootstrap=self._shared.kafka_bootstrap,
+            group_id=group_id,
+            topics=CONSUMED_TOPICS[service],
+            handler=handler,
+            dead_letters=self.producer,
+            service=service,
+            session_timeout_s=self._shared.consumer_session_timeout_s,
+            signing=self._shared.signer,
+            **options,
+        )
         await loop.start(timeout_s=self._shared.connect_timeout_s)
         return loop
 

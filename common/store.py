@@ -298,11 +298,15 @@ class RedisStore:
         """
         moved, _ = await self._set_adapter(
             keys=[
-                _adapter_key(job_id), _dedup_key(TRAINED, job_id), flow_key(job_id),
-                _fence_key(job_id), _versions_key(job_id), ledger_key(job_id),
+                _adapter_key(job_id),
+                _dedup_key(TRAINED, job_id),
+                flow_key(job_id),
+                _fence_key(job_id),
+                _versions_key(job_id),
+                ledger_key(job_id),
             ],
             args=[version, uri, step, time.time(), epoch, *trained_groups],
-        )  # fmt: skip
+        )
         if int(moved) < 0:
             raise FencedError(job_id, epoch)
         return bool(moved)
@@ -377,13 +381,17 @@ class RedisStore:
         code, jobs, samples = await self._register_job(
             keys=[f"job:{spec.job_id}", "jobs", tenant_jobs_key(spec.tenant)],
             args=[
-                spec.job_id, encode(spec), spec.tenant, status, time.time(),
+                spec.job_id,
+                encode(spec),
+                spec.tenant,
+                status,
+                time.time(),
                 samples_in_flight(spec),
                 limits.max_concurrent_jobs if limits else -1,
                 limits.max_samples_in_flight if limits else -1,
                 *sorted(TERMINAL_STATES),
             ],
-        )  # fmt: skip
+        )
         if code < 0 and limits is not None:
             raise QuotaError(count_problem(spec, limits, jobs, samples) or f"quota: code {code}")
         return bool(code)
@@ -509,9 +517,11 @@ class RedisStore:
             pipe.hset(key, mapping=numbers)
             pipe.expire(key, ttl_s)
             pipe.xadd(
-                f"{_STATS_HISTORY}{replica}", {**numbers, "at": time.time()},
-                maxlen=STATS_HISTORY_SAMPLES, approximate=True,
-            )  # fmt: skip
+                f"{_STATS_HISTORY}{replica}",
+                {**numbers, "at": time.time()},
+                maxlen=STATS_HISTORY_SAMPLES,
+                approximate=True,
+            )
             pipe.expire(f"{_STATS_HISTORY}{replica}", STATS_HISTORY_TTL_S)
             await pipe.execute()
 
@@ -582,9 +592,15 @@ class RedisStore:
         return [int(version) for version in taken]
 
     async def record_eval(
-        self, job_id: str, version: int, episode_id: str, *, reward: float, solved: bool,
+        self,
+        job_id: str,
+        version: int,
+        episode_id: str,
+        *,
+        reward: float,
+        solved: bool,
         components: Mapping[str, float],
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Count one finished evaluation episode; returns the episodes counted so far, or -1
         when this one was counted before."""
         return int(

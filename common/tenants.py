@@ -273,10 +273,12 @@ class TenantRegistry:
             pipe.hset(
                 api_key_key(key.key_id),
                 mapping={
-                    "tenant": tenant, "secret_sha256": secret_digest(key.secret),
-                    "created_at": time.time(), "revoked_at": 0,
+                    "tenant": tenant,
+                    "secret_sha256": secret_digest(key.secret),
+                    "created_at": time.time(),
+                    "revoked_at": 0,
                 },
-            )  # fmt: skip
+            )
             pipe.sadd(tenant_keys_key(tenant), key.key_id)
             await pipe.execute()
         return key

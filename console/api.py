@@ -178,9 +178,12 @@ def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> 
         limits = await client.store.tenants.limits(tenant)
         try:
             validate_job(
-                spec, base_model=settings.base_model, max_lora_rank=settings.max_lora_rank,
-                lora_target_modules=settings.lora_target_modules, limits=limits,
-            )  # fmt: skip
+                spec,
+                base_model=settings.base_model,
+                max_lora_rank=settings.max_lora_rank,
+                lora_target_modules=settings.lora_target_modules,
+                limits=limits,
+            )
         except JobSpecError as exc:
             raise HTTPException(422, str(exc)) from None
         if limits is not None:
@@ -298,10 +301,12 @@ async def _spec_of(request: Request, tenant: str) -> JobSpec:
     if named not in (None, "", tenant):
         raise HTTPException(403, f"this key is tenant {tenant!r}'s; the spec names {named!r}")
     body = {
-        **body, "kind": "job_spec", "tenant": tenant,
+        **body,
+        "kind": "job_spec",
+        "tenant": tenant,
         "job_id": body.get("job_id") or f"{tenant}-{new_id()[:12]}",
         "submitted_at": time.time(),
-    }  # fmt: skip
+    }
     try:
         spec = decode(Topic.JOBS, json.dumps(body).encode())
     except MessageDecodeError as exc:
@@ -314,11 +319,17 @@ async def _spec_of(request: Request, tenant: str) -> JobSpec:
 def _view(record: JobRecord, version: int) -> JobView:
     spec = record.spec
     return JobView(
-        job_id=spec.job_id, tenant=spec.tenant, status=record.status, reason=record.reason,
+        job_id=spec.job_id,
+        tenant=spec.tenant,
+        status=record.status,
+        reason=record.reason,
         version=version,
-        env=spec.env.name, max_steps=spec.rl.max_steps, samples_in_flight=samples_in_flight(spec),
-        created_at=record.created_at, updated_at=record.updated_at,
-    )  # fmt: skip
+        env=spec.env.name,
+        max_steps=spec.rl.max_steps,
+        samples_in_flight=samples_in_flight(spec),
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+    )
 
 
 async def _conflict_on(call: Awaitable[T]) -> T:
@@ -365,8 +376,11 @@ async def serve(
 
     config = uvicorn.Config(
         create_app(settings, connect_timeout_s=settings.connect_timeout_s),
-        host=api.host, port=api.port, log_level="warning", lifespan="on",
-    )  # fmt: skip
+        host=api.host,
+        port=api.port,
+        log_level="warning",
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="tenant-api")
     while not server.started:

@@ -116,9 +116,11 @@ class TenantClient:
         self, job_id: str, prompt: str, *, version: int | None, max_tokens: int, temperature: float
     ) -> dict[str, Any]:
         body = {
-            "prompt": prompt, "version": version, "max_tokens": max_tokens,
+            "prompt": prompt,
+            "version": version,
+            "max_tokens": max_tokens,
             "temperature": temperature,
-        }  # fmt: skip
+        }
         return dict(await self._json("POST", f"/jobs/{job_id}/sample", json=body))
 
     # --- helpers ----------------------------------------------------------------------

@@ -21,13 +21,17 @@ def chat_completion(
 ) -> tuple[str, str]:
     """(the model that answered, its answer) to one user message."""
     body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens, "temperature": temperature,
-    }  # fmt: skip
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
     request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
+        f"{base_url.rstrip('/')}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             answer = json.loads(response.read())

@@ -161,8 +161,11 @@ class Supervisor:
         delay = backoff.next_delay()
         log.warning(
             "%s exited with code %d; restarting it in %.0fs (restart %d)",
-            child.name, code, delay, self.restarts.get(child.name, 0) + 1,
-        )  # fmt: skip
+            child.name,
+            code,
+            delay,
+            self.restarts.get(child.name, 0) + 1,
+        )
         await asyncio.sleep(delay)
         child.close_log()
         assert child.respawn is not None

@@ -76,8 +76,11 @@ async def _submit(specs: list[JobSpec], wait: bool) -> None:
         snapshot = await _follow(client, specs, until_done=True)
     unfinished = [row for row in snapshot.jobs if row.state != "completed"]
     if unfinished:
-        fail("; ".join(f"job {r.progress.job_id} {r.state}: {r.progress.reason or '-'}"
-                       for r in unfinished))  # fmt: skip
+        fail(
+            "; ".join(
+                f"job {r.progress.job_id} {r.state}: {r.progress.reason or '-'}" for r in unfinished
+            )
+        )
 
 
 async def _submit_via_api(api: TenantClient, specs: list[JobSpec], wait: bool) -> None:
@@ -90,8 +93,9 @@ async def _submit_via_api(api: TenantClient, specs: list[JobSpec], wait: bool) -
         views = await _wait_for_end(api, [spec.job_id for spec in specs])
     unfinished = [v for v in views if v["status"] != "completed"]
     if unfinished:
-        fail("; ".join(f"job {v['job_id']} {v['status']}: {v['reason'] or '-'}"
-                       for v in unfinished))  # fmt: skip
+        fail(
+            "; ".join(f"job {v['job_id']} {v['status']}: {v['reason'] or '-'}" for v in unfinished)
+        )
 
 
 async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str, object]]:

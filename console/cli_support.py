@@ -31,9 +31,17 @@ if not console.is_terminal:
 err_console = Console(stderr=True)
 
 USER_ERRORS: tuple[type[Exception], ...] = (
-    ServerUnreachable, StackError, UnknownJobError, KafkaError, RedisError, ValueError, OSError,
-    TrackingUnavailableError, ApiError, UnknownTenantError,
-)  # fmt: skip
+    ServerUnreachable,
+    StackError,
+    UnknownJobError,
+    KafkaError,
+    RedisError,
+    ValueError,
+    OSError,
+    TrackingUnavailableError,
+    ApiError,
+    UnknownTenantError,
+)
 """Errors a user can cause or fix: printed as one line, never as a traceback."""
 
 

@@ -73,9 +73,12 @@ def add(
     if not is_name(name):
         raise typer.BadParameter(f"{NAME_RULE}, got {name!r}", param_hint="NAME")
     given = {
-        "max_concurrent_jobs": max_concurrent_jobs, "max_samples_in_flight": max_samples_in_flight,
-        "max_steps": max_steps, "max_new_tokens": max_new_tokens, "max_lora_rank": max_lora_rank,
-    }  # fmt: skip
+        "max_concurrent_jobs": max_concurrent_jobs,
+        "max_samples_in_flight": max_samples_in_flight,
+        "max_steps": max_steps,
+        "max_new_tokens": max_new_tokens,
+        "max_lora_rank": max_lora_rank,
+    }
 
     async def go(store: RedisStore) -> tuple[TenantRecord, str | None]:
         current = await store.tenants.limits(name) or TenantLimits()

@@ -121,9 +121,12 @@ class MarlaasClient:
 
     def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
         return StatusBoard(
-            self.settings.kafka_bootstrap, self.store, consumer_groups(),
-            job_ids=job_ids, timeout_s=self.connect_timeout_s,
-        )  # fmt: skip
+            self.settings.kafka_bootstrap,
+            self.store,
+            consumer_groups(),
+            job_ids=job_ids,
+            timeout_s=self.connect_timeout_s,
+        )
 
     # --- results ----------------------------------------------------------------------
 
@@ -150,9 +153,11 @@ class MarlaasClient:
         """`audit` of each job, reading `marlaas.adapters` once for all of them."""
         records = {job_id: await self.job(job_id) for job_id in job_ids}
         async with AdapterFeed(
-            self.settings.kafka_bootstrap, set(job_ids), connect_timeout_s=self.connect_timeout_s,
+            self.settings.kafka_bootstrap,
+            set(job_ids),
+            connect_timeout_s=self.connect_timeout_s,
             signing=self.settings.signer,
-        ) as feed:  # fmt: skip
+        ) as feed:
             updates = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         announced: dict[str, int] = {}
         for update in updates:
@@ -164,11 +169,14 @@ class MarlaasClient:
             if (self.settings.artifacts / "checkpoints").is_dir():
                 checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
             audits[job_id] = audit(
-                job_id, await self.store.ledger(job_id), status=record.status,
+                job_id,
+                await self.store.ledger(job_id),
+                status=record.status,
                 groups_per_step=record.spec.rl.groups_per_step,
                 pointer_version=pointer.version if pointer else 0,
-                checkpoint_version=checkpoint, announced_version=announced.get(job_id, 0),
-            )  # fmt: skip
+                checkpoint_version=checkpoint,
+                announced_version=announced.get(job_id, 0),
+            )
         return audits
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
@@ -213,15 +221,19 @@ class MarlaasClient:
 
     def _feed(self, job_ids: Collection[str] | None) -> EventFeed:
         return EventFeed(
-            self.settings.kafka_bootstrap, job_ids, connect_timeout_s=self.connect_timeout_s,
+            self.settings.kafka_bootstrap,
+            job_ids,
+            connect_timeout_s=self.connect_timeout_s,
             signing=self.settings.signer,
-        )  # fmt: skip
+        )
 
     async def _send(self, *messages: JobSpec | JobCommand) -> None:
         await submit_jobs(
-            self.settings.kafka_bootstrap, messages, timeout_s=self.connect_timeout_s,
+            self.settings.kafka_bootstrap,
+            messages,
+            timeout_s=self.connect_timeout_s,
             signing=self.settings.signer,
-        )  # fmt: skip
+        )
 
 
 def consumer_groups() -> dict[str, str]:

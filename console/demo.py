@@ -43,20 +43,35 @@ def demo_jobs(base_model: str, run_id: str, seed: int = 0) -> list[JobSpec]:
     # but only 0.27 -> 0.41 in another; lr 1e-3 with std-normalised (GRPO) advantages
     # moves faster from the rare early successes.
     arithmetic_rl = RLSettings(
-        group_size=8, groups_per_step=2, max_steps=12, max_staleness=1, learning_rate=1e-3,
-        std_normalize=True, max_context_tokens=256, sampling=SamplingSettings(max_new_tokens=16),
-    )  # fmt: skip
+        group_size=8,
+        groups_per_step=2,
+        max_steps=12,
+        max_staleness=1,
+        learning_rate=1e-3,
+        std_normalize=True,
+        max_context_tokens=256,
+        sampling=SamplingSettings(max_new_tokens=16),
+    )
     calculator_rl = RLSettings(
-        group_size=8, groups_per_step=2, max_steps=12, max_staleness=1, learning_rate=1e-3,
-        std_normalize=True, max_context_tokens=512, sampling=SamplingSettings(max_new_tokens=48),
-    )  # fmt: skip
+        group_size=8,
+        groups_per_step=2,
+        max_steps=12,
+        max_staleness=1,
+        learning_rate=1e-3,
+        std_normalize=True,
+        max_context_tokens=512,
+        sampling=SamplingSettings(max_new_tokens=48),
+    )
     # Two-digit sums: the base model gets 22% of them right greedily in its head, a tool call
     # always. With one-digit ones it was already right 78-81% of the time, so an evaluation
     # of 32 tasks could not tell a better adapter from noise.
     calculator_params = {
-        "operations": ["+"], "num_operands": 2, "min_operand": 10, "max_operand": 99,
+        "operations": ["+"],
+        "num_operands": 2,
+        "min_operand": 10,
+        "max_operand": 99,
         "max_turns": 2,
-    }  # fmt: skip
+    }
     lora = LoraSettings(rank=8, alpha=16)
     jobs = [
         ("acme", "arith", EnvSettings(name="arithmetic", seed=1 + 10 * seed), arithmetic_rl),
@@ -91,22 +106,43 @@ def demo_jobs(base_model: str, run_id: str, seed: int = 0) -> list[JobSpec]:
 
 def progress_table(jobs: dict[str, JobProgress], *, final: bool = False) -> Table:
     table = Table(title="MARLaaS demo" + (" — final" if final else ""))
-    for column in ("job", "tenant", "env", "state", "steps", "reward start", "reward end",
-                   "eval acc base", "eval acc final", "max staleness", "dropped",
-                   "wall s"):  # fmt: skip
+    for column in (
+        "job",
+        "tenant",
+        "env",
+        "state",
+        "steps",
+        "reward start",
+        "reward end",
+        "eval acc base",
+        "eval acc final",
+        "max staleness",
+        "dropped",
+        "wall s",
+    ):
         table.add_column(column)
     for job in jobs.values():
         start, end = job.reward_window(True, REWARD_WINDOW), job.reward_window(False, REWARD_WINDOW)
         numbers = job.summary(REWARD_WINDOW)
         base, last, stderr = (
-            numbers["eval_accuracy_base"], numbers["eval_accuracy_final"], numbers["eval_stderr"]
-        )  # fmt: skip
+            numbers["eval_accuracy_base"],
+            numbers["eval_accuracy_final"],
+            numbers["eval_stderr"],
+        )
         table.add_row(
-            job.job_id, job.tenant, job.env, job.status, f"{job.steps}/{job.max_steps}",
-            "-" if start is None else f"{start:.3f}", "-" if end is None else f"{end:.3f}",
-            _accuracy(base, stderr), _accuracy(last, stderr),
-            str(job.max_staleness_seen), str(job.dropped_groups), f"{job.wall_s:.0f}",
-        )  # fmt: skip
+            job.job_id,
+            job.tenant,
+            job.env,
+            job.status,
+            f"{job.steps}/{job.max_steps}",
+            "-" if start is None else f"{start:.3f}",
+            "-" if end is None else f"{end:.3f}",
+            _accuracy(base, stderr),
+            _accuracy(last, stderr),
+            str(job.max_staleness_seen),
+            str(job.dropped_groups),
+            f"{job.wall_s:.0f}",
+        )
     if final:
         table.caption = (
             "eval acc: share of held-out tasks solved, greedy decoding, ± the larger standard "

@@ -118,14 +118,23 @@ async def export_adapter(
     elif base_model_path is not None:
         config["base_model_name_or_path"] = base_model_path
     info = {
-        "job_id": job_id, "tenant": record.spec.tenant, "env": record.spec.env.name,
-        "version": wanted, "latest_version": pointer.version, "base_model": record.spec.base_model,
-        "source": str(source), "exported_at": time.time(), "job_state": record.status,
-        "hub_base_model": hub_id, "trained_on": trained_on,
+        "job_id": job_id,
+        "tenant": record.spec.tenant,
+        "env": record.spec.env.name,
+        "version": wanted,
+        "latest_version": pointer.version,
+        "base_model": record.spec.base_model,
+        "source": str(source),
+        "exported_at": time.time(),
+        "job_state": record.status,
+        "hub_base_model": hub_id,
+        "trained_on": trained_on,
         # Field by field: messages travel as arrays, a reader wants the field names.
-        "spec": {name: msgspec.to_builtins(getattr(record.spec, name))
-                 for name in record.spec.__struct_fields__},
-    }  # fmt: skip
+        "spec": {
+            name: msgspec.to_builtins(getattr(record.spec, name))
+            for name in record.spec.__struct_fields__
+        },
+    }
     _write_atomically(out_dir, source, config, info)
     return ExportedAdapter(
         job_id, record.spec.tenant, wanted, out_dir, str(config["base_model_name_or_path"])

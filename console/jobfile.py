@@ -35,8 +35,11 @@ class JobFileError(ValueError):
 
 _TOP_LEVEL: dict[str, type] = {"job_id": str, "tenant": str, "base_model": str}
 _TABLES: dict[str, type[msgspec.Struct]] = {
-    "env": EnvSettings, "lora": LoraSettings, "rl": RLSettings, "eval": EvalSettings,
-}  # fmt: skip
+    "env": EnvSettings,
+    "lora": LoraSettings,
+    "rl": RLSettings,
+    "eval": EvalSettings,
+}
 _REQUIRED = ("tenant", "env")
 _NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")
 

@@ -46,10 +46,13 @@ class JobProgress:
     @classmethod
     def of(cls, spec: JobSpec) -> JobProgress:
         return cls(
-            spec.job_id, spec.tenant, spec.env.name, spec.rl.max_steps,
+            spec.job_id,
+            spec.tenant,
+            spec.env.name,
+            spec.rl.max_steps,
             submitted_at=spec.submitted_at or time.time(),
             final_eval_due=evaluated(spec, spec.rl.max_steps),
-        )  # fmt: skip
+        )
 
     @property
     def status(self) -> str:

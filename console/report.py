@@ -192,10 +192,15 @@ def _eval_rows(tenant: str, job_events: Sequence[Event]) -> list[EvalRow]:
     for version, event in sorted(latest.items()):
         metrics = event.metrics
         row = EvalRow(
-            event.job_id, tenant, version, event.at, metrics.get("eval_accuracy"),
-            metrics.get("eval_accuracy_stderr"), metrics.get("eval_reward"),
+            event.job_id,
+            tenant,
+            version,
+            event.at,
+            metrics.get("eval_accuracy"),
+            metrics.get("eval_accuracy_stderr"),
+            metrics.get("eval_reward"),
             metrics.get("eval_episodes"),
-        )  # fmt: skip
+        )
         rows.append(row)
     return rows
 

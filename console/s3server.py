@@ -95,8 +95,13 @@ def main() -> None:
     data_root.mkdir(parents=True, exist_ok=True)
     ScopedListingHandler.data_root = data_root
     server = ThreadingHTTPServer((args.host, args.port), ScopedListingHandler)
-    logging.info("S3 (localbucket %s) serving %s on %s:%d", localbucket.__version__,
-                 data_root, args.host, args.port)  # fmt: skip
+    logging.info(
+        "S3 (localbucket %s) serving %s on %s:%d",
+        localbucket.__version__,
+        data_root,
+        args.host,
+        args.port,
+    )
     try:
         server.serve_forever()
     finally:

@@ -86,12 +86,14 @@ def start_tansu(port: int, log_path: Path, s3_endpoint: str | None = None) -> Ch
     env = None
     if s3_endpoint:
         env = dict(os.environ) | {
-            "AWS_ACCESS_KEY_ID": "marlaas", "AWS_SECRET_ACCESS_KEY": "marlaas",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT": s3_endpoint,
+            "AWS_ACCESS_KEY_ID": "marlaas",
+            "AWS_SECRET_ACCESS_KEY": "marlaas",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": s3_endpoint,
             "AWS_ALLOW_HTTP": "true",
             # Pooled connections to localbucket made every read wait ~42 ms (FACTS.md).
             "AWS_POOL_MAX_IDLE_PER_HOST": "0",
-        }  # fmt: skip
+        }
     child = spawn("tansu", argv, log_path, env=env)
     if s3_endpoint:
         child.respawn = lambda: start_tansu(port, log_path, s3_endpoint)
@@ -104,8 +106,16 @@ def start_localbucket(port: int, data_dir: Path, log_path: Path) -> ChildServer:
         raise StackError("the durable embedded broker needs the `local` extra (localbucket)")
     data_dir = data_dir.resolve()
     (data_dir / S3_BUCKET).mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "console.s3server", "--host", "127.0.0.1", "--port", str(port),
-            str(data_dir)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "console.s3server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        str(data_dir),
+    ]
     child = spawn("localbucket", argv, log_path)
     child.respawn = lambda: start_localbucket(port, data_dir, log_path)
     return child
@@ -284,9 +294,10 @@ def core_placement(
         trainer_env["TRAINER_BORROW_CORES"] = format_cores(engine)
     log.info(
         "cores: rollout engine %s, trainer %s (borrowing %s while it idles)",
-        format_cores(engine), format_cores(trainer),
+        format_cores(engine),
+        format_cores(trainer),
         trainer_env.get("TRAINER_BORROW_CORES") or environ["TRAINER_BORROW_CORES"] or "none",
-    )  # fmt: skip
+    )
     return {"rollout_svc": {"ROLLOUT_CPU_CORES": format_cores(engine)}, "trainer_svc": trainer_env}
 
 
@@ -415,10 +426,12 @@ class LocalStack:
                 self.api_url = f"http://127.0.0.1:{api_port}"
             self._write_env_file()
             self.children += start_services(
-                self.services, self.settings, self.kafka_bootstrap,
+                self.services,
+                self.settings,
+                self.kafka_bootstrap,
                 {module: self.redis_url_for(module) for module in SERVICES},
                 chat_port=chat_port,
-            )  # fmt: skip
+            )
             if self.services:
                 self.children.append(self._start_api())
         except BaseException:
@@ -467,9 +480,13 @@ class LocalStack:
         if self.chat_url:
             extra["MARLAAS_CHAT_URL"] = self.chat_url
         return start_service(
-            "console.api", settings, self.kafka_bootstrap, self.redis_url_for("api"),
-            self.state_dir / "logs" / "api.log", extra,
-        )  # fmt: skip
+            "console.api",
+            settings,
+            self.kafka_bootstrap,
+            self.redis_url_for("api"),
+            self.state_dir / "logs" / "api.log",
+            extra,
+        )
 
     def _load_redis_passwords(self) -> dict[str, str]:
         path = self.redis_passwords_file

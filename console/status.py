@@ -44,13 +44,23 @@ class JobRow:
     def to_json(self, now: float) -> dict[str, Any]:
         p = self.progress
         return {
-            "job_id": p.job_id, "tenant": p.tenant, "env": p.env, "state": self.state,
-            "step": p.steps, "max_steps": p.max_steps, "latest_reward": p.latest_reward,
-            "best_reward": p.best_reward, "rewards": p.rewards, "staleness": p.last_staleness,
-            "max_staleness_seen": p.max_staleness_seen, "dropped_groups": p.dropped_groups,
-            "in_flight_episodes": self.in_flight_episodes, "eta_s": p.eta_s(now),
-            "reason": p.reason, "evals": {str(v): m for v, m in sorted(p.evals.items())},
-        }  # fmt: skip
+            "job_id": p.job_id,
+            "tenant": p.tenant,
+            "env": p.env,
+            "state": self.state,
+            "step": p.steps,
+            "max_steps": p.max_steps,
+            "latest_reward": p.latest_reward,
+            "best_reward": p.best_reward,
+            "rewards": p.rewards,
+            "staleness": p.last_staleness,
+            "max_staleness_seen": p.max_staleness_seen,
+            "dropped_groups": p.dropped_groups,
+            "in_flight_episodes": self.in_flight_episodes,
+            "eta_s": p.eta_s(now),
+            "reason": p.reason,
+            "evals": {str(v): m for v, m in sorted(p.evals.items())},
+        }
 
 
 @dataclass(frozen=True)
@@ -193,8 +203,10 @@ class StatusBoard:
         if record is not None:
             spec = record.spec
             progress.tenant, progress.env, progress.max_steps = (
-                spec.tenant, spec.env.name, spec.rl.max_steps,
-            )  # fmt: skip
+                spec.tenant,
+                spec.env.name,
+                spec.rl.max_steps,
+            )
             state = record.status
             progress.submitted_at = spec.submitted_at or progress.submitted_at
             if state in ("running", "paused"):
@@ -305,9 +317,14 @@ class ProgressLog:
 # --- rendering --------------------------------------------------------------------------
 
 STATE_STYLES = {
-    "running": "green", "paused": "yellow", "completed": "bold green", "cancelled": "dim",
-    "rejected": "red", "failed": "bold red", "pending": "cyan",
-}  # fmt: skip
+    "running": "green",
+    "paused": "yellow",
+    "completed": "bold green",
+    "cancelled": "dim",
+    "rejected": "red",
+    "failed": "bold red",
+    "pending": "cyan",
+}
 
 
 def render(snapshot: StatusSnapshot, *, detail: bool = False) -> RenderableType:
@@ -320,11 +337,12 @@ def render(snapshot: StatusSnapshot, *, detail: bool = False) -> RenderableType:
 
 def _jobs_table(snapshot: StatusSnapshot) -> Table:
     table = Table(
-        title=f"MARLaaS jobs — {time.strftime('%H:%M:%S')}", title_justify="left",
+        title=f"MARLaaS jobs — {time.strftime('%H:%M:%S')}",
+        title_justify="left",
         caption="eval acc: held-out accuracy (greedy), base model → latest evaluated version"
         if snapshot.jobs
         else "no jobs yet: marlaas submit examples/jobs/*.toml",
-    )  # fmt: skip
+    )
     table.add_column("job", no_wrap=True, overflow="fold")
     for column in ("tenant", "env", "state", "progress"):
         table.add_column(column)
@@ -342,11 +360,18 @@ def _jobs_table(snapshot: StatusSnapshot) -> Table:
             f"{p.steps}/{p.max_steps or '?'}",
         )
         table.add_row(
-            p.job_id, p.tenant, p.env, state, progress, _reward(p.latest_reward),
-            _reward(p.best_reward), eval_accuracy_text(p),
+            p.job_id,
+            p.tenant,
+            p.env,
+            state,
+            progress,
+            _reward(p.latest_reward),
+            _reward(p.best_reward),
+            eval_accuracy_text(p),
             f"{p.last_staleness}/{p.max_staleness_seen}",
-            str(row.in_flight_episodes), _duration(p.eta_s(snapshot.taken_at)),
-        )  # fmt: skip
+            str(row.in_flight_episodes),
+            _duration(p.eta_s(snapshot.taken_at)),
+        )
     return table
 
 
@@ -366,9 +391,10 @@ def eval_accuracy_text(progress: JobProgress) -> str:
 
 def _services_table(snapshot: StatusSnapshot) -> Table:
     table = Table(
-        title="services", title_justify="left",
+        title="services",
+        title_justify="left",
         caption="stale: staleness of the last step / max seen; lag: records not yet committed",
-    )  # fmt: skip
+    )
     columns = (
         "service",
         "consumer group",
@@ -390,12 +416,15 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
         for index, replica in enumerate(replicas):
             first = index == 0
             table.add_row(
-                lag.service if first else "", lag.group if first else "",
-                str(lag.lag) if first else "", restarts if first else "",
+                lag.service if first else "",
+                lag.group if first else "",
+                str(lag.lag) if first else "",
+                restarts if first else "",
                 _busy(replica),
                 "-" if replica.tokens_per_s is None else f"{replica.tokens_per_s:.1f}",
-                str(replica.in_flight), computes_in if first else "",
-            )  # fmt: skip
+                str(replica.in_flight),
+                computes_in if first else "",
+            )
     return table
 
 
@@ -409,9 +438,15 @@ def _events_table(row: JobRow) -> Table:
 
 
 BRIEF_METRICS = (
-    "mean_reward", "loss", "staleness_max", "tokens", "step_s", "eval_accuracy",
-    "eval_accuracy_stderr", "eval_reward",
-)  # fmt: skip
+    "mean_reward",
+    "loss",
+    "staleness_max",
+    "tokens",
+    "step_s",
+    "eval_accuracy",
+    "eval_accuracy_stderr",
+    "eval_reward",
+)
 """The step metrics `marlaas status JOB` shows; `marlaas logs` shows them all."""
 
 

@@ -67,8 +67,11 @@ def describe(env_class: type[Environment[Any]]) -> dict[str, Any]:
         for name in env_class.params_type.__struct_fields__
     }
     doc = (env_class.__doc__ or "").strip().splitlines()
-    return {"class": f"{env_class.__module__}:{env_class.__qualname__}", "params": params,
-            "about": doc[0] if doc else ""}  # fmt: skip
+    return {
+        "class": f"{env_class.__module__}:{env_class.__qualname__}",
+        "params": params,
+        "about": doc[0] if doc else "",
+    }
 
 
 def check_environment(
@@ -88,11 +91,12 @@ def check_environment(
     if report.step_s:
         slowest = max(report.step_s)
         report.add(
-            "time per step", slowest <= SLOW_STEP_S,
+            "time per step",
+            slowest <= SLOW_STEP_S,
             f"mean {1000 * sum(report.step_s) / len(report.step_s):.2f} ms, "
             f"max {1000 * slowest:.2f} ms over {len(report.step_s)} steps "
             f"(more than {SLOW_STEP_S:.1f} s ties up an env_svc worker)",
-        )  # fmt: skip
+        )
     return report
 
 
@@ -108,14 +112,19 @@ def _check_tasks(report: CheckReport, env: Environment[Any], tasks: int, seed: i
         again = stream_of()
         distinct = len({msgspec.msgpack.encode(t) for t in drawn})
         report.add(
-            f"{stream} tasks", drawn == again,
+            f"{stream} tasks",
+            drawn == again,
             f"{tasks} drawn, {distinct} distinct; "
             + ("the same again from the same seed" if drawn == again else "NOT reproducible"),
-        )  # fmt: skip
+        )
         if isinstance(drawn[0], env.task_type):
             continue
-        report.add(f"{stream} tasks", False, f"a task is {type(drawn[0]).__name__}, "
-                   f"not the environment's task_type {env.task_type.__name__}")  # fmt: skip
+        report.add(
+            f"{stream} tasks",
+            False,
+            f"a task is {type(drawn[0]).__name__}, "
+            f"not the environment's task_type {env.task_type.__name__}",
+        )
 
 
 def _play(report: CheckReport, env: Environment[Any], task: Any, rng: random.Random) -> None:

@@ -311,9 +311,13 @@ def failed_trajectory(job: JobSpec, result: GenerationResult, error: str) -> Tra
     dropped as invalid and replaced) instead of waiting forever for the missing sample.
     """
     return _failed(
-        job, result.episode_id, result.group_id, result.sample_index,
-        list(result.context_token_ids), error,
-    )  # fmt: skip
+        job,
+        result.episode_id,
+        result.group_id,
+        result.sample_index,
+        list(result.context_token_ids),
+        error,
+    )
 
 
 def unstarted_trajectory(

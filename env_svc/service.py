@@ -210,9 +210,13 @@ class EnvService(Service):
 
     def _probe(self, spec: JobSpec) -> None:
         start_episode(
-            environment_for(spec.env), self.tokenizer, spec, group_id="probe",
-            group_index=0, sample_index=0,
-        )  # fmt: skip
+            environment_for(spec.env),
+            self.tokenizer,
+            spec,
+            group_id="probe",
+            group_index=0,
+            sample_index=0,
+        )
 
     async def on_command(self, command: JobCommand) -> None:
         store = self.io.require_store()
@@ -283,9 +287,13 @@ class EnvService(Service):
         firsts: list[Message] = []
         for index in range(spec.eval.tasks):
             start = partial(
-                start_eval_episode, self._env(spec), self.tokenizer, spec, version=version,
+                start_eval_episode,
+                self._env(spec),
+                self.tokenizer,
+                spec,
+                version=version,
                 index=index,
-            )  # fmt: skip
+            )
             try:
                 firsts.append(await self.calls.run(f"{spec.job_id}: eval {index}", start))
             except Exception as exc:
@@ -299,9 +307,14 @@ class EnvService(Service):
         )
 
     async def _count_eval(
-        self, spec: JobSpec, version: int, episode_id: str, reward: float,
-        components: dict[str, float], error: str,
-    ) -> None:  # fmt: skip
+        self,
+        spec: JobSpec,
+        version: int,
+        episode_id: str,
+        reward: float,
+        components: dict[str, float],
+        error: str,
+    ) -> None:
         """Tally one finished evaluation episode; the last one sends the `eval` event."""
         solved = not error and self._env(spec).solved(
             RewardResult(total=reward, components=components)
@@ -317,16 +330,23 @@ class EnvService(Service):
         tally = await store.eval_tally(spec.job_id, version)
         await self.io.send(
             job_event(
-                spec.job_id, "eval", SERVICE, tenant=spec.tenant, step=version,
+                spec.job_id,
+                "eval",
+                SERVICE,
+                tenant=spec.tenant,
+                step=version,
                 metrics=tally.metrics(),
             )
-        )  # fmt: skip
+        )
         await store.finish_eval(spec.job_id, version)
         job_logger(log, spec.job_id, spec.tenant).info(
-            "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)", version,
-            tally.accuracy, tally.accuracy_stderr, tally.reward_sum / max(tally.episodes, 1),
+            "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)",
+            version,
+            tally.accuracy,
+            tally.accuracy_stderr,
+            tally.reward_sum / max(tally.episodes, 1),
             tally.episodes,
-        )  # fmt: skip
+        )
 
     async def _sweep_evals(self, record: JobRecord) -> None:
         """Finish evaluations whose episodes are all in (their event was not sent), or that
@@ -391,19 +411,27 @@ class EnvService(Service):
             return await self.calls.run(
                 f"{spec.job_id}: start of group {group_index}",
                 partial(
-                    start_episode, env, self.tokenizer, spec, group_id=group_id,
-                    group_index=group_index, sample_index=sample_index,
+                    start_episode,
+                    env,
+                    self.tokenizer,
+                    spec,
+                    group_id=group_id,
+                    group_index=group_index,
+                    sample_index=sample_index,
                 ),
-            )  # fmt: skip
+            )
         except Exception as exc:
             error = _reason(exc)
             job_logger(log, spec.job_id, spec.tenant).warning(
                 "group %d sample %d cannot start: %s", group_index, sample_index, error
             )
             return unstarted_trajectory(
-                spec, group_id=group_id, group_index=group_index, sample_index=sample_index,
+                spec,
+                group_id=group_id,
+                group_index=group_index,
+                sample_index=sample_index,
                 error=error,
-            )  # fmt: skip
+            )
 
     # --- episodes -------------------------------------------------------------------
 
@@ -427,9 +455,13 @@ class EnvService(Service):
             )
             if version is not None and isinstance(follow_up, Trajectory):
                 await self._count_eval(
-                    spec, version, follow_up.episode_id, follow_up.reward,
-                    dict(follow_up.reward_components), follow_up.error,
-                )  # fmt: skip
+                    spec,
+                    version,
+                    follow_up.episode_id,
+                    follow_up.reward,
+                    dict(follow_up.reward_components),
+                    follow_up.error,
+                )
             else:
                 await self.producer.send(follow_up)
         except Exception as exc:  # environment, reward or encoding: the episode ends here

@@ -25,13 +25,21 @@ def main() -> int:
     from rollout_svc.service import GenerationEngine, RolloutService
 
     model = resolve_base_model(shared.base_model, shared.cache_dir)
-    engine: GenerationEngine = RolloutEngine(
-        model, max_loras=shared.max_loras, max_lora_rank=shared.max_lora_rank,
-        lora_target_modules=shared.lora_target_modules,
-        max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager, dtype=settings.dtype,
-    ) if settings.engine == "vllm" else load_object(settings.engine)(model)  # fmt: skip
+    engine: GenerationEngine = (
+        RolloutEngine(
+            model,
+            max_loras=shared.max_loras,
+            max_lora_rank=shared.max_lora_rank,
+            lora_target_modules=shared.lora_target_modules,
+            max_model_len=settings.max_model_len,
+            kv_cache_gib=settings.kv_cache_gib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+            dtype=settings.dtype,
+        )
+        if settings.engine == "vllm"
+        else load_object(settings.engine)(model)
+    )
     service = RolloutService(shared, settings, engine)
     return asyncio.run(
         run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)

@@ -140,16 +140,23 @@ class ChatAPI:
         sampling = sampling_of(body)
         text = self._tokenizer.apply_chat_template(
             [{"role": m.get("role", "user"), "content": m["content"]} for m in messages],
-            tokenize=False, add_generation_prompt=True,
-        )  # fmt: skip
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         # The template writes its special tokens as text; nothing may be added around them.
         prompt_ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         call = new_id()
         request = GenerationRequest(
-            request_id=f"chat-{call}", job_id=job_id or "base", episode_id=f"chat-{call}",
-            group_id="chat", sample_index=0, turn=0, context_token_ids=prompt_ids,
-            sampling=sampling, pinned_adapter_version=-1 if version is None else version,
-        )  # fmt: skip
+            request_id=f"chat-{call}",
+            job_id=job_id or "base",
+            episode_id=f"chat-{call}",
+            group_id="chat",
+            sample_index=0,
+            turn=0,
+            context_token_ids=prompt_ids,
+            sampling=sampling,
+            pinned_adapter_version=-1 if version is None else version,
+        )
         try:
             result = await self._generate(request, job_id, version)
         except LookupError as exc:
@@ -160,15 +167,20 @@ class ChatAPI:
         latest = version is None and job_id
         served = f"{job_id}@v{result.adapter_version}" if latest else model
         return {
-            "id": f"chatcmpl-{call}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{call}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": served,
-            "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": result.finish_reason,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": result.finish_reason,
+                }
+            ],
             "usage": {
                 "prompt_tokens": len(prompt_ids),
                 "completion_tokens": len(result.completion_token_ids),
                 "total_tokens": len(prompt_ids) + len(result.completion_token_ids),
             },
-        }  # fmt: skip
+        }

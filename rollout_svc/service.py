@@ -99,9 +99,12 @@ class GenerationEngine(Protocol):
 def aborted(request: GenerationRequest) -> GenerationResult:
     """A result that tells env_svc this turn could not be sampled."""
     return result_for(
-        request, completion_token_ids=[], logprobs=[],
-        adapter_version=request.min_adapter_version, finish_reason="abort",
-    )  # fmt: skip
+        request,
+        completion_token_ids=[],
+        logprobs=[],
+        adapter_version=request.min_adapter_version,
+        finish_reason="abort",
+    )
 
 
 class _EngineDied(Exception):
@@ -130,9 +133,12 @@ class RolloutService(Service):
         self.producer = self.io.producer
         self.consumer: ConsumerLoop[GenerationRequest] | None = None
         self.adapters = BroadcastReader[AdapterUpdate](
-            bootstrap=shared.kafka_bootstrap, topic=Topic.ADAPTERS, handler=self.on_adapter,
-            service=SERVICE, signing=shared.signer,
-        )  # fmt: skip
+            bootstrap=shared.kafka_bootstrap,
+            topic=Topic.ADAPTERS,
+            handler=self.on_adapter,
+            service=SERVICE,
+            signing=shared.signer,
+        )
         self.latest: dict[str, AdapterRef] = {}
         """Newest adapter version per job; only moves forward."""
         self._waiting: FairQueue[tuple[GenerationRequest, Callable[[], None], str]] = FairQueue()
@@ -188,9 +194,12 @@ class RolloutService(Service):
         )
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(directory))
         chat = ChatAPI(
-            tokenizer, self.sample_for_chat, lambda: list(self.latest),
-            host=self.shared.metrics_host, port=port,
-        )  # fmt: skip
+            tokenizer,
+            self.sample_for_chat,
+            lambda: list(self.latest),
+            host=self.shared.metrics_host,
+            port=port,
+        )
         await chat.start()
         return chat
 
@@ -252,8 +261,9 @@ class RolloutService(Service):
         if self._waiting:  # their commits stay held: the next owner of the partition reads them
             log.info(
                 "rollout_svc: %d requests not started are left to a restart (by tenant: %s)",
-                len(self._waiting), self._waiting.waiting(),
-            )  # fmt: skip
+                len(self._waiting),
+                self._waiting.waiting(),
+            )
         if self._generations:  # finish what is in the engine, so its results are not lost
             await asyncio.wait(self._generations, timeout=30)
         if self.consumer is not None:
@@ -302,9 +312,11 @@ class RolloutService(Service):
         A stopping replica, or one whose engine died, starts none: their held commits are never
         released, so a restart reads them again."""
         while (
-            self._waiting and self._in_engine < self.settings.max_in_flight
-            and not self._stopping.is_set() and not self._engine_died.is_set()
-        ):  # fmt: skip
+            self._waiting
+            and self._in_engine < self.settings.max_in_flight
+            and not self._stopping.is_set()
+            and not self._engine_died.is_set()
+        ):
             try:
                 request, release_commit, tenant = self._waiting.pop(
                     partial(self._below, self._shares())
@@ -395,10 +407,14 @@ class RolloutService(Service):
     @staticmethod
     def _dead_letter(request: GenerationRequest, exc: Exception) -> DeadLetter:
         return dead_letter(
-            source_topic=Topic.PROMPTS, source_partition=-1, source_offset=-1,
-            source_key=request.episode_id.encode(), raw_value=encode(request),
-            error=f"{type(exc).__name__}: {exc}", service=SERVICE,
-        )  # fmt: skip
+            source_topic=Topic.PROMPTS,
+            source_partition=-1,
+            source_offset=-1,
+            source_key=request.episode_id.encode(),
+            raw_value=encode(request),
+            error=f"{type(exc).__name__}: {exc}",
+            service=SERVICE,
+        )
 
     async def _adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
         if request.pinned_adapter_version >= 0:
@@ -410,10 +426,12 @@ class RolloutService(Service):
             if pointer is not None:
                 await self.on_adapter(
                     AdapterUpdate(
-                        job_id=pointer.job_id, version=pointer.version, uri=pointer.uri,
+                        job_id=pointer.job_id,
+                        version=pointer.version,
+                        uri=pointer.uri,
                         step=pointer.step,
                     )
-                )  # fmt: skip
+                )
         return self.latest.get(request.job_id)
 
     async def _pinned(self, job_id: str, version: int) -> AdapterRef | None:
@@ -479,8 +497,10 @@ class RolloutService(Service):
         store = self.io.require_store()
         engine = self.engine
         last_at, last_busy_s, last_tokens = (
-            time.monotonic(), engine.busy_seconds, engine.generated_tokens
-        )  # fmt: skip
+            time.monotonic(),
+            engine.busy_seconds,
+            engine.generated_tokens,
+        )
         while not self._stopping.is_set():
             # Over the last interval, not since start: the dashboards' "now".
             now, busy_s, tokens = time.monotonic(), engine.busy_seconds, engine.generated_tokens

@@ -29,10 +29,12 @@ def api_server(settings: SharedSettings) -> Iterator[str]:
         try:
             loop.run_until_complete(
                 serve(
-                    settings, ApiSettings(host="127.0.0.1", port=0),
-                    ready=ready, stop=stop,
+                    settings,
+                    ApiSettings(host="127.0.0.1", port=0),
+                    ready=ready,
+                    stop=stop,
                 )
-            )  # fmt: skip
+            )
         except BaseException as exc:
             failure.append(exc)
             started.set()

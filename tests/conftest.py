@@ -99,9 +99,11 @@ def pipeline_services(
     # Signing on, as `marlaas up` runs them: a test that produces to their topics itself
     # signs with `settings.signer`, and a record without the key is dead-lettered.
     settings = SharedSettings(
-        state_dir=state_dir, artifact_dir=state_dir / "artifacts", base_model=str(tiny_model()),
+        state_dir=state_dir,
+        artifact_dir=state_dir / "artifacts",
+        base_model=str(tiny_model()),
         bus_key=SecretStr(f"test-bus-key-{secrets.token_hex(8)}"),
-    )  # fmt: skip
+    )
     os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
     # The README's third-party environment, pip-installed where env_svc finds it, as a user
     # installs theirs (tests/integration/test_cli_services.py runs a job of it).

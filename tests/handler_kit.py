@@ -35,21 +35,32 @@ BASE_MODEL = "smollm2-135m-instruct"
 
 
 def job_spec(
-    name: str, *, env: str = "arithmetic", group_size: int, groups_per_step: int,
-    max_staleness: int, max_steps: int, evals: EvalSettings | None = None,
-) -> JobSpec:  # fmt: skip
+    name: str,
+    *,
+    env: str = "arithmetic",
+    group_size: int,
+    groups_per_step: int,
+    max_staleness: int,
+    max_steps: int,
+    evals: EvalSettings | None = None,
+) -> JobSpec:
     """A job on the tiny model; without `evals` it evaluates nothing, so tests of training
     see only training requests."""
     return JobSpec(
-        job_id=f"{name}-{new_id()[:8]}", tenant="acme", base_model=BASE_MODEL,
+        job_id=f"{name}-{new_id()[:8]}",
+        tenant="acme",
+        base_model=BASE_MODEL,
         env=EnvSettings(name=env, params={"max_operand": 9}),
         rl=RLSettings(
-            group_size=group_size, groups_per_step=groups_per_step, max_steps=max_steps,
-            max_staleness=max_staleness, max_context_tokens=128,
+            group_size=group_size,
+            groups_per_step=groups_per_step,
+            max_steps=max_steps,
+            max_staleness=max_staleness,
+            max_context_tokens=128,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
         eval=evals or EvalSettings(tasks=0),
-    )  # fmt: skip
+    )
 
 
 async def register_running(store: RedisStore, spec: JobSpec, *, issued: int = 64) -> None:
@@ -79,26 +90,37 @@ def adapter_update(job_id: str, version: int) -> AdapterUpdate:
 
 def rollout_service(backend: Backend, engine: GenerationEngine) -> RolloutService:
     return RolloutService(
-        SharedSettings(), RolloutSettings(), engine, producer=backend.producer,
+        SharedSettings(),
+        RolloutSettings(),
+        engine,
+        producer=backend.producer,
         store=backend.store,
-    )  # fmt: skip
+    )
 
 
 def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:
     return EnvService(
-        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(**settings), tokenizer,
-        producer=backend.producer, store=backend.store,
-    )  # fmt: skip
+        SharedSettings(base_model=BASE_MODEL),
+        EnvServiceSettings(**settings),
+        tokenizer,
+        producer=backend.producer,
+        store=backend.store,
+    )
 
 
 def trajectory(spec: JobSpec, group: int, sample: int, reward: float, version: int) -> Trajectory:
     return Trajectory(
-        episode_id=f"{spec.job_id}/{group}/{sample}", job_id=spec.job_id,
-        group_id=f"{spec.job_id}/g{group}", sample_index=sample,
-        group_size=spec.rl.group_size, token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1],
-        behaviour_logprobs=[0.0, 0.0, -2.0, -2.0, -2.0], reward=reward,
+        episode_id=f"{spec.job_id}/{group}/{sample}",
+        job_id=spec.job_id,
+        group_id=f"{spec.job_id}/g{group}",
+        sample_index=sample,
+        group_size=spec.rl.group_size,
+        token_ids=[1, 2, 3, 4, 5],
+        loss_mask=[0, 0, 1, 1, 1],
+        behaviour_logprobs=[0.0, 0.0, -2.0, -2.0, -2.0],
+        reward=reward,
         adapter_versions=[version],
-    )  # fmt: skip
+    )
 
 
 class GatedEngine:
@@ -131,9 +153,12 @@ class GatedEngine:
         self.in_flight -= 1
         self.generated_tokens += 2
         return result_for(
-            request, completion_token_ids=[7, 8], logprobs=[-0.5, -0.5],
-            adapter_version=adapter.version if adapter else 0, finish_reason="stop",
-        )  # fmt: skip
+            request,
+            completion_token_ids=[7, 8],
+            logprobs=[-0.5, -0.5],
+            adapter_version=adapter.version if adapter else 0,
+            finish_reason="stop",
+        )
 
     async def load(self, adapter: AdapterRef) -> None:
         self.loaded.append(adapter)
@@ -144,7 +169,13 @@ class GatedEngine:
 
 def request_for(job_id: str, index: int, min_adapter_version: int) -> GenerationRequest:
     return GenerationRequest(
-        request_id=f"{job_id}/{index}/0/t0", job_id=job_id, episode_id=f"{job_id}/{index}/0",
-        group_id=f"{job_id}/g{index}", sample_index=0, turn=0, context_token_ids=[1, 2, 3],
-        sampling=SamplingSettings(), min_adapter_version=min_adapter_version,
-    )  # fmt: skip
+        request_id=f"{job_id}/{index}/0/t0",
+        job_id=job_id,
+        episode_id=f"{job_id}/{index}/0",
+        group_id=f"{job_id}/g{index}",
+        sample_index=0,
+        turn=0,
+        context_token_ids=[1, 2, 3],
+        sampling=SamplingSettings(),
+        min_adapter_version=min_adapter_version,
+    )

@@ -60,8 +60,14 @@ def requirement_lines(dockerfile: str, target: str) -> list[tuple[str, bool]]:
             follow = "--no-deps" not in words
             for word in words:
                 if not word.startswith("-"):
-                    lines.append((PROJECT + word.removeprefix("/src") if word.startswith("/src")
-                                  else word, follow))  # fmt: skip
+                    lines.append(
+                        (
+                            PROJECT + word.removeprefix("/src")
+                            if word.startswith("/src")
+                            else word,
+                            follow,
+                        )
+                    )
         target = parent
     return lines
 

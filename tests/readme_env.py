@@ -27,8 +27,20 @@ def install_readme_environment(work_dir: Path) -> Path:
     (package.parent / "pyproject.toml").write_text(toml)
     site = work_dir / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-         "--no-build-isolation", "--target", str(site), str(package.parent)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(package.parent),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return site

@@ -36,10 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(
-            resolve_base_model(shared.base_model, shared.cache_dir), torch_threads=threads,
-            compute_dtype=precision.dtype, device=settings.device,
+            resolve_base_model(shared.base_model, shared.cache_dir),
+            torch_threads=threads,
+            compute_dtype=precision.dtype,
+            device=settings.device,
             before_pass=compute.threads_for_next_pass,
-        )  # fmt: skip
+        )
 
     # The model loads in start().
     service = TrainerService(shared, settings, load_policy, precision=precision, compute=compute)

@@ -113,9 +113,11 @@ class ComputeThread:
             borrowing = max(0, others) / window < BORROW_BELOW
             if borrowing != self._borrowing:
                 log.debug(
-                    "others kept cores %s %.0f%% busy: %s", format_cores(self.lent),
-                    100 * others / window, "borrowing" if borrowing else "giving back",
-                )  # fmt: skip
+                    "others kept cores %s %.0f%% busy: %s",
+                    format_cores(self.lent),
+                    100 * others / window,
+                    "borrowing" if borrowing else "giving back",
+                )
             self._borrowing = borrowing
         self._last = look
 
@@ -132,9 +134,11 @@ class ComputeThread:
             self._helpers = _task_ids() - before
             log.info(
                 "trainer computes on cores %s, borrowing %s while others leave them idle "
-                "(%d helper threads)", format_cores(self.own), format_cores(self.lent),
+                "(%d helper threads)",
+                format_cores(self.own),
+                format_cores(self.lent),
                 len(self._helpers),
-            )  # fmt: skip
+            )
         os.sched_setaffinity(0, self.own)
         torch.set_num_threads(self.threads)
 

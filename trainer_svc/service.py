@@ -275,10 +275,13 @@ class TrainerService(Service):
         if pointer is None or pointer.version <= version:
             await self.io.send(
                 AdapterUpdate(
-                    job_id=job_id, version=version, uri=uri, step=version,
+                    job_id=job_id,
+                    version=version,
+                    uri=uri,
+                    step=version,
                     published_at=time.time(),
                 )
-            )  # fmt: skip
+            )
         if version >= job.spec.rl.max_steps:
             await self._complete(job)
 
@@ -465,16 +468,23 @@ class TrainerService(Service):
         )
         await self.io.send(
             GroupDropped(
-                job_id=job_id, group_id=group.group_id, verdict=kind, reason=reason,
+                job_id=job_id,
+                group_id=group.group_id,
+                verdict=kind,
+                reason=reason,
                 dropped_at=time.time(),
             )
-        )  # fmt: skip
+        )
         await self.io.send(
             job_event(
-                job_id, kind, SERVICE, tenant=job.spec.tenant, step=job.version,
+                job_id,
+                kind,
+                SERVICE,
+                tenant=job.spec.tenant,
+                step=job.version,
                 reason=f"group {group.group_id}: {reason}",
             )
-        )  # fmt: skip
+        )
         TRAINER_GROUPS_DROPPED.labels(job_id, kind).inc()
         job_logger(log, job_id, job.spec.tenant).info(
             "%s group %s (%s)", kind, group.group_id, reason
@@ -482,9 +492,10 @@ class TrainerService(Service):
         group.release()
         if counted.failed_in_a_row >= self.settings.max_failed_groups:
             await self._fail(
-                job, f"{counted.failed_in_a_row} groups in a row had no usable rewards; "
+                job,
+                f"{counted.failed_in_a_row} groups in a row had no usable rewards; "
                 f"the last: {reason}",
-            )  # fmt: skip
+            )
 
     async def _fail(self, job: OwnedJob, reason: str) -> None:
         """End a job that cannot make progress, with the reason (instead of re-issuing its
@@ -496,9 +507,15 @@ class TrainerService(Service):
         )
         if changed:
             await self.io.send(
-                job_event(spec.job_id, "failed", SERVICE, tenant=spec.tenant, step=job.version,
-                          reason=reason)
-            )  # fmt: skip
+                job_event(
+                    spec.job_id,
+                    "failed",
+                    SERVICE,
+                    tenant=spec.tenant,
+                    step=job.version,
+                    reason=reason,
+                )
+            )
             job_logger(log, spec.job_id, spec.tenant).error("job failed: %s", reason)
         self._release_all(job)
         self._disown(spec.job_id)
@@ -532,9 +549,13 @@ class TrainerService(Service):
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
             uri = await self.compute.run(
-                self.checkpoints.save, self.policy, job_id, version,
-                [g.group_id for g in groups], job.epoch,
-            )  # fmt: skip
+                self.checkpoints.save,
+                self.policy,
+                job_id,
+                version,
+                [g.group_id for g in groups],
+                job.epoch,
+            )
             metrics[job_id].wall_step_s = time.monotonic() - started
             if await self._publish(job, version, uri, groups, metrics[job_id]):
                 await self._report(job, metrics[job_id], [g.group_id for g in groups])
@@ -637,10 +658,15 @@ class TrainerService(Service):
         spec, version = job.spec, job.version
         await self.io.send(
             job_event(
-                spec.job_id, "step", SERVICE, tenant=spec.tenant, step=version,
-                metrics=metrics.as_map(), groups=group_ids,
+                spec.job_id,
+                "step",
+                SERVICE,
+                tenant=spec.tenant,
+                step=version,
+                metrics=metrics.as_map(),
+                groups=group_ids,
             )
-        )  # fmt: skip
+        )
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
         TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics.wall_step_s or 0.0)
         if (tokens_per_s := metrics.trainer_tokens_per_s) is not None:
@@ -648,10 +674,14 @@ class TrainerService(Service):
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
             "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% (%.1fs)",
-            version, spec.rl.max_steps, metrics.mean_reward, metrics.loss or 0.0,
-            metrics.staleness_max or 0, 100 * (metrics.zero_advantage_share or 0.0),
+            version,
+            spec.rl.max_steps,
+            metrics.mean_reward,
+            metrics.loss or 0.0,
+            metrics.staleness_max or 0,
+            100 * (metrics.zero_advantage_share or 0.0),
             metrics.wall_step_s or 0.0,
-        )  # fmt: skip
+        )
         if version >= spec.rl.max_steps:
             await self._complete(job)
 

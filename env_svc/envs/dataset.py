@@ -155,8 +155,9 @@ def _read_rows(
     except OSError as exc:
         raise DatasetError(param, f"{path}: {exc.strerror or exc}") from None
     try:
-        return _rows(str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field,
-                     answer_field)  # fmt: skip
+        return _rows(
+            str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field, answer_field
+        )
     except (OSError, ValueError) as exc:  # unreadable, or a line that is not a task
         raise DatasetError(param, str(exc)) from None
 

@@ -113,20 +113,26 @@ def chaos_jobs(round_: int, rng: random.Random, max_steps: int) -> list[JobSpec]
             fail = "flaky" if index % 3 == 2 else ""
             jobs.append(
                 JobSpec(
-                    job_id=f"{tenant}-r{round_}-j{index}-{new_id()[:6]}", tenant=tenant,
+                    job_id=f"{tenant}-r{round_}-j{index}-{new_id()[:6]}",
+                    tenant=tenant,
                     base_model=str(tiny_model()),
                     env=EnvSettings(
-                        name="chaos", seed=rng.randrange(1000),
+                        name="chaos",
+                        seed=rng.randrange(1000),
                         params={"fail": fail, "hang_s": 0.2} if fail else {},
                     ),
                     rl=RLSettings(
-                        group_size=G, groups_per_step=B, max_steps=max_steps, max_staleness=S,
-                        max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8),
+                        group_size=G,
+                        groups_per_step=B,
+                        max_steps=max_steps,
+                        max_staleness=S,
+                        max_context_tokens=128,
+                        sampling=SamplingSettings(max_new_tokens=8),
                     ),
                     lora=LoraSettings(rank=4),
                     eval=EvalSettings(tasks=0),  # the verifier accounts for training groups
                 )
-            )  # fmt: skip
+            )
     return jobs
 
 
@@ -155,16 +161,23 @@ class Chaos:
         env = {
             "ROLLOUT_ENGINE": "tests.chaos.scripted_engine:ScriptedEngine",
             "MARLAAS_ENVIRONMENTS": "chaos=tests.chaos_env:ChaosEnv",
-            "ENV_SVC_CLAIM_TIMEOUT_S": "10", "ENV_SVC_CLAIM_SWEEP_S": "2",
-            "ENV_SVC_ENV_CALL_TIMEOUT_S": "5", "TRAINER_SWEEP_INTERVAL_S": "2",
+            "ENV_SVC_CLAIM_TIMEOUT_S": "10",
+            "ENV_SVC_CLAIM_SWEEP_S": "2",
+            "ENV_SVC_ENV_CALL_TIMEOUT_S": "5",
+            "TRAINER_SWEEP_INTERVAL_S": "2",
             "TRAINER_GROUP_TIMEOUT_S": "30",
             "MARLAAS_CONSUMER_SESSION_TIMEOUT_S": str(SESSION_TIMEOUT_S),
-            "PYTHONPATH": str(ROOT), "MARLAAS_LOG_LEVEL": "INFO",
-        }  # fmt: skip
+            "PYTHONPATH": str(ROOT),
+            "MARLAAS_LOG_LEVEL": "INFO",
+        }
         self.replicas[name] = start_service(
-            module, self.stack.settings, self.stack.kafka_bootstrap, self.stack.redis_url,
-            self.settings.state_dir / "logs" / f"{name.replace('#', '-')}.log", env,
-        )  # fmt: skip
+            module,
+            self.stack.settings,
+            self.stack.kafka_bootstrap,
+            self.stack.redis_url,
+            self.settings.state_dir / "logs" / f"{name.replace('#', '-')}.log",
+            env,
+        )
 
     def _kill(self, name: str) -> None:
         child = self.replicas[name]
@@ -269,15 +282,34 @@ class Chaos:
         try:
             records: list[tuple[Topic, bytes]] = [
                 (self.rng.choice(list(Topic)), self.rng.randbytes(self.rng.randrange(1, 300))),
-                (Topic.TRAJECTORIES, encode(Trajectory(
-                    episode_id=f"{job_id}/999999/0", job_id=job_id, group_id=f"{job_id}/g999999",
-                    sample_index=10**6, group_size=10**6, token_ids=[10**9] * 3,
-                    loss_mask=[5, 5], behaviour_logprobs=[1e300], reward=1e308,
-                ))),
-                (Topic.ADAPTERS, encode(AdapterUpdate(
-                    job_id=f"nojob-{new_id()[:6]}", version=10**9, uri="file:///etc", step=-5,
-                ))),
-            ]  # fmt: skip
+                (
+                    Topic.TRAJECTORIES,
+                    encode(
+                        Trajectory(
+                            episode_id=f"{job_id}/999999/0",
+                            job_id=job_id,
+                            group_id=f"{job_id}/g999999",
+                            sample_index=10**6,
+                            group_size=10**6,
+                            token_ids=[10**9] * 3,
+                            loss_mask=[5, 5],
+                            behaviour_logprobs=[1e300],
+                            reward=1e308,
+                        )
+                    ),
+                ),
+                (
+                    Topic.ADAPTERS,
+                    encode(
+                        AdapterUpdate(
+                            job_id=f"nojob-{new_id()[:6]}",
+                            version=10**9,
+                            uri="file:///etc",
+                            step=-5,
+                        )
+                    ),
+                ),
+            ]
             for topic, value in records:
                 if topic is Topic.DLQ:
                     continue  # the DLQ is the verifier's to read

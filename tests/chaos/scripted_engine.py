@@ -58,9 +58,12 @@ class ScriptedEngine:
         self.generated_tokens += len(completion)
         self.busy_seconds += time.monotonic() - started
         return result_for(
-            request, completion_token_ids=completion, logprobs=[-0.7] * len(completion),
-            adapter_version=adapter.version if adapter else 0, finish_reason="stop",
-        )  # fmt: skip
+            request,
+            completion_token_ids=completion,
+            logprobs=[-0.7] * len(completion),
+            adapter_version=adapter.version if adapter else 0,
+            finish_reason="stop",
+        )
 
     async def load(self, adapter: AdapterRef) -> None:
         self.loaded[adapter.job_id] = adapter.version

@@ -153,16 +153,23 @@ async def test_a_consumer_that_dies_before_committing_gets_the_message_again(
         crasher = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-c", CRASHING_CONSUMER, kafka_bootstrap, group, job_id],
-            capture_output=True, text=True, timeout=120, env=os.environ.copy(),
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=os.environ.copy(),
+        )
         assert crasher.returncode == 17, crasher.stderr
         assert f"got {sent.event_id}" in crasher.stdout
 
         received: list[Event] = []
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=collecting(job_id, received), dead_letters=prod, service="survivor",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=collecting(job_id, received),
+            dead_letters=prod,
+            service="survivor",
+        )
         async with running(loop):
             await wait_for(lambda: len(received) >= 1, what="redelivery", timeout_s=60)
         assert [m.event_id for m in received] == [sent.event_id]
@@ -170,9 +177,13 @@ async def test_a_consumer_that_dies_before_committing_gets_the_message_again(
         # Now committed: a third member of the group gets nothing more for this job.
         again: list[Event] = []
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=collecting(job_id, again), dead_letters=prod, service="third",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=collecting(job_id, again),
+            dead_letters=prod,
+            service="third",
+        )
         async with running(loop):
             await asyncio.sleep(2)
         assert again == []
@@ -191,13 +202,21 @@ async def test_two_consumers_in_one_group_split_the_partitions(kafka_bootstrap: 
 
     async with producer(kafka_bootstrap) as prod:
         a = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=handler("a"), dead_letters=prod, service="a",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=handler("a"),
+            dead_letters=prod,
+            service="a",
+        )
         b = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=handler("b"), dead_letters=prod, service="b",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=handler("b"),
+            dead_letters=prod,
+            service="b",
+        )
         async with running(a):
             async with running(b):
                 await wait_for(
@@ -240,10 +259,13 @@ async def test_garbage_and_failing_messages_go_to_the_dlq_and_the_loop_goes_on(
         for message in good:
             await prod.send(message)
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=collecting(job_id, received, before=refuse_poison), dead_letters=prod,
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=refuse_poison),
+            dead_letters=prod,
             service="dlq-test",
-        )  # fmt: skip
+        )
         async with running(loop):
             await wait_for(lambda: len(received) == 2, what="the good messages")
             assert loop.dead_letter_count >= 2
@@ -283,15 +305,21 @@ async def test_with_a_bus_key_only_records_signed_with_it_are_handled(
             tampered = key.headers(Topic.EVENTS, job_id.encode(), value)
             assert signed._producer is not None
             await signed._producer.send_and_wait(
-                Topic.EVENTS, value.replace(b"step", b"stem"), key=job_id.encode(),
+                Topic.EVENTS,
+                value.replace(b"step", b"stem"),
+                key=job_id.encode(),
                 headers=tampered,
-            )  # fmt: skip
+            )
             await signed.send(event(job_id, step=4))
             loop = ConsumerLoop[Event](
-                bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-                handler=collecting(job_id, received), dead_letters=signed, service="signed-test",
+                bootstrap=kafka_bootstrap,
+                group_id=group,
+                topics=[Topic.EVENTS],
+                handler=collecting(job_id, received),
+                dead_letters=signed,
+                service="signed-test",
                 signing=key,
-            )  # fmt: skip
+            )
             async with running(loop):
                 await wait_for(lambda: len(received) == 1, what="the signed record")
             letters = await read_dead_letters(kafka_bootstrap, job_id.encode(), 3)
@@ -331,10 +359,14 @@ async def test_a_transient_failure_is_redelivered_not_dead_lettered(
     async with producer(kafka_bootstrap) as prod:
         await prod.send(event(job_id, step=7))
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=collecting(job_id, received, before=flaky), dead_letters=prod,
-            service="retry-test", retry_backoff_s=0.1,
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=flaky),
+            dead_letters=prod,
+            service="retry-test",
+            retry_backoff_s=0.1,
+        )
         async with running(loop):
             await wait_for(lambda: len(received) == 1, what="success after retries")
     # Handed over again after each failure: a dead-lettered record would not be retried.
@@ -356,10 +388,15 @@ async def test_handlers_ride_out_a_valkey_restart(kafka_bootstrap: str, tmp_path
     try:
         async with producer(kafka_bootstrap) as prod:
             loop = ConsumerLoop[Event](
-                bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-                handler=collecting(job_id, received, before=record), dead_letters=prod,
-                service="restart-test", retry_backoff_s=0.1, max_retry_backoff_s=0.5,
-            )  # fmt: skip
+                bootstrap=kafka_bootstrap,
+                group_id=group,
+                topics=[Topic.EVENTS],
+                handler=collecting(job_id, received, before=record),
+                dead_letters=prod,
+                service="restart-test",
+                retry_backoff_s=0.1,
+                max_retry_backoff_s=0.5,
+            )
             async with running(loop):
                 await prod.send(event(job_id, step=0))
                 await wait_for(lambda: len(received) == 1, what="a record before the restart")
@@ -393,9 +430,13 @@ async def test_a_held_commit_keeps_lag_until_released(kafka_bootstrap: str) -> N
         for step in range(3):
             await prod.send(event(job_id, step))
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=hold,
-            dead_letters=prod, service="hold-test",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=hold,
+            dead_letters=prod,
+            service="hold-test",
+        )
         async with running(loop):
             await wait_for(lambda: len(releases) == 3, what="three held messages")
             await loop.commit()
@@ -459,10 +500,13 @@ async def test_consumer_metrics_count_records_dead_letters_and_handler_latency(
     )
     async with producer(kafka_bootstrap) as prod:
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS],
-            handler=collecting(job_id, received, before=take_a_while), dead_letters=prod,
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=collecting(job_id, received, before=take_a_while),
+            dead_letters=prod,
             service=service,
-        )  # fmt: skip
+        )
         async with running(loop):
             await caught_up(loop)
             before = {name: sample(name, service) for name in names}
@@ -508,9 +552,14 @@ async def test_consumer_lag_gauge_follows_held_commits(kafka_bootstrap: str) -> 
 
     async with producer(kafka_bootstrap) as prod:
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=hold,
-            dead_letters=prod, service=service, lag_interval_s=0.2,
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=hold,
+            dead_letters=prod,
+            service=service,
+            lag_interval_s=0.2,
+        )
         async with running(loop):
             await caught_up(loop)
             for step in range(3):
@@ -541,9 +590,13 @@ async def test_caught_up_once_every_record_of_the_partition_is_handled(
         for step in range(3):
             await prod.send(event(job_id, step))
         loop = ConsumerLoop[Event](
-            bootstrap=kafka_bootstrap, group_id=group, topics=[Topic.EVENTS], handler=slow,
-            dead_letters=prod, service="caught-up-test",
-        )  # fmt: skip
+            bootstrap=kafka_bootstrap,
+            group_id=group,
+            topics=[Topic.EVENTS],
+            handler=slow,
+            dead_letters=prod,
+            service="caught-up-test",
+        )
         async with running(loop):
             await wait_for(lambda: len(partitions) == 1, what="the first record in hand")
             partition = partitions[0]

@@ -34,18 +34,21 @@ async def served(
     store = await RedisStore.connect(local_stack.redis_url)
     job_id = f"chat-{new_id()[:8]}"
     await store.register_job(
-        JobSpec(job_id=job_id, tenant="acme", base_model=str(base),
-                env=EnvSettings(name="arithmetic")),
+        JobSpec(
+            job_id=job_id, tenant="acme", base_model=str(base), env=EnvSettings(name="arithmetic")
+        ),
         status="running",
-    )  # fmt: skip
+    )
     adapter = make_adapter(base, tmp_path_factory.mktemp("adapters") / "v1", seed=3)
     await store.publish_adapter(job_id, 1, adapter.resolve().as_uri(), 1)
     engine = RolloutEngine(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
     await engine.start()
     service = RolloutService(
-        SharedSettings(base_model=str(base), metrics_host="127.0.0.1"), RolloutSettings(),
-        engine, store=store,
-    )  # fmt: skip
+        SharedSettings(base_model=str(base), metrics_host="127.0.0.1"),
+        RolloutSettings(),
+        engine,
+        store=store,
+    )
     chat = await service._start_chat(0)
     try:
         yield chat.url, job_id

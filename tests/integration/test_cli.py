@@ -73,11 +73,13 @@ def invoke(runner: CliRunner, *args: str) -> tuple[int, str, str]:
 
 def spec(job_id: str, tenant: str = "acme", max_steps: int = 5) -> JobSpec:
     return JobSpec(
-        job_id=job_id, tenant=tenant, base_model="smollm2-135m-instruct",
+        job_id=job_id,
+        tenant=tenant,
+        base_model="smollm2-135m-instruct",
         env=EnvSettings(name="arithmetic"),
         rl=RLSettings(group_size=G, groups_per_step=B, max_steps=max_steps),
         submitted_at=1.0,
-    )  # fmt: skip
+    )
 
 
 def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") -> JobSpec:
@@ -97,8 +99,13 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
         await producer.start()
         events = [job_event(job.job_id, "accepted", "env_svc", tenant=job.tenant)]
         for step, reward in enumerate(REWARDS, start=1):
-            metrics = {"mean_reward": reward, "staleness_max": float(step % 2), "loss": 0.1,
-                       "tokens": 640.0, "step_s": 2.0}  # fmt: skip
+            metrics = {
+                "mean_reward": reward,
+                "staleness_max": float(step % 2),
+                "loss": 0.1,
+                "tokens": 640.0,
+                "step_s": 2.0,
+            }
             events.append(
                 job_event(
                     job.job_id, "step", "trainer_svc", tenant=job.tenant, step=step, metrics=metrics
@@ -127,9 +134,11 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
 def topic_messages(kafka_bootstrap: str, topic: Topic) -> list[Message]:
     async def read() -> list[Message]:
         consumer = AIOKafkaConsumer(
-            topic.value, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
+            topic.value,
+            bootstrap_servers=kafka_bootstrap,
+            auto_offset_reset="earliest",
             enable_auto_commit=False,
-        )  # fmt: skip
+        )
         await consumer.start()
         try:
             batches = await consumer.getmany(timeout_ms=3000)
@@ -149,8 +158,9 @@ def test_submit_sends_each_example_and_prints_its_id(cli: CliRunner, kafka_boots
     assert code == 0
     job_ids = out.split()
     assert len(job_ids) == len(files)
-    sent = {m.job_id: m for m in topic_messages(kafka_bootstrap, Topic.JOBS)
-            if isinstance(m, JobSpec)}  # fmt: skip
+    sent = {
+        m.job_id: m for m in topic_messages(kafka_bootstrap, Topic.JOBS) if isinstance(m, JobSpec)
+    }
     for job_id, path in zip(job_ids, files, strict=True):
         assert sent[job_id].env.name == path.stem
 
@@ -166,8 +176,9 @@ def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_pa
     code, out, err = invoke(cli, "submit", str(good), str(bad))
     assert code == 1 and out == ""
     assert err.strip() == f"error: {bad}: rl.group_size: must be in [2, 256], got 1"
-    assert job_id not in {m.job_id for m in topic_messages(kafka_bootstrap, Topic.JOBS)
-                          if isinstance(m, JobSpec)}  # fmt: skip
+    assert job_id not in {
+        m.job_id for m in topic_messages(kafka_bootstrap, Topic.JOBS) if isinstance(m, JobSpec)
+    }
 
 
 @pytest.mark.parametrize(
@@ -175,10 +186,12 @@ def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_pa
     [
         (None, "no such file"),
         ("tenant = 'a'\n[env\n", "invalid TOML: "),
-        ("tenant = 'a'\n[env]\nname = 'arithmetic'\n[rl]\ngroup_size = 1\n",
-         "rl.group_size: must be in [2, 256], got 1"),
+        (
+            "tenant = 'a'\n[env]\nname = 'arithmetic'\n[rl]\ngroup_size = 1\n",
+            "rl.group_size: must be in [2, 256], got 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_submit_errors_are_one_line(
     cli: CliRunner, tmp_path: Path, content: str | None, message: str
 ) -> None:
@@ -229,8 +242,15 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     cli: CliRunner, kafka_bootstrap: str, redis_url: str
 ) -> None:
     replica = f"status-{new_id()[:8]}"
-    stats = {"busy_s": 40.0, "uptime_s": 50.0, "utilisation": 0.8, "recent_utilisation": 0.5,
-             "generated_tokens": 3000.0, "tokens_per_s": 72.5, "in_flight": 12.0}  # fmt: skip
+    stats = {
+        "busy_s": 40.0,
+        "uptime_s": 50.0,
+        "utilisation": 0.8,
+        "recent_utilisation": 0.5,
+        "generated_tokens": 3000.0,
+        "tokens_per_s": 72.5,
+        "in_flight": 12.0,
+    }
     with_store(
         redis_url,
         lambda r: r.put_replica_stats(replica, RolloutReplicaStats.of(stats), ttl_s=60),
@@ -238,8 +258,13 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     code, out, _ = invoke(cli, "status", "--json")
     assert code == 0
     (seen,) = [r for r in json.loads(out)["rollout_replicas"] if r["name"] == replica]
-    assert seen == {"name": replica, "utilisation": 0.8, "recent_utilisation": 0.5,
-                    "tokens_per_s": 72.5, "in_flight": 12}  # fmt: skip
+    assert seen == {
+        "name": replica,
+        "utilisation": 0.8,
+        "recent_utilisation": 0.5,
+        "tokens_per_s": 72.5,
+        "in_flight": 12,
+    }
     code, out, _ = invoke(cli, "status", "--once")
     line = next(ln for ln in out.splitlines() if replica in ln)
     assert "50% now, 80% since start" in line and "72.5" in line
@@ -272,8 +297,9 @@ def test_status_table_shows_every_job_including_rejected_ones(
         producer = Producer(kafka_bootstrap, client_id="test")
         await producer.start()
         reason = "rl.group_size: must be in [2, 256], got 1"
-        await producer.send(job_event(rejected, "rejected", "env_svc", tenant="globex",
-                                      reason=reason))  # fmt: skip
+        await producer.send(
+            job_event(rejected, "rejected", "env_svc", tenant="globex", reason=reason)
+        )
         await producer.stop()
 
     asyncio.run(reject())
@@ -324,8 +350,11 @@ def test_pause_sends_a_command_and_says_when_nobody_applies_it(
     code, _, err = invoke(cli, "pause", job.job_id, "--timeout", "1")
     assert code == 1
     assert "pause of job" in err and "not applied within 1s (is env_svc running?)" in err
-    commands = [m for m in topic_messages(kafka_bootstrap, Topic.JOBS)
-                if isinstance(m, JobCommand) and m.job_id == job.job_id]  # fmt: skip
+    commands = [
+        m
+        for m in topic_messages(kafka_bootstrap, Topic.JOBS)
+        if isinstance(m, JobCommand) and m.job_id == job.job_id
+    ]
     assert [c.action for c in commands] == ["pause"]
 
 
@@ -389,8 +418,13 @@ def test_report_plots_the_rewards_of_the_events(
 
     async def rollout_stats(registry: RedisStore) -> None:
         for second in (5.0, 10.0):
-            stats = {"busy_s": second / 2, "uptime_s": second, "utilisation": 0.5,
-                     "generated_tokens": 100 * second, "in_flight": 3.0}  # fmt: skip
+            stats = {
+                "busy_s": second / 2,
+                "uptime_s": second,
+                "utilisation": 0.5,
+                "generated_tokens": 100 * second,
+                "in_flight": 3.0,
+            }
             await registry.put_replica_stats(
                 f"cli-test-{job.job_id}", RolloutReplicaStats.of(stats), ttl_s=60
             )

@@ -65,10 +65,12 @@ def job_file(
     path = tmp_path / f"job-{max_steps}.toml"
     path.write_text(
         JOB_FILE.format(
-            base_model=base_model, max_steps=max_steps, env=env,
+            base_model=base_model,
+            max_steps=max_steps,
+            env=env,
             job_id=f'job_id = "{job_id}"' if job_id else "",
         )
-    )  # fmt: skip
+    )
     return path
 
 
@@ -84,8 +86,11 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     code, out, _ = invoke(cli, "status", job_id, "--json")
     (row,) = json.loads(out)["jobs"]
     assert (row["state"], row["step"], row["max_steps"], row["in_flight_episodes"]) == (
-        "completed", 2, 2, 0,
-    )  # fmt: skip
+        "completed",
+        2,
+        2,
+        0,
+    )
     assert len(row["rewards"]) == 2
 
     out_dir = tmp_path / "exported"
@@ -164,8 +169,10 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
     kinds = [line.split()[3] for line in out.strip().splitlines()]
     assert kinds[0] == "accepted"
     assert [k for k in kinds if k in ("paused", "resumed", "cancelled")] == [
-        "paused", "resumed", "cancelled",
-    ]  # fmt: skip
+        "paused",
+        "resumed",
+        "cancelled",
+    ]
 
 
 def test_the_operator_adds_a_tenant_who_then_works_through_the_api_only(
@@ -183,9 +190,11 @@ def test_the_operator_adds_a_tenant_who_then_works_through_the_api_only(
     assert f"{tenant}  active  keys=" in out
 
     settings = pipeline_services.settings.model_copy(
-        update={"kafka_bootstrap": local_stack.kafka_bootstrap,
-                "redis_url": local_stack.redis_url_for("api")}
-    )  # fmt: skip
+        update={
+            "kafka_bootstrap": local_stack.kafka_bootstrap,
+            "redis_url": local_stack.redis_url_for("api"),
+        }
+    )
     with api_server(settings) as url:
         api = ["--api-url", url, "--api-key", key]
         path = job_file(tmp_path, settings.base_model, max_steps=2)

@@ -26,9 +26,13 @@ TOKENS = [1, 420, 1337, 99, 2024, 7, 300, 451, 12, 880]
 
 def spec(job_id: str, base_model: str = "tiny") -> JobSpec:
     return JobSpec(
-        job_id=job_id, tenant="acme", base_model=base_model, env=EnvSettings(name="arithmetic"),
-        lora=LORA, rl=RLSettings(learning_rate=0.05),
-    )  # fmt: skip
+        job_id=job_id,
+        tenant="acme",
+        base_model=base_model,
+        env=EnvSettings(name="arithmetic"),
+        lora=LORA,
+        rl=RLSettings(learning_rate=0.05),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +43,16 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[MultiAdapterPolic
     policy = MultiAdapterPolicy(tiny_model())
     policy.add_job(job_id, LORA, spec(job_id).rl, seed=1)
     trajectory = Trajectory(
-        episode_id="e", job_id=job_id, group_id="g", sample_index=0, group_size=1,
-        token_ids=TOKENS, loss_mask=[0] * 4 + [1] * 6,
-        behaviour_logprobs=[0.0] * 4 + [-9.0] * 6, reward=1.0,
-    )  # fmt: skip
+        episode_id="e",
+        job_id=job_id,
+        group_id="g",
+        sample_index=0,
+        group_size=1,
+        token_ids=TOKENS,
+        loss_mask=[0] * 4 + [1] * 6,
+        behaviour_logprobs=[0.0] * 4 + [-9.0] * 6,
+        reward=1.0,
+    )
     for version in (1, 2):
         policy.train_step(job_id, [trajectory], [1.0])
         policy.save_adapter(job_id, artifacts / "adapters" / job_id / f"v{version}")
@@ -73,9 +83,11 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_the_export_loads_with_peft_and_changes_the_output_as_trained(
-    trained: tuple[MultiAdapterPolicy, str, Path], published: str, redis_url_module: str,
+    trained: tuple[MultiAdapterPolicy, str, Path],
+    published: str,
+    redis_url_module: str,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -131,9 +143,10 @@ def test_an_export_of_a_known_base_names_its_public_id(
     assert config["base_model_name_or_path"] == hub_id
     front, body = model_card(tmp_path / "known")
     assert front == {
-        "base_model": hub_id, "library_name": "peft",
+        "base_model": hub_id,
+        "library_name": "peft",
         "tags": ["lora", "marlaas", "grpo", "arithmetic"],
-    }  # fmt: skip
+    }
     assert f'from_pretrained("{hub_id}")' in body and "de-quantised" in body
 
     with_store(redis_url_module, lambda r: export_adapter(r, trained_id, tmp_path / "tiny"))
@@ -156,9 +169,11 @@ def test_vllm_accepts_the_exported_config(
 
 
 def test_an_earlier_version_can_be_exported(
-    trained: tuple[MultiAdapterPolicy, str, Path], published: str, redis_url_module: str,
+    trained: tuple[MultiAdapterPolicy, str, Path],
+    published: str,
+    redis_url_module: str,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     _, job_id, artifacts = trained
     out = tmp_path / "v1"
     exported = with_store(redis_url_module, lambda r: export_adapter(r, job_id, out, version=1))

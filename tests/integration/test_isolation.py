@@ -84,14 +84,20 @@ async def add_tenant(redis_url: str, name: str, limits: TenantLimits | None = No
 
 def tiny_job(base_model: str, *, max_steps: int = 3, job_id: str = "") -> JobSpec:
     return JobSpec(
-        job_id=job_id or f"job-{new_id()[:10]}", tenant="", base_model=base_model,
+        job_id=job_id or f"job-{new_id()[:10]}",
+        tenant="",
+        base_model=base_model,
         env=EnvSettings(name="arithmetic", seed=4),
         rl=RLSettings(
-            group_size=4, groups_per_step=1, max_steps=max_steps, max_staleness=1,
-            learning_rate=1e-3, max_context_tokens=128,
+            group_size=4,
+            groups_per_step=1,
+            max_steps=max_steps,
+            max_staleness=1,
+            learning_rate=1e-3,
+            max_context_tokens=128,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
-    )  # fmt: skip
+    )
 
 
 async def refused(call: Any, status: int) -> str:
@@ -134,12 +140,15 @@ async def test_a_hostile_tenant_cannot_touch_another_tenants_job(
 
         # Reads and commands on Bob's job: exactly as if it did not exist.
         for attempt in (
-            mallory.job(job_id), mallory.events(job_id),
-            mallory.export(job_id, tmp_path / "stolen"), mallory.report([job_id], tmp_path / "r"),
+            mallory.job(job_id),
+            mallory.events(job_id),
+            mallory.export(job_id, tmp_path / "stolen"),
+            mallory.report([job_id], tmp_path / "r"),
             mallory.sample(job_id, "hi", version=None, max_tokens=4, temperature=0.0),
-            mallory.command(job_id, "pause"), mallory.command(job_id, "resume"),
+            mallory.command(job_id, "pause"),
+            mallory.command(job_id, "resume"),
             mallory.command(job_id, "cancel"),
-        ):  # fmt: skip
+        ):
             assert f"no job {job_id!r} of tenant 'mallory-" in await refused(attempt, 404)
         with pytest.raises(ApiError, match="HTTP 404"):
             async for _ in mallory.follow(job_id):
@@ -175,9 +184,10 @@ async def test_a_hostile_tenant_cannot_touch_another_tenants_job(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         letters = [
-            m for m in tap.received.get(Topic.DLQ, [])
+            m
+            for m in tap.received.get(Topic.DLQ, [])
             if isinstance(m, DeadLetter) and m.raw_value in forged
-        ]  # fmt: skip
+        ]
         if len(letters) >= len(forged):
             break
         await tap.poll(1.0)
@@ -203,12 +213,19 @@ async def forge_on_the_bus(bootstrap: str, job_id: str, tmp_path: Path) -> set[b
         JobCommand(command_id=new_id(), job_id=job_id, action="cancel", issued_at=time.time()),
         tiny_job("", job_id=job_id),
         Trajectory(
-            episode_id=f"{job_id}/0/0", job_id=job_id, group_id=f"{job_id}/g0", sample_index=0,
-            group_size=4, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
-            behaviour_logprobs=[0.0, -1.0, -1.0], reward=100.0, adapter_versions=[0],
+            episode_id=f"{job_id}/0/0",
+            job_id=job_id,
+            group_id=f"{job_id}/g0",
+            sample_index=0,
+            group_size=4,
+            token_ids=[1, 2, 3],
+            loss_mask=[0, 1, 1],
+            behaviour_logprobs=[0.0, -1.0, -1.0],
+            reward=100.0,
+            adapter_versions=[0],
         ),
         AdapterUpdate(job_id=job_id, version=99, uri=evil.as_uri(), step=99),
-    ]  # fmt: skip
+    ]
     producer = Producer(bootstrap, client_id="mallory")  # no signing key: she has none
     await producer.start(timeout_s=30)
     raw: set[bytes] = set()

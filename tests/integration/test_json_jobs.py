@@ -45,10 +45,20 @@ def produce_plainly(bootstrap: str, key: str, value: str, signature: str) -> Non
     """Produce from a process that imports nothing of MARLaaS (and refuses to)."""
     guard = "import sys; sys.modules.update(common=None, console=None, env_svc=None)\n"
     subprocess.run(
-        [sys.executable, "-c", guard + PLAIN_PRODUCER, bootstrap, Topic.JOBS.value, key, value,
-         signature],
-        check=True, timeout=120, cwd="/",
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            guard + PLAIN_PRODUCER,
+            bootstrap,
+            Topic.JOBS.value,
+            key,
+            value,
+            signature,
+        ],
+        check=True,
+        timeout=120,
+        cwd="/",
+    )
 
 
 def signed_by_the_readme(sign_line: str, value: str, bus_key: str) -> str:
@@ -56,8 +66,11 @@ def signed_by_the_readme(sign_line: str, value: str, bus_key: str) -> str:
     done = subprocess.run(
         ["bash", "-c", f'{sign_line}\nprintf %s "$sig"'],
         env={"PATH": os.environ["PATH"], "value": value, "MARLAAS_BUS_KEY": bus_key},
-        capture_output=True, text=True, check=True, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return done.stdout
 
 

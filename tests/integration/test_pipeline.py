@@ -43,15 +43,21 @@ EVAL_TASKS = 4
 
 def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> JobSpec:
     return JobSpec(
-        job_id=f"{name}-{new_id()[:8]}", tenant=f"tenant-{name}", base_model=base_model,
+        job_id=f"{name}-{new_id()[:8]}",
+        tenant=f"tenant-{name}",
+        base_model=base_model,
         env=EnvSettings(name="arithmetic", seed=len(name)),
         rl=RLSettings(
-            group_size=G, groups_per_step=B, max_steps=max_steps, max_staleness=max_staleness,
-            learning_rate=1e-3, max_context_tokens=128,
+            group_size=G,
+            groups_per_step=B,
+            max_steps=max_steps,
+            max_staleness=max_staleness,
+            learning_rate=1e-3,
+            max_context_tokens=128,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
         eval=EvalSettings(tasks=EVAL_TASKS, every_steps=2),
-    )  # fmt: skip
+    )
 
 
 async def duplicate_trajectories(
@@ -112,14 +118,18 @@ async def test_concurrent_jobs_run_to_max_steps(
     on_policy = job(base, "onpolicy", max_staleness=0, max_steps=3)
     duplicated = job(base, "dup", max_staleness=1, max_steps=2)
     rejected = JobSpec(
-        job_id=f"bad-{new_id()[:8]}", tenant="tenant-bad", base_model=base,
+        job_id=f"bad-{new_id()[:8]}",
+        tenant="tenant-bad",
+        base_model=base,
         env=EnvSettings(name="no-such-env"),
-    )  # fmt: skip
+    )
     too_long = JobSpec(
-        job_id=f"long-{new_id()[:8]}", tenant="tenant-bad", base_model=base,
+        job_id=f"long-{new_id()[:8]}",
+        tenant="tenant-bad",
+        base_model=base,
         env=EnvSettings(name="arithmetic"),
         rl=RLSettings(max_context_tokens=24, sampling=SamplingSettings(max_new_tokens=8)),
-    )  # fmt: skip
+    )
     specs = [lagging, on_policy, duplicated, rejected, too_long]
     progress = {spec.job_id: JobProgress.of(spec) for spec in specs}
     events: list[Event] = []
@@ -160,8 +170,9 @@ async def test_concurrent_jobs_run_to_max_steps(
             # Evaluated greedily: the base model, every 2nd version and the final one, each
             # once, over every held-out task; none of it trained (samples above).
             evaluated = {e.step: e.metrics for e in job_events if e.event == "eval"}
-            assert sorted(evaluated) == sorted({0, *range(2, spec.rl.max_steps + 1, 2),
-                                                spec.rl.max_steps})  # fmt: skip
+            assert sorted(evaluated) == sorted(
+                {0, *range(2, spec.rl.max_steps + 1, 2), spec.rl.max_steps}
+            )
             assert {m["eval_episodes"] for m in evaluated.values()} == {EVAL_TASKS}
             assert all(0 <= m["eval_accuracy"] <= 1 for m in evaluated.values())
     finally:
@@ -192,7 +203,9 @@ async def test_concurrent_jobs_run_to_max_steps(
     assert not [name for name, _ in samples["env_svc"] if name.startswith("marlaas_rollout_")]
     for spec in (lagging, on_policy, duplicated):
         trained = metric(
-            samples["trainer_svc"], "marlaas_trainer_steps_total", job_id=spec.job_id,
+            samples["trainer_svc"],
+            "marlaas_trainer_steps_total",
+            job_id=spec.job_id,
             tenant=spec.tenant,
-        )  # fmt: skip
+        )
         assert trained == spec.rl.max_steps, spec.job_id

@@ -91,10 +91,12 @@ def resp(port: int, *words: str) -> bytes:
 
 def spec(job_id: str, tenant: str) -> JobSpec:
     return JobSpec(
-        job_id=job_id, tenant=tenant, base_model="smollm2-135m-instruct",
+        job_id=job_id,
+        tenant=tenant,
+        base_model="smollm2-135m-instruct",
         env=EnvSettings(name="arithmetic", params={"max_operand": 9}),
         rl=RLSettings(group_size=2, groups_per_step=1, max_staleness=0),
-    )  # fmt: skip
+    )
 
 
 async def registered_job(valkey: AclValkey) -> tuple[str, str]:
@@ -314,9 +316,10 @@ async def test_the_stack_runs_valkey_with_users_and_keeps_their_passwords(
         stack = LocalStack(SharedSettings(state_dir=tmp_path, connect_timeout_s=30))
         async with stack:
             for path in (
-                stack.redis_passwords_file, tmp_path / "valkey" / "users.acl",
+                stack.redis_passwords_file,
+                tmp_path / "valkey" / "users.acl",
                 stack_env_file(tmp_path),
-            ):  # fmt: skip
+            ):
                 assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
             env_file = stack_env_file(tmp_path).read_text()
             assert f"MARLAAS_REDIS_URL={stack.redis_url}\n" in env_file

@@ -42,14 +42,22 @@ STEPS = 6
 def jobs(n: int) -> list[JobSpec]:
     return [
         JobSpec(
-            job_id=f"replica-{i}-{new_id()[:6]}", tenant=f"tenant-{i % 2}",
+            job_id=f"replica-{i}-{new_id()[:6]}",
+            tenant=f"tenant-{i % 2}",
             env=EnvSettings(name="arithmetic", seed=i),
-            rl=RLSettings(group_size=2, groups_per_step=1, max_steps=STEPS, max_staleness=1,
-                          max_context_tokens=128, sampling=SamplingSettings(max_new_tokens=8)),
-            lora=LoraSettings(rank=4), eval=EvalSettings(tasks=0),
+            rl=RLSettings(
+                group_size=2,
+                groups_per_step=1,
+                max_steps=STEPS,
+                max_staleness=1,
+                max_context_tokens=128,
+                sampling=SamplingSettings(max_new_tokens=8),
+            ),
+            lora=LoraSettings(rank=4),
+            eval=EvalSettings(tasks=0),
         )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def log_of(state_dir: Path, name: str) -> str:
@@ -96,19 +104,23 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
     trainer_logs = [log_of(tmp_path, f"trainer_svc-{i}") for i in range(2)]
     rollout_logs = [log_of(tmp_path, f"rollout_svc-{i}") for i in range(2)]
     env_logs = [log_of(tmp_path, f"env_svc-{i}") for i in range(2)]
-    for logs, topic in ((env_logs, "marlaas.rollouts"), (rollout_logs, "marlaas.prompts"),
-                        (trainer_logs, "marlaas.trajectories")):  # fmt: skip
+    for logs, topic in (
+        (env_logs, "marlaas.rollouts"),
+        (rollout_logs, "marlaas.prompts"),
+        (trainer_logs, "marlaas.trajectories"),
+    ):
         # Both replicas of each group held partitions of its topic at some point.
         assert all(
             re.search(rf"partitions assigned: [^\n]*{re.escape(topic)}\[\d", log) for log in logs
         )
     stepped_by = {
         s.job_id: {
-            i for i, log in enumerate(trainer_logs)
+            i
+            for i, log in enumerate(trainer_logs)
             if re.search(rf"step \d+/{STEPS} .*job={s.job_id}", log)
         }
         for s in specs
-    }  # fmt: skip
+    }
     assert all(stepped_by.values()), stepped_by
     assert killed is not None
 
@@ -120,8 +132,9 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
     before = [log[:size] for log, size in zip(trainer_logs, sizes_at_kill, strict=True)]
     after = "".join(log[size:] for log, size in zip(trainer_logs, sizes_at_kill, strict=True))
     victims = [
-        s.job_id for s in specs
+        s.job_id
+        for s in specs
         if STEPS > last_step(s.job_id, before[killed]) > last_step(s.job_id, before[1 - killed])
-    ]  # fmt: skip
+    ]
     resumed = [j for j in victims if re.search(rf"resumed from \S+ at v[1-9]\d* .*job={j}", after)]
     assert victims and resumed == victims, (victims, resumed)  # went on from checkpoints

@@ -75,12 +75,18 @@ def request(
     context: list[int] = CONTEXT,
 ) -> GenerationRequest:
     return GenerationRequest(
-        request_id=new_id(), job_id="job", episode_id=new_id(), group_id="g", sample_index=0,
-        turn=0, context_token_ids=context, env_state=b"state",
+        request_id=new_id(),
+        job_id="job",
+        episode_id=new_id(),
+        group_id="g",
+        sample_index=0,
+        turn=0,
+        context_token_ids=context,
+        env_state=b"state",
         sampling=SamplingSettings(
             temperature=temperature, max_new_tokens=max_new_tokens, stop=stop or []
         ),
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")

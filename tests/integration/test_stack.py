@@ -79,9 +79,12 @@ def read_env_file(path: Path) -> dict[str, str]:
 @pytest.fixture
 def marlaas_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     process = subprocess.Popen(
-        [MARLAAS, "up", "--infra-only"], env=cli_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [MARLAAS, "up", "--infra-only"],
+        env=cli_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     env_file = tmp_path / "stack.env"
     deadline = time.monotonic() + 60
     while not env_file.exists():
@@ -165,8 +168,10 @@ def test_cli_reports_an_unreachable_broker_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [MARLAAS, "topics", "create"],
         env=cli_env(tmp_path, MARLAAS_KAFKA_BOOTSTRAP=address, MARLAAS_CONNECT_TIMEOUT_S="1"),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     assert result.stderr.startswith(f"error: Kafka at {address} unreachable")
     assert "Traceback" not in result.stdout + result.stderr
@@ -176,8 +181,10 @@ def test_topics_create_against_a_running_broker(local_stack: LocalStack, tmp_pat
     result = subprocess.run(
         [MARLAAS, "topics", "create"],
         env=cli_env(tmp_path, MARLAAS_KAFKA_BOOTSTRAP=local_stack.kafka_bootstrap),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "marlaas.trajectories: 12 partitions" in result.stdout
 
@@ -201,8 +208,13 @@ def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
             time.sleep(0.5)
         tree = descendants_of(process.pid)
         names = {Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in tree}
-        assert sum(b"-m env_svc" in n or b"-m rollout_svc" in n or b"-m trainer_svc" in n
-                   for n in names) == 3  # fmt: skip
+        assert (
+            sum(
+                b"-m env_svc" in n or b"-m rollout_svc" in n or b"-m trainer_svc" in n
+                for n in names
+            )
+            == 3
+        )
         assert len(tree) > 5  # tansu, valkey, 3 services, and vLLM's engine process(es)
 
         (trainer,) = [pid for pid in children_of(process.pid) if b"-m trainer_svc" in cmdline(pid)]
@@ -277,9 +289,12 @@ def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and
 
     async def consume_and_commit(bootstrap: str, count: int) -> list[int]:
         consumer = AIOKafkaConsumer(
-            Topic.EVENTS.value, bootstrap_servers=bootstrap, group_id=group,
-            enable_auto_commit=False, auto_offset_reset="earliest",
-        )  # fmt: skip
+            Topic.EVENTS.value,
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         steps: list[int] = []
         try:

@@ -27,10 +27,12 @@ async def registry(redis_url: str) -> AsyncIterator[RedisStore]:
 
 def spec(job_id: str, tenant: str = "acme") -> JobSpec:
     return JobSpec(
-        job_id=job_id, tenant=tenant, base_model="smollm2-135m-instruct",
+        job_id=job_id,
+        tenant=tenant,
+        base_model="smollm2-135m-instruct",
         env=EnvSettings(name="arithmetic", params={"max_operand": 9}),
         rl=RLSettings(group_size=4, groups_per_step=2, max_staleness=1),
-    )  # fmt: skip
+    )
 
 
 async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_url: str) -> None:
@@ -147,9 +149,11 @@ async def claim_index(
     store: RedisStore, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
 ) -> int | None:
     group = await store.try_issue_group(
-        job_id, max_staleness=max_staleness, groups_per_step=groups_per_step,
+        job_id,
+        max_staleness=max_staleness,
+        groups_per_step=groups_per_step,
         max_groups=max_groups,
-    )  # fmt: skip
+    )
     return None if group is None else group.index
 
 

@@ -124,8 +124,11 @@ def test_redacted_hides_only_the_password() -> None:
 
 def test_the_architecture_doc_shows_the_table() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
-    rows = {line.split("|")[1].split()[0].strip("`"): line for line in doc.splitlines()
-            if line.startswith("| `")}  # fmt: skip
+    rows = {
+        line.split("|")[1].split()[0].strip("`"): line
+        for line in doc.splitlines()
+        if line.startswith("| `")
+    }
     for principal in PRINCIPALS:
         grant = GRANTS[principal]
         shown = set(rows[principal].split("|")[2].replace("`", " ").replace(",", " ").split())

@@ -128,13 +128,24 @@ def test_compose_file_is_valid(compose: Compose, dockerfile_text: str) -> None:
 def test_compose_runs_the_stack_and_the_three_services(compose: Compose) -> None:
     assert "version" not in compose, "the compose spec dropped the top-level version"
     assert set(compose["services"]) == {
-        "kafka", "kafka-acls", "redis", "redis-acl", "topics", "api", "cli", *MARLAAS_SERVICES
-    }  # fmt: skip
+        "kafka",
+        "kafka-acls",
+        "redis",
+        "redis-acl",
+        "topics",
+        "api",
+        "cli",
+        *MARLAAS_SERVICES,
+    }
     assert compose["services"]["cli"]["profiles"] == ["cli"]  # run on demand, not by `up`
 
 
-CREDENTIALS = {"MARLAAS_KAFKA_USERNAME", "MARLAAS_KAFKA_PASSWORD", "MARLAAS_REDIS_URL",
-               "MARLAAS_BUS_KEY"}  # fmt: skip
+CREDENTIALS = {
+    "MARLAAS_KAFKA_USERNAME",
+    "MARLAAS_KAFKA_PASSWORD",
+    "MARLAAS_REDIS_URL",
+    "MARLAAS_BUS_KEY",
+}
 """Each container's own: who it is to Kafka and Redis, and the key it signs with."""
 
 
@@ -154,9 +165,13 @@ def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
     assert shared and all({k: env.get(k) for k in shared} == shared for env in envs.values())
     extras = {name: sorted(set(env) - set(shared) - CREDENTIALS) for name, env in envs.items()}
     assert extras == {
-        "topics": [], "env_svc": [], "trainer_svc": [], "rollout_svc": ["ROLLOUT_API_PORT"],
-        "cli": ["MARLAAS_CHAT_URL"], "api": ["MARLAAS_API_PORT", "MARLAAS_CHAT_URL"],
-    }  # fmt: skip
+        "topics": [],
+        "env_svc": [],
+        "trainer_svc": [],
+        "rollout_svc": ["ROLLOUT_API_PORT"],
+        "cli": ["MARLAAS_CHAT_URL"],
+        "api": ["MARLAAS_API_PORT", "MARLAAS_CHAT_URL"],
+    }
     port = envs["rollout_svc"]["ROLLOUT_API_PORT"]
     for name in ("cli", "api"):
         assert envs[name]["MARLAAS_CHAT_URL"] == f"http://rollout_svc:{port}/v1"
@@ -193,9 +208,13 @@ def redis_login(url: str) -> tuple[str, str]:
 
 
 PRINCIPAL_OF = {
-    "env_svc": "env_svc", "rollout_svc": "rollout_svc", "trainer_svc": "trainer_svc",
-    "api": "api", "topics": "operator", "cli": "operator",
-}  # fmt: skip
+    "env_svc": "env_svc",
+    "rollout_svc": "rollout_svc",
+    "trainer_svc": "trainer_svc",
+    "api": "api",
+    "topics": "operator",
+    "cli": "operator",
+}
 
 
 def test_each_container_logs_in_as_its_own_principal(compose: Compose) -> None:
@@ -212,8 +231,9 @@ def test_each_container_logs_in_as_its_own_principal(compose: Compose) -> None:
             assert "MARLAAS_REDIS_URL" not in env and "MARLAAS_BUS_KEY" not in env
             continue
         assert redis_login(env["MARLAAS_REDIS_URL"]) == (
-            principal, password_variable("redis", principal)
-        ), name  # fmt: skip
+            principal,
+            password_variable("redis", principal),
+        ), name
         assert required_variable(env["MARLAAS_BUS_KEY"]) == "MARLAAS_BUS_KEY", name
 
 
@@ -472,8 +492,10 @@ def test_each_gpu_gets_its_own_rollout_or_trainer_service(compose: Compose) -> N
         if name.endswith(("gpu0", "gpu1", "gpu2"))
     }
     assert {name: d[0]["device_ids"] for name, d in devices.items()} == {
-        "rollout_svc_gpu0": ["0"], "rollout_svc_gpu1": ["1"], "trainer_svc_gpu2": ["2"]
-    }  # fmt: skip
+        "rollout_svc_gpu0": ["0"],
+        "rollout_svc_gpu1": ["1"],
+        "trainer_svc_gpu2": ["2"],
+    }
     assert all("count" not in d[0] for d in devices.values())
     copy_ = dict(services["rollout_svc_gpu1"])
     base = dict(compose["services"]["rollout_svc"])

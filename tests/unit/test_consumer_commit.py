@@ -29,9 +29,13 @@ async def test_a_partition_revoked_during_a_commit_does_not_crash_the_loop() -> 
         return None
 
     loop: ConsumerLoop[Any] = ConsumerLoop(
-        bootstrap="unused:9092", group_id="g", topics=["marlaas.events"], handler=handler,
-        dead_letters=MemoryBus(), service="test",
-    )  # fmt: skip
+        bootstrap="unused:9092",
+        group_id="g",
+        topics=["marlaas.events"],
+        handler=handler,
+        dead_letters=MemoryBus(),
+        service="test",
+    )
     kept, revoked = TopicPartition("marlaas.events", 0), TopicPartition("marlaas.events", 1)
     for tp in (kept, revoked):
         loop._trackers[tp] = OffsetTracker()

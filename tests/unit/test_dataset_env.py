@@ -90,17 +90,25 @@ def test_questions_get_the_prompt_suffix() -> None:
     [
         (None, {}, "path", "No such file"),
         ('{"question": "q", "answer": 1}\n{oops\n', {}, "path", "d.jsonl:2: not JSON"),
-        ('[1, 2]\n', {}, "path", "d.jsonl:1: not a JSON object"),
+        ("[1, 2]\n", {}, "path", "d.jsonl:1: not a JSON object"),
         ('{"question": "q"}\n', {}, "path", "d.jsonl:1: field 'answer' missing"),
-        ('{"q": "x", "a": true}\n', {"question_field": "q", "answer_field": "a"}, "path",
-         "field 'a' missing or not text/number"),
+        (
+            '{"q": "x", "a": true}\n',
+            {"question_field": "q", "answer_field": "a"},
+            "path",
+            "field 'a' missing or not text/number",
+        ),
         ("\n\n", {}, "path", "no rows"),
         ('{"question": "q", "answer": 1}\n', {"eval_fraction": 0.9}, "eval_fraction", "(0, 0.5]"),
-        ('{"question": "q", "answer": "x"}\n', {"eval_path": "SELF", "match": "number"}, "match",
-         "not a number"),
+        (
+            '{"question": "q", "answer": "x"}\n',
+            {"eval_path": "SELF", "match": "number"},
+            "match",
+            "not a number",
+        ),
         ('{"question": "q", "answer": 1}\n', {"eval_path": "SELF"}, "path", "no training rows"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_file_is_a_bad_param_naming_the_line(
     tmp_path: Path, lines: str | None, params: dict[str, Any], param: str, reason: str
 ) -> None:

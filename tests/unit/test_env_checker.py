@@ -67,9 +67,13 @@ def test_the_built_in_environments_pass(name: str) -> None:
     report = check_environment(name, tasks=16)
     assert report.ok, [f for f in report.findings if not f.ok]
     assert {f.check for f in report.findings} >= {
-        "construct", "training tasks", "evaluation tasks", "state bytes", "reward",
+        "construct",
+        "training tasks",
+        "evaluation tasks",
+        "state bytes",
+        "reward",
         "time per step",
-    }  # fmt: skip
+    }
 
 
 def test_a_number_of_thousands_of_digits_scores_zero_instead_of_failing_the_reward() -> None:

@@ -236,16 +236,28 @@ def test_the_calculator_demonstration_is_a_true_exchange_and_can_be_left_out() -
     [
         (["4042"], 1.0, {"correct": 1.0, "tool_format": 0.0, "tool_use": 0.0}),
         (["4000"], 0.0, {"correct": 0.0, "tool_format": 0.0, "tool_use": 0.0}),
-        ([tool_call("47 * 86"), "4000"], 0.2,
-         {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0}),
-        (["<tool_call>{not json</tool_call>", "4042"], 1.0,
-         {"correct": 1.0, "tool_format": 0.0, "tool_use": 0.0}),
-        ([tool_call("__import__('os')"), "4042"], 1.1,
-         {"correct": 1.0, "tool_format": 1.0, "tool_use": 0.0}),
-        (["<tool_call>{not json</tool_call>" + tool_call("47*86"), "The answer is 4042."], 1.15,
-         {"correct": 1.0, "tool_format": 0.5, "tool_use": 1.0}),
+        (
+            [tool_call("47 * 86"), "4000"],
+            0.2,
+            {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0},
+        ),
+        (
+            ["<tool_call>{not json</tool_call>", "4042"],
+            1.0,
+            {"correct": 1.0, "tool_format": 0.0, "tool_use": 0.0},
+        ),
+        (
+            [tool_call("__import__('os')"), "4042"],
+            1.1,
+            {"correct": 1.0, "tool_format": 1.0, "tool_use": 0.0},
+        ),
+        (
+            ["<tool_call>{not json</tool_call>" + tool_call("47*86"), "The answer is 4042."],
+            1.15,
+            {"correct": 1.0, "tool_format": 0.5, "tool_use": 1.0},
+        ),
     ],
-)  # fmt: skip
+)
 def test_calculator_rewards(turns: list[str], total: float, components: dict[str, float]) -> None:
     env = CalculatorEnv()
     state, _ = env.reset(MULTIPLY)

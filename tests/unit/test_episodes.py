@@ -341,13 +341,17 @@ def test_a_failed_episode_still_completes_its_group_with_an_error(
     env = environment_for(job.env)
     request = start(env, tokenizer, job)
     result = msgspec.structs.replace(
-        sample(tokenizer, request, "5", version=0), finish_reason="abort",
-        completion_token_ids=[], logprobs=[],
-    )  # fmt: skip
+        sample(tokenizer, request, "5", version=0),
+        finish_reason="abort",
+        completion_token_ids=[],
+        logprobs=[],
+    )
     failed = failed_trajectory(job, result, "generation was aborted")
     assert (failed.episode_id, failed.group_id, failed.group_size) == (
-        request.episode_id, request.group_id, job.rl.group_size,
-    )  # fmt: skip
+        request.episode_id,
+        request.group_id,
+        job.rl.group_size,
+    )
     assert failed.error == "generation was aborted" and failed.reward == 0.0
     assert failed.token_ids == request.context_token_ids
     assert sum(failed.loss_mask) == 0  # nothing in it is trained

@@ -38,9 +38,16 @@ def test_tenants_take_turns_whatever_their_backlog() -> None:
     assert len(queue) == 9
     assert queue.waiting() == {"acme": 6, "globex": 2, "": 1}
     assert drain(queue) == [
-        "acme-0", "globex-0", "nobody-0", "acme-1", "globex-1", "acme-2", "acme-3", "acme-4",
+        "acme-0",
+        "globex-0",
+        "nobody-0",
+        "acme-1",
+        "globex-1",
+        "acme-2",
+        "acme-3",
+        "acme-4",
         "acme-5",
-    ]  # fmt: skip
+    ]
     assert len(queue) == 0 and queue.waiting() == {}
 
 
@@ -98,9 +105,12 @@ class TurnstileEngine(GatedEngine):
         await exit_.wait()
         self.in_flight -= 1
         return result_for(
-            request, completion_token_ids=[7], logprobs=[-0.5], adapter_version=0,
+            request,
+            completion_token_ids=[7],
+            logprobs=[-0.5],
+            adapter_version=0,
             finish_reason="stop",
-        )  # fmt: skip
+        )
 
     def let_out(self, request: GenerationRequest) -> None:
         self._exits[request.request_id].set()
@@ -118,9 +128,12 @@ class TurnstileEngine(GatedEngine):
 
 def service_with(backend: MemoryBackend, engine: TurnstileEngine, slots: int) -> RolloutService:
     return RolloutService(
-        SharedSettings(), RolloutSettings(max_in_flight=slots), engine,
-        producer=backend.producer, store=backend.store,
-    )  # fmt: skip
+        SharedSettings(),
+        RolloutSettings(max_in_flight=slots),
+        engine,
+        producer=backend.producer,
+        store=backend.store,
+    )
 
 
 def spec_of(name: str, tenant: str) -> JobSpec:
@@ -227,10 +240,16 @@ async def test_a_stop_leaves_the_waiting_requests_uncommitted() -> None:
         engine = TurnstileEngine()
         service = service_with(backend, engine, slots=1)
         prompts = Inbox(Topic.PROMPTS)
-        await read(prompts, service, [
-            request_for(spec.job_id, index, 0)
-            for index in range(READ_AHEAD_PER_SLOT // 2) for spec in (acme, globex)
-        ] + [request_for(acme.job_id, 99, 0)])  # fmt: skip
+        await read(
+            prompts,
+            service,
+            [
+                request_for(spec.job_id, index, 0)
+                for index in range(READ_AHEAD_PER_SLOT // 2)
+                for spec in (acme, globex)
+            ]
+            + [request_for(acme.job_id, 99, 0)],
+        )
         assert len(service._waiting) == READ_AHEAD_PER_SLOT
         # The read-ahead is full: the next record holds the poll loop until a stop lets it go.
         reading = asyncio.create_task(
@@ -272,9 +291,12 @@ class RoundEngine(GatedEngine):
         self.in_flight -= 1
         self._on_done(request)
         return result_for(
-            request, completion_token_ids=[7], logprobs=[-0.5], adapter_version=0,
+            request,
+            completion_token_ids=[7],
+            logprobs=[-0.5],
+            adapter_version=0,
             finish_reason="stop",
-        )  # fmt: skip
+        )
 
     async def next_round(self) -> None:
         finished, self._round = self._round, asyncio.get_running_loop().create_future()

@@ -58,9 +58,13 @@ def test_fault_specs_are_checked() -> None:
 
 @pytest.mark.parametrize(
     "point",
-    ["trainer.after_checkpoint", "trainer.after_latest", "trainer.after_pointer",
-     "trainer.before_update"],
-)  # fmt: skip
+    [
+        "trainer.after_checkpoint",
+        "trainer.after_latest",
+        "trainer.after_pointer",
+        "trainer.before_update",
+    ],
+)
 async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
     point: str, crash_at: Any, memory: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -93,9 +97,12 @@ async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
     assert {u.version for u in updates} == {1}  # type: ignore[union-attr]
     assert again.committable == 2
     report = audit(
-        spec.job_id, await memory.store.ledger(spec.job_id), status="running",
-        groups_per_step=1, pointer_version=pointer.version,
-    )  # fmt: skip
+        spec.job_id,
+        await memory.store.ledger(spec.job_id),
+        status="running",
+        groups_per_step=1,
+        pointer_version=pointer.version,
+    )
     assert report.ok and report.trained_groups == 1, report.problems
     assert latest_checkpoint_version(tmp_path, spec.job_id) == 1
 
@@ -128,9 +135,12 @@ async def test_an_env_replica_killed_after_sending_a_follow_up_is_deduplicated(
     assert isinstance(first, GenerationRequest)
     completion = [*tokenizer.encode("7"), tokenizer.eos_token_id]
     result = result_for(
-        first, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
-        adapter_version=0, finish_reason="stop",
-    )  # fmt: skip
+        first,
+        completion_token_ids=completion,
+        logprobs=[-0.5] * len(completion),
+        adapter_version=0,
+        finish_reason="stop",
+    )
     crash_at("env.after_send:1")
     with pytest.raises(Crashed):
         await Inbox(Topic.ROLLOUTS).hand(service.handle, result)

@@ -64,8 +64,13 @@ def chaos_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def chaos_job(
     fail: str, *, group_size: int = 2, groups_per_step: int = 1, **params: Any
 ) -> JobSpec:
-    spec = job_spec(f"chaos-{fail}", group_size=group_size, groups_per_step=groups_per_step,
-                    max_staleness=0, max_steps=2)  # fmt: skip
+    spec = job_spec(
+        f"chaos-{fail}",
+        group_size=group_size,
+        groups_per_step=groups_per_step,
+        max_staleness=0,
+        max_steps=2,
+    )
     return msgspec.structs.replace(
         spec, env=EnvSettings(name="chaos", params={"fail": fail, **params})
     )
@@ -73,17 +78,23 @@ def chaos_job(
 
 def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:
     return EnvService(
-        SharedSettings(base_model=BASE_MODEL), EnvServiceSettings(**settings), tokenizer,
-        producer=backend.producer, store=backend.store,
-    )  # fmt: skip
+        SharedSettings(base_model=BASE_MODEL),
+        EnvServiceSettings(**settings),
+        tokenizer,
+        producer=backend.producer,
+        store=backend.store,
+    )
 
 
 def answer(request: GenerationRequest, tokenizer: ChatTokenizer) -> GenerationResult:
     completion = [*tokenizer.encode("1"), tokenizer.eos_token_id]
     return result_for(
-        request, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
-        adapter_version=0, finish_reason="stop",
-    )  # fmt: skip
+        request,
+        completion_token_ids=completion,
+        logprobs=[-0.5] * len(completion),
+        adapter_version=0,
+        finish_reason="stop",
+    )
 
 
 # --- env_svc: any exception from environment code ends an episode, never a group ------------
@@ -106,9 +117,14 @@ async def test_a_job_that_does_not_decode_but_names_itself_is_rejected_with_the_
     undecodable record, and `rejected` so its sender reads why in `marlaas logs`."""
     service = env_service(backend, tokenizer)
     raw = msgspec.json.encode(
-        {"kind": "job_spec", "job_id": "acme-typo", "tenant": "acme",
-         "env": {"name": "arithmetic"}, "rl": {"group_sise": 4}}
-    )  # fmt: skip
+        {
+            "kind": "job_spec",
+            "job_id": "acme-typo",
+            "tenant": "acme",
+            "env": {"name": "arithmetic"},
+            "rl": {"group_sise": 4},
+        }
+    )
     with pytest.raises(MessageDecodeError) as caught:
         decode(Topic.JOBS, raw)
     await service.on_undecodable(Topic.JOBS.value, raw, caught.value)
@@ -328,9 +344,11 @@ def trainer_service(
     """A trainer on the backend; `store`: a wrapper around the backend's store instead."""
     return TrainerService(
         SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(**settings), lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer, store=store or backend.store,
-    )  # fmt: skip
+        TrainerSettings(**settings),
+        lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer,
+        store=store or backend.store,
+    )
 
 
 async def running_job(backend: Backend, name: str, *, issued: int = 64) -> JobSpec:
@@ -551,9 +569,12 @@ async def test_a_group_another_replica_dropped_is_never_trained_here(
     assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
     assert not await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     report = audit(
-        spec.job_id, await backend.store.ledger(spec.job_id), status="running",
-        groups_per_step=1, pointer_version=1,
-    )  # fmt: skip
+        spec.job_id,
+        await backend.store.ledger(spec.job_id),
+        status="running",
+        groups_per_step=1,
+        pointer_version=1,
+    )
     assert not report.problems, report.problems
 
 
@@ -665,8 +686,9 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
     assert await service.sweep_claims() == 1
     requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2)
     assert sorted(r.episode_id for r in requests) == [  # type: ignore[union-attr]
-        f"{spec.job_id}/0/0", f"{spec.job_id}/0/1",
-    ]  # fmt: skip
+        f"{spec.job_id}/0/0",
+        f"{spec.job_id}/0/1",
+    ]
     await asyncio.sleep(1.1)
     assert await service.sweep_claims() == 0  # sent in full: the claim is done
 
@@ -676,8 +698,9 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
     assert await service.sweep_claims() == 0
     requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)
     assert sorted(r.episode_id for r in requests)[2:] == [  # type: ignore[union-attr]
-        f"{spec.job_id}/1/0", f"{spec.job_id}/1/1",
-    ]  # fmt: skip
+        f"{spec.job_id}/1/0",
+        f"{spec.job_id}/1/1",
+    ]
     await asyncio.sleep(1.1)
     assert await service.sweep_claims() == 0
     assert len(await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)) == 4
@@ -844,10 +867,14 @@ async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_hand
     job = await backend.store.job(spec.job_id)
     assert job is not None and job.status == "completed"
     report = audit(
-        spec.job_id, await backend.store.ledger(spec.job_id), status=job.status,
-        groups_per_step=1, pointer_version=2,
-        checkpoint_version=latest_checkpoint_version(tmp_path, spec.job_id), announced_version=2,
-    )  # fmt: skip
+        spec.job_id,
+        await backend.store.ledger(spec.job_id),
+        status=job.status,
+        groups_per_step=1,
+        pointer_version=2,
+        checkpoint_version=latest_checkpoint_version(tmp_path, spec.job_id),
+        announced_version=2,
+    )
     assert report.ok, report.problems
     assert (report.issued, report.trained_groups, report.versions) == (2, 2, 2)
     kinds = [entry["kind"] for entry in await backend.store.ledger(spec.job_id)]

@@ -106,8 +106,9 @@ async def test_env_svc_rejects_a_bad_job_with_its_reason_and_issues_nothing(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
     service = env_service(backend, tokenizer)
-    spec = job_spec("bad", env="no-such-env", group_size=2, groups_per_step=1,
-                    max_staleness=0, max_steps=1)  # fmt: skip
+    spec = job_spec(
+        "bad", env="no-such-env", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1
+    )
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
     assert "unknown environment 'no-such-env'" in rejected.reason
@@ -125,9 +126,12 @@ async def test_env_svc_turns_a_result_into_a_trajectory_once(
     assert isinstance(first, GenerationRequest)
     completion = [*tokenizer.encode("7"), tokenizer.eos_token_id]
     result = result_for(
-        first, completion_token_ids=completion, logprobs=[-0.5] * len(completion),
-        adapter_version=0, finish_reason="stop",
-    )  # fmt: skip
+        first,
+        completion_token_ids=completion,
+        logprobs=[-0.5] * len(completion),
+        adapter_version=0,
+        finish_reason="stop",
+    )
     results = Inbox(Topic.ROLLOUTS)
     await results.hand(service.handle, result)
     await results.hand(service.handle, result)  # redelivered: its trajectory was sent
@@ -143,9 +147,13 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
 ) -> None:
     service = env_service(backend, tokenizer)
     spec = job_spec(
-        "evals", group_size=2, groups_per_step=1, max_staleness=0, max_steps=3,
+        "evals",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=3,
         evals=EvalSettings(tasks=3, every_steps=2, seed=4),
-    )  # fmt: skip
+    )
     job_id = spec.job_id
 
     async def evaluations(expect: int) -> dict[str, list[GenerationRequest]]:
@@ -185,9 +193,13 @@ async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event
     accuracy and its standard error; a redelivered result is not counted twice."""
     service = env_service(backend, tokenizer)
     spec = job_spec(
-        "tally", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2,
+        "tally",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=2,
         evals=EvalSettings(tasks=4),
-    )  # fmt: skip
+    )
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     sent = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2 + 4)
     evals = [r for r in sent if isinstance(r, GenerationRequest) and "/eval0/" in r.episode_id]
@@ -199,9 +211,12 @@ async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event
         answer = str(task.answer) if index < 3 else "no idea"  # type: ignore[attr-defined]
         completion = [*tokenizer.encode(answer), tokenizer.eos_token_id]
         result = result_for(
-            request, completion_token_ids=completion, logprobs=[-0.1] * len(completion),
-            adapter_version=0, finish_reason="stop",
-        )  # fmt: skip
+            request,
+            completion_token_ids=completion,
+            logprobs=[-0.1] * len(completion),
+            adapter_version=0,
+            finish_reason="stop",
+        )
         await results.hand(service.handle, result)
         if index == 0:
             await results.hand(service.handle, result)  # redelivered: counted once
@@ -221,9 +236,13 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
     the sweep sends the missing event, or sends the evaluation's requests again."""
     service = env_service(backend, tokenizer, eval_timeout_s=0.2)
     spec = job_spec(
-        "sweep", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2,
+        "sweep",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=2,
         evals=EvalSettings(tasks=2),
-    )  # fmt: skip
+    )
     job_id = spec.job_id
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     first_sent = await backend.sent(Topic.PROMPTS, job_id, expect=2 + 2)
@@ -239,8 +258,12 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
     assert (event.step, event.metrics["eval_accuracy"]) == (0, 0.5)
     sent = await backend.sent(Topic.PROMPTS, job_id, expect=len(first_sent) + 2)
     evaluating = sorted(r.episode_id for r in sent if "/eval" in r.episode_id)  # type: ignore[union-attr]
-    assert evaluating == [f"{job_id}/eval0/0", f"{job_id}/eval0/1", f"{job_id}/eval2/0",
-                          f"{job_id}/eval2/1"]  # fmt: skip
+    assert evaluating == [
+        f"{job_id}/eval0/0",
+        f"{job_id}/eval0/1",
+        f"{job_id}/eval2/0",
+        f"{job_id}/eval2/1",
+    ]
     evals = await backend.store.evals(job_id)
     assert evals[0] == "done" and evals[2] != "done"
     # Its results never come (lost mid-episode): sent again once more, then it ends with the
@@ -262,9 +285,12 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     spec = job_spec("trainer", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     job_id = spec.job_id
     service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path), TrainerSettings(),
-        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=backend.store,
-    )  # fmt: skip
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(),
+        lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer,
+        store=backend.store,
+    )
     await service.load_model()
     await register_running(backend.store, spec)
     inbox = Inbox(Topic.TRAJECTORIES)
@@ -296,8 +322,11 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     assert (await backend.store.flow(job_id)).dropped_groups == 1
     sent_events = await backend.sent(Topic.EVENTS, job_id, expect=4)
     assert [e.event for e in sent_events] == [  # type: ignore[union-attr]
-        "step", "dropped_stale", "step", "completed",
-    ]  # fmt: skip
+        "step",
+        "dropped_stale",
+        "step",
+        "completed",
+    ]
     steps = events(sent_events, "step")
     assert [s.metrics["samples"] for s in steps] == [2.0, 2.0]
     assert all(s.metrics["mean_reward"] == 0.5 for s in steps)
@@ -319,8 +348,10 @@ async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
     service = TrainerService(
         SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
         TrainerSettings(max_jobs_per_step=2),
-        lambda: MultiAdapterPolicy(tiny_dir), producer=backend.producer, store=backend.store,
-    )  # fmt: skip
+        lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer,
+        store=backend.store,
+    )
     await service.load_model()
     inbox = Inbox(Topic.TRAJECTORIES)
     for spec in specs:
@@ -365,8 +396,9 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
     assert prompts.committable == 2
     results = await backend.sent(Topic.ROLLOUTS, job_id, expect=2)
     assert sorted((r.request_id, r.adapter_version) for r in results) == [  # type: ignore[union-attr]
-        (f"{job_id}/0/0/t0", 0), (f"{job_id}/1/0/t0", 1),
-    ]  # fmt: skip
+        (f"{job_id}/0/0/t0", 0),
+        (f"{job_id}/1/0/t0", 1),
+    ]
     assert [(a.job_id, a.version) for a in engine.loaded] == [(job_id, 1)]
 
 

@@ -68,8 +68,10 @@ async def test_liveness_readiness_metrics_and_unknown_paths() -> None:
         assert (await get(server.port, "/nope"))[0] == 404
         assert (await get(server.port, "/metrics", method="POST"))[0] == 405
         assert await get(server.port, "/healthz", method="HEAD") == (
-            200, "text/plain; charset=utf-8", b"",
-        )  # fmt: skip
+            200,
+            "text/plain; charset=utf-8",
+            b"",
+        )
         port = server.port
     with pytest.raises(OSError):
         await get(port, "/healthz")
@@ -160,8 +162,9 @@ async def test_run_service_answers_health_during_start_and_readiness_after(
             break
         await asyncio.sleep(0.05)
     assert json.loads((await get(port, "/readyz"))[2])["checks"] == {
-        "serving": True, "kafka": True,
-    }  # fmt: skip
+        "serving": True,
+        "kafka": True,
+    }
 
     service.may_end.set()  # a task that returns stops the service with exit code 1
     assert await asyncio.wait_for(run, 30) == 1

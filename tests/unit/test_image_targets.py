@@ -23,18 +23,17 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 STARTS = {
     # compose's `topics` and `cli` services: topics, and job files read for `submit`.
     "base": "import console.topics, console.export, console.report, console.audit, runpy\n"
-            "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
-            f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
-            "load_job_file(f, base_model='smollm2-135m-instruct')\n"
-            "sys.argv = ['marlaas', 'topics', '--help']\n"
-            "runpy.run_module('console.cli', run_name='__main__')",
-    "api": "sys.argv = ['marlaas', 'api', '--check']\n"
-           "from console.cli import main\nmain()",
+    "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
+    f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
+    "load_job_file(f, base_model='smollm2-135m-instruct')\n"
+    "sys.argv = ['marlaas', 'topics', '--help']\n"
+    "runpy.run_module('console.cli', run_name='__main__')",
+    "api": "sys.argv = ['marlaas', 'api', '--check']\nfrom console.cli import main\nmain()",
     "env": "import runpy; sys.argv = ['env_svc', '--check']; "
-           "runpy.run_module('env_svc', run_name='__main__')",
+    "runpy.run_module('env_svc', run_name='__main__')",
     "trainer": "import runpy; sys.argv = ['trainer_svc', '--check']; "
-               "runpy.run_module('trainer_svc', run_name='__main__')",
-}  # fmt: skip
+    "runpy.run_module('trainer_svc', run_name='__main__')",
+}
 
 
 def start(
@@ -42,14 +41,20 @@ def start(
 ) -> subprocess.CompletedProcess[str]:
     allowed = allowed_distributions(requirement_lines(dockerfile, target))
     env = dict(os.environ) | {
-        "MARLAAS_BASE_MODEL": str(tiny_dir), "MARLAAS_STATE_DIR": str(tmp_path),
-        "TRAINER_DEVICE": "cpu", "PYTHONPATH": str(ROOT),
+        "MARLAAS_BASE_MODEL": str(tiny_dir),
+        "MARLAAS_STATE_DIR": str(tmp_path),
+        "TRAINER_DEVICE": "cpu",
+        "PYTHONPATH": str(ROOT),
         "MARLAAS_DATA_DIR": str(ROOT),  # the example dataset job's file, found from anywhere
-    }  # fmt: skip
+    }
     return subprocess.run(
         [sys.executable, "-c", guarded(STARTS[target], allowed)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("target", sorted(STARTS))
@@ -67,8 +72,11 @@ def test_the_env_image_has_no_torch_and_the_guard_would_notice(tmp_path: Path) -
     assert "torch" not in allowed and "transformers" in allowed
     done = subprocess.run(
         [sys.executable, "-c", guarded("import torch", allowed)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "import of torch halted" in done.stderr
 
 

@@ -47,8 +47,11 @@ def test_examples_cover_every_built_in_environment() -> None:
 def test_fields_map_onto_the_job_spec_and_defaults_fill_the_rest(tmp_path: Path) -> None:
     spec = load_job_file(write(tmp_path, GOOD), base_model=BASE)
     assert (spec.tenant, spec.env.params, spec.rl.group_size, spec.rl.max_steps) == (
-        "acme", {"max_operand": 20}, 4, 3,
-    )  # fmt: skip
+        "acme",
+        {"max_operand": 20},
+        4,
+        3,
+    )
     assert spec.rl.sampling.max_new_tokens == 8 and spec.rl.sampling.temperature == 1.0
     assert spec.lora.rank == 8  # the default LoraSettings
 
@@ -77,26 +80,34 @@ def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> 
             GOOD.replace("group_size = 4", "group_size = 1"),
             "rl.group_size: must be in [2, 256], got 1",
         ),
-        (GOOD.replace("group_size = 4", 'group_size = "4"'),
-         "rl.group_size: expected int, got str"),
-        (GOOD.replace("max_new_tokens = 8", "max_new_tokens = 8\ntopk = 3"),
-         "rl.sampling.topk: unknown field"),
-        (GOOD.replace("[rl]", "[rl]\nlearning_rate = 2.0"),
-         "rl.learning_rate: must be in (0, 1), got 2.0"),
+        (
+            GOOD.replace("group_size = 4", 'group_size = "4"'),
+            "rl.group_size: expected int, got str",
+        ),
+        (
+            GOOD.replace("max_new_tokens = 8", "max_new_tokens = 8\ntopk = 3"),
+            "rl.sampling.topk: unknown field",
+        ),
+        (
+            GOOD.replace("[rl]", "[rl]\nlearning_rate = 2.0"),
+            "rl.learning_rate: must be in (0, 1), got 2.0",
+        ),
         (GOOD.replace('tenant = "acme"', ""), "tenant: missing (required)"),
         (GOOD.replace('tenant = "acme"', "tenant = 3"), "tenant: expected str, got int"),
-        (GOOD.replace('name = "arithmetic"', 'seed = 1'), "env.name: missing (required)"),
+        (GOOD.replace('name = "arithmetic"', "seed = 1"), "env.name: missing (required)"),
         ("colour = 'red'\n" + GOOD, "colour: unknown field"),
         (GOOD + "\n[eval]\ntasks = 5000\n", "eval.tasks: must be in [0, 1024], got 5000"),
         (GOOD + "\n[eval]\nevery = 2\n", "eval.every: unknown field"),
-        (GOOD.replace("max_operand = 20", "max_operand = 'x'"),
-         "env: environment 'arithmetic': bad param 'max_operand'"),
+        (
+            GOOD.replace("max_operand = 20", "max_operand = 'x'"),
+            "env: environment 'arithmetic': bad param 'max_operand'",
+        ),
         ('base_model = "llama-70b"\n' + GOOD, "base_model: this deployment serves"),
         (GOOD + "[lora]\nrank = 64\n", "lora.rank: 64 exceeds the rollout engine's max_lora_rank"),
         ("tenant = 'a'\nenv = 'arithmetic'\n", "env: expected a table, got str"),
         ("tenant = \n", "invalid TOML: "),
     ],
-)  # fmt: skip
+)
 def test_mistakes_are_named_by_file_and_field(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(JobFileError) as caught:

@@ -22,9 +22,11 @@ from common.wire import decode, json_schema
 
 def spec(**changes: object) -> JobSpec:
     base = JobSpec(
-        job_id="j1", tenant="acme", base_model="smollm2-135m-instruct",
+        job_id="j1",
+        tenant="acme",
+        base_model="smollm2-135m-instruct",
         env=EnvSettings(name="arithmetic"),
-    )  # fmt: skip
+    )
     return msgspec.structs.replace(base, **changes)
 
 

@@ -49,8 +49,13 @@ def of_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:
 
 def test_core_objects_validate_against_kubernetes_schemas(docs: list[Doc]) -> None:
     core = [d for d in docs if d["kind"] not in CRD_KINDS]
-    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "Namespace",
-                                         "PersistentVolumeClaim"}  # fmt: skip
+    assert {d["kind"] for d in core} >= {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "Namespace",
+        "PersistentVolumeClaim",
+    }
     for doc in core:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -59,14 +64,24 @@ def test_scaled_objects_and_topics_validate_against_their_crd_schemas(docs: list
     node, npm = shutil.which("node"), shutil.which("npm")
     assert node and npm, "node and npm are needed to read KEDA's and Strimzi's CRD schemas"
     if not (NODE_DIR / "node_modules").is_dir():
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True,
-                       capture_output=True, timeout=300)  # fmt: skip
+        subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"],
+            cwd=NODE_DIR,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     crds = [d for d in docs if d["kind"] in CRD_KINDS]
     broken = dict(crds[-1], spec={"scaleTargetRef": {"nme": "x"}, "triggers": "kafka"})
     done = subprocess.run(
-        [node, "validate_crds.mjs"], cwd=NODE_DIR, input=json.dumps([*crds, broken]),
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        [node, "validate_crds.mjs"],
+        cwd=NODE_DIR,
+        input=json.dumps([*crds, broken]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     *lines, last = done.stdout.splitlines()
     assert lines == [f"ok {d['kind']}/{d['metadata']['name']}" for d in crds]
     assert last.startswith("invalid ScaledObject/rollout-svc:")  # the check can fail
@@ -110,8 +125,11 @@ def test_probes_ports_and_volumes_match_the_services(docs: list[Doc]) -> None:
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert mounts["/artifacts"] == "artifacts" and mounts["/cache"] == "model-cache"
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-                  for v in pod["volumes"] if "persistentVolumeClaim" in v}  # fmt: skip
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
         assert claims == {"artifacts": "marlaas-artifacts", "model-cache": "marlaas-model-cache"}
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == 1) == (name != "env-svc")

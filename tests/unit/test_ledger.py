@@ -27,9 +27,14 @@ CLEAN = [*issued(0, 1, 2), trained(1, 0, 1), dropped(2), *issued(3, 4), trained(
 
 def test_a_clean_ledger_accounts_for_every_group() -> None:
     report = audit(
-        JOB, CLEAN, status="completed", groups_per_step=2, pointer_version=2,
-        checkpoint_version=2, announced_version=2,
-    )  # fmt: skip
+        JOB,
+        CLEAN,
+        status="completed",
+        groups_per_step=2,
+        pointer_version=2,
+        checkpoint_version=2,
+        announced_version=2,
+    )
     assert report.ok, report.problems
     assert (report.issued, report.trained_groups, report.dropped, report.versions) == (5, 4, 1, 2)
 
@@ -49,18 +54,29 @@ def test_a_clean_ledger_accounts_for_every_group() -> None:
 )
 def test_what_the_audit_catches(entries: list[dict[str, str]], status: str, problem: str) -> None:
     report = audit(
-        JOB, entries, status=status, groups_per_step=2,
-        pointer_version=max((int(e["version"]) for e in entries if e["kind"] == "trained"),
-                            default=0),
+        JOB,
+        entries,
+        status=status,
+        groups_per_step=2,
+        pointer_version=max(
+            (int(e["version"]) for e in entries if e["kind"] == "trained"), default=0
+        ),
         checkpoint_version=3 if entries is CLEAN else None,
-    )  # fmt: skip
+    )
     assert not report.ok
     assert any(problem in p for p in report.problems), report.problems
 
 
 def test_groups_in_flight_are_not_lost_while_the_job_runs() -> None:
-    report = audit(JOB, [*CLEAN, *issued(5)], status="running", groups_per_step=2,
-                   pointer_version=2, checkpoint_version=3, announced_version=1)  # fmt: skip
+    report = audit(
+        JOB,
+        [*CLEAN, *issued(5)],
+        status="running",
+        groups_per_step=2,
+        pointer_version=2,
+        checkpoint_version=3,
+        announced_version=1,
+    )
     assert report.ok and report.in_flight == [5] and report.lost == []
 
 

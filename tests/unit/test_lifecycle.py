@@ -58,8 +58,10 @@ def test_a_reason_is_kept_only_for_states_that_need_one() -> None:
 def test_every_command_announces_an_event_that_moves_the_state() -> None:
     assert set(COMMAND_EVENT) == set(get_args(JobAction))
     assert {STATE_AFTER[COMMAND_EVENT[a]] for a in COMMAND_EVENT} == {
-        "paused", "running", "cancelled",
-    }  # fmt: skip
+        "paused",
+        "running",
+        "cancelled",
+    }
     assert set(STATE_AFTER) <= set(get_args(EventKind))
 
 

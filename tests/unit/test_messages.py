@@ -29,9 +29,16 @@ from common.messages import (
 from common.wire import decode, encode, key_bytes, topic_of
 
 ALL_MESSAGES = [
-    JobSpec, JobCommand, GenerationRequest, GenerationResult, Trajectory, AdapterUpdate, Event,
-    GroupDropped, DeadLetter,
-]  # fmt: skip
+    JobSpec,
+    JobCommand,
+    GenerationRequest,
+    GenerationResult,
+    Trajectory,
+    AdapterUpdate,
+    Event,
+    GroupDropped,
+    DeadLetter,
+]
 
 _text = st.text(max_size=12)
 _float = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -107,9 +114,15 @@ def test_every_topic_has_a_message_and_every_message_a_topic() -> None:
 def test_messages_carry_their_dedup_id_and_key() -> None:
     spec = JobSpec(job_id="j1", tenant="acme", base_model="m", env=EnvSettings(name="arithmetic"))
     request = GenerationRequest(
-        request_id="r1", job_id="j1", episode_id="e1", group_id="g1", sample_index=0, turn=0,
-        context_token_ids=[1, 2], sampling=SamplingSettings(),
-    )  # fmt: skip
+        request_id="r1",
+        job_id="j1",
+        episode_id="e1",
+        group_id="g1",
+        sample_index=0,
+        turn=0,
+        context_token_ids=[1, 2],
+        sampling=SamplingSettings(),
+    )
     update = AdapterUpdate(job_id="j1", version=3, uri="file:///a", step=3)
     assert (spec.dedup_id, key_bytes(spec)) == ("j1", b"j1")
     assert (request.dedup_id, key_bytes(request)) == ("r1", b"e1")  # keyed by episode
@@ -165,16 +178,26 @@ def test_a_dead_letter_always_fits_under_the_record_limit() -> None:
 
     huge = b"x" * (2 * MAX_RECORD_BYTES)
     letter = dead_letter(
-        source_topic="marlaas.jobs", source_partition=3, source_offset=7, source_key=b"k",
-        raw_value=huge, error="boom " * 10_000, service="env_svc",
-    )  # fmt: skip
+        source_topic="marlaas.jobs",
+        source_partition=3,
+        source_offset=7,
+        source_key=b"k",
+        raw_value=huge,
+        error="boom " * 10_000,
+        service="env_svc",
+    )
     assert len(encode(letter)) < MAX_RECORD_BYTES
     assert letter.raw_value == huge[: len(letter.raw_value)]
     assert f"raw value cut from {len(huge)} to" in letter.error
     small = dead_letter(
-        source_topic="marlaas.jobs", source_partition=0, source_offset=0, source_key=None,
-        raw_value=b"abc", error="bad", service="env_svc",
-    )  # fmt: skip
+        source_topic="marlaas.jobs",
+        source_partition=0,
+        source_offset=0,
+        source_key=None,
+        raw_value=b"abc",
+        error="bad",
+        service="env_svc",
+    )
     assert (small.raw_value, small.error) == (b"abc", "bad")
 
 

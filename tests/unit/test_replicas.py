@@ -17,9 +17,11 @@ def test_replicas_repeat_each_named_service_and_keep_the_others_single() -> None
 
 @pytest.mark.parametrize(
     ("replicas", "message"),
-    [({"gpu": 2}, "'gpu' is not a service (env, rollout, trainer)"),
-     ({"rollout": 0}, "rollout=0; at least 1 replica")],
-)  # fmt: skip
+    [
+        ({"gpu": 2}, "'gpu' is not a service (env, rollout, trainer)"),
+        ({"rollout": 0}, "rollout=0; at least 1 replica"),
+    ],
+)
 def test_bad_replica_counts_are_refused_by_name(replicas: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         replicated(SERVICES, replicas)

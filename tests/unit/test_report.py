@@ -169,8 +169,9 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
     with (tmp_path / "evals.csv").open(encoding="utf-8") as evals_file:
         rows = list(csv.DictReader(evals_file))
     assert [(r["job_id"], r["version"], r["accuracy"]) for r in rows] == [
-        ("job-a", "0", "0.25"), ("job-a", "3", "0.5"),
-    ]  # fmt: skip
+        ("job-a", "0", "0.25"),
+        ("job-a", "3", "0.5"),
+    ]
     # x: seconds since the report's first event or sample; 800 tokens in 4 s per step
     assert page.charts["throughput"] == {
         "trainer:job-a": [[10.0, 200.0], [20.0, 200.0], [30.0, 200.0]],
@@ -246,9 +247,28 @@ def test_user_text_is_escaped_and_nothing_is_fetched(tmp_path: Path) -> None:
     text = (tmp_path / "index.html").read_text(encoding="utf-8")
     assert "<script" not in text and "<b>" not in text and "<job>" not in text
     assert page.tags <= {
-        "html", "head", "meta", "title", "style", "body", "h1", "p", "a", "table", "thead",
-        "tbody", "tr", "th", "td", "svg", "text", "rect", "line", "path", "circle",
-    }  # fmt: skip
+        "html",
+        "head",
+        "meta",
+        "title",
+        "style",
+        "body",
+        "h1",
+        "p",
+        "a",
+        "table",
+        "thead",
+        "tbody",
+        "tr",
+        "th",
+        "td",
+        "svg",
+        "text",
+        "rect",
+        "line",
+        "path",
+        "circle",
+    }
     assert "http" not in text and "url(" not in text and "@import" not in text
     assert not [v for v in page.attribute_values if "//" in v]
     assert {"steps.csv", "utilisation.csv", "report.json"} <= set(page.attribute_values)

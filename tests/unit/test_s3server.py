@@ -18,8 +18,10 @@ def test_scoped_listings_equal_localbuckets(tmp_path: Path) -> None:
     for topic in ("marlaas.jobs", "marlaas.prompts", "marlaas.prompts-x"):
         for partition in range(3):
             for offset in range(rng.randrange(0, 12)):
-                keys.append(f"clusters/c/topics/{topic}/partitions/{partition:010}/records/"
-                            f"{offset * 7:020}.batch")  # fmt: skip
+                keys.append(
+                    f"clusters/c/topics/{topic}/partitions/{partition:010}/records/"
+                    f"{offset * 7:020}.batch"
+                )
     keys += ["clusters/c/meta.json", "clusters/c/topics/marlaas.jobs/watermark.json", "top"]
     for key in keys:
         path = bucket / key
@@ -27,11 +29,18 @@ def test_scoped_listings_equal_localbuckets(tmp_path: Path) -> None:
         path.write_bytes(key.encode())
     (bucket / "clusters/c" / f"{localbucket.TEMP_PREFIX}upload").write_bytes(b"partial")
 
-    prefixes = ["", "c", "clusters/", "clusters/c/topics/marlaas.prompts",
-                "clusters/c/topics/marlaas.prompts/", "clusters/c/topics/marlaas.jobs/partitions/",
-                "clusters/c/topics/marlaas.prompts/partitions/0000000001/records/",
-                "clusters/c/topics/marlaas.prompts/partitions/0000000001/records/0000",
-                "clusters/nowhere/", "top"]  # fmt: skip
+    prefixes = [
+        "",
+        "c",
+        "clusters/",
+        "clusters/c/topics/marlaas.prompts",
+        "clusters/c/topics/marlaas.prompts/",
+        "clusters/c/topics/marlaas.jobs/partitions/",
+        "clusters/c/topics/marlaas.prompts/partitions/0000000001/records/",
+        "clusters/c/topics/marlaas.prompts/partitions/0000000001/records/0000",
+        "clusters/nowhere/",
+        "top",
+    ]
     scoped, full = object.__new__(ScopedListingHandler), object.__new__(localbucket.S3Handler)
     compared = 0
     for prefix in prefixes:

@@ -63,8 +63,11 @@ async def test_a_tenants_limits_are_enforced_where_jobs_are_accepted(
         )
 
     first, second, long, wide = (
-        spec("first"), spec("second"), spec("long", max_steps=6), spec("wide", group_size=8)
-    )  # fmt: skip
+        spec("first"),
+        spec("second"),
+        spec("long", max_steps=6),
+        spec("wide", group_size=8),
+    )
     for job in (first, second, long, wide):
         await jobs.hand(service.handle, job)
     reasons = {}

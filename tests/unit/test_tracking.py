@@ -21,10 +21,13 @@ from console.tracking import (
 from tests.track_readers import mlflow_run, tensorboard_hparams, tensorboard_scalars
 
 SPEC = JobSpec(
-    job_id="track-1", tenant="acme", base_model="smollm2-135m-instruct",
+    job_id="track-1",
+    tenant="acme",
+    base_model="smollm2-135m-instruct",
     env=EnvSettings(name="arithmetic", params={"max_operand": 9}),
-    rl=RLSettings(group_size=4, learning_rate=2e-4), eval=EvalSettings(tasks=16, every_steps=2),
-)  # fmt: skip
+    rl=RLSettings(group_size=4, learning_rate=2e-4),
+    eval=EvalSettings(tasks=16, every_steps=2),
+)
 
 
 def history(steps: int, *, ended: bool) -> list[Event]:

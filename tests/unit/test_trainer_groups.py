@@ -12,10 +12,18 @@ def trajectory(
     episode: str, versions: list[int], reward: float = 1.0, error: str = ""
 ) -> Trajectory:
     return Trajectory(
-        episode_id=episode, job_id="j", group_id="g", sample_index=0, group_size=3,
-        token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behaviour_logprobs=[0.0, -1.0, -1.0],
-        reward=reward, adapter_versions=versions, error=error,
-    )  # fmt: skip
+        episode_id=episode,
+        job_id="j",
+        group_id="g",
+        sample_index=0,
+        group_size=3,
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        behaviour_logprobs=[0.0, -1.0, -1.0],
+        reward=reward,
+        adapter_versions=versions,
+        error=error,
+    )
 
 
 def group(*trajectories: Trajectory) -> tuple[Group, list[str]]:

@@ -65,9 +65,13 @@ def next_build(kind: type[Message]) -> type[msgspec.Struct]:
     default."""
     config = kind.__struct_config__
     return msgspec.defstruct(
-        kind.__name__, [("added_later", list[str], msgspec.field(default_factory=list))],
-        bases=(kind,), tag=config.tag, tag_field=config.tag_field, kw_only=True,
-    )  # fmt: skip
+        kind.__name__,
+        [("added_later", list[str], msgspec.field(default_factory=list))],
+        bases=(kind,),
+        tag=config.tag,
+        tag_field=config.tag_field,
+        kw_only=True,
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -108,14 +112,19 @@ def test_a_hand_written_json_job_is_read_with_defaults() -> None:
 @pytest.mark.parametrize(
     "raw, where",
     [
-        (b'{"kind": "job_command", "command_id": "c", "job_id": "j", "action": "pause",'
-         b' "colour": "red"}', "colour"),
-        (b'{"kind": "job_spec", "job_id": "j", "tenant": "t", "base_model": "m",'
-         b' "env": {"name": "arithmetic"}, "rl": {"sampling": {"topk": 5}}}',
-         "rl.sampling.topk"),
+        (
+            b'{"kind": "job_command", "command_id": "c", "job_id": "j", "action": "pause",'
+            b' "colour": "red"}',
+            "colour",
+        ),
+        (
+            b'{"kind": "job_spec", "job_id": "j", "tenant": "t", "base_model": "m",'
+            b' "env": {"name": "arithmetic"}, "rl": {"sampling": {"topk": 5}}}',
+            "rl.sampling.topk",
+        ),
     ],
     ids=["top-level", "nested"],
-)  # fmt: skip
+)
 def test_an_unknown_field_in_a_job_of_this_schema_is_refused(raw: bytes, where: str) -> None:
     with pytest.raises(MessageDecodeError, match=f"{where}: unknown field"):
         decode(Topic.JOBS, raw)
@@ -123,9 +132,15 @@ def test_an_unknown_field_in_a_job_of_this_schema_is_refused(raw: bytes, where: 
 
 def test_unknown_fields_of_a_newer_writer_are_ignored_in_a_job() -> None:
     command = msgspec.json.encode(
-        {"kind": "job_command", "command_id": "c", "job_id": "j", "action": "pause",
-         "priority": 3, "schema": SCHEMA_VERSION + 1}
-    )  # fmt: skip
+        {
+            "kind": "job_command",
+            "command_id": "c",
+            "job_id": "j",
+            "action": "pause",
+            "priority": 3,
+            "schema": SCHEMA_VERSION + 1,
+        }
+    )
     assert decode(Topic.JOBS, command) == JobCommand(
         command_id="c", job_id="j", action="pause", schema=SCHEMA_VERSION + 1
     )
