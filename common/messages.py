@@ -26,10 +26,10 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
-`JobSpec.eval` and `GenerationRequest.pinned_adapter_version`. Up by one with every field
-added to any message."""
+`JobSpec.eval` and `GenerationRequest.pinned_adapter_version`; 4 adds
+`GenerationRequest.tenant`. Up by one with every field added to any message."""
 
 
 class Topic(StrEnum):
@@ -254,6 +254,10 @@ class GenerationRequest(_Wire, tag="generation_request"):
     pinned_adapter_version: int = -1
     """Sample with exactly this adapter version (0: the base model), as evaluations do; -1:
     the job's latest, at least `min_adapter_version`."""
+    tenant: str = ""
+    """The job's tenant, carried from the spec env_svc holds, so rollout_svc's fair
+    admission need not read the job record back; "" from writers before schema 4 (rollout_svc
+    then looks it up)."""
 
     DEDUP_FIELD = "request_id"
     KEY_FIELD = "episode_id"

@@ -373,6 +373,7 @@ def _request(
         env_state=encode_carry(carry),
         issued_at=time.time(),
         pinned_adapter_version=carry.eval_version,
+        tenant=job.tenant,
     )
 
 

@@ -289,6 +289,8 @@ class RolloutService(Service):
         while len(self._waiting) >= self._read_ahead and not self._stopping.is_set():
             self._room.clear()
             await self._room_or_stop()
+        if request.tenant:  # schema 4 on: carried, no registry read
+            self._tenants.setdefault(request.job_id, request.tenant)
         tenant = await self._tenant_of(request.job_id)
         self._waiting.put(tenant, request.job_id, (request, delivery.hold_commit(), tenant))
         self._note_demand(tenant)
@@ -479,7 +481,8 @@ class RolloutService(Service):
         return job_logger(log, job_id, await self._tenant_of(job_id) or None)
 
     async def _tenant_of(self, job_id: str) -> str:
-        """The job's tenant from the registry (one read per job, ever); "" while unknown.
+        """The job's tenant: the one its requests carry, else from the registry (one read per
+        job, ever, for requests of writers before schema 4); "" while unknown.
 
         "" is a tenant of its own for admission. An unregistered job, or a registry that
         does not answer, is asked again next time: neither logging nor admission fails on it."""

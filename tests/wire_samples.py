@@ -29,6 +29,7 @@ from common.messages import (
 
 ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     2: {"job_spec": {"eval": EvalSettings()}, "generation_request": {"pinned_adapter_version": -1}},
+    3: {"generation_request": {"tenant": ""}},
 }
 """Fields each schema's writers did not know yet, by schema and kind: read from such a
 writer's bytes, they hold their defaults."""
@@ -85,6 +86,7 @@ SAMPLES: dict[str, Message] = {
         issued_at=1_796_300_002.0,
         min_adapter_version=2,
         pinned_adapter_version=4,
+        tenant="acme",
     ),
     "generation_result": GenerationResult(
         request_id="r1",

@@ -207,6 +207,32 @@ async def test_a_tenants_backlog_does_not_sit_ahead_of_another_tenants_requests(
         assert prompts.committable == 34  # acme0's 0..33 were sent, its 34 never started
 
 
+async def test_the_tenant_a_request_carries_is_the_one_admission_uses() -> None:
+    """Schema 4: env_svc puts the job's tenant on the request, and rollout_svc queues it under
+    that tenant without reading the job record. Here the registry says all three jobs are
+    tenant "one"'s; the requests say a1 and a2 are acme's and g1 globex's."""
+    async with memory_backend() as backend:
+        specs = {name: spec_of(name, "one") for name in ("a1", "a2", "g1")}
+        await registered(backend, *specs.values())
+        engine = TurnstileEngine()
+        service = service_with(backend, engine, 1)
+        carried = [
+            msgspec.structs.replace(request_for(specs[name].job_id, index, 0), tenant=tenant)
+            for name, tenant in {"a1": "acme", "a2": "acme", "g1": "globex"}.items()
+            for index in range(2)
+        ]
+        await read(Inbox(Topic.PROMPTS), service, carried)
+        await engine.until_entered(1)
+        assert service._tenant_in_engine == {"acme": 1}
+        assert service._waiting.waiting() == {"acme": 3, "globex": 2}
+        # An older writer's request (no tenant) is queued under its job's registry tenant.
+        old = spec_of("o1", "one")
+        await registered(backend, old)
+        await read(Inbox(Topic.PROMPTS), service, [request_for(old.job_id, 0, 0)])
+        assert service._waiting.waiting() == {"acme": 3, "globex": 2, "one": 1}
+        await stopped(service, engine)
+
+
 async def test_the_poll_loop_waits_while_the_read_ahead_is_full() -> None:
     async with memory_backend() as backend:
         spec = spec_of("flood", "acme")
