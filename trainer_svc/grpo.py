@@ -46,6 +46,10 @@ def group_advantages(
     and gets zero advantages either way (eps keeps 0/0 from becoming NaN).
     """
     rewards_G = rewards_G.to(torch.float32)
+    if rewards_G.numel() == 0 or bool((rewards_G == rewards_G[0]).all()):
+        # Exactly zero: float32's mean of equal values can be an ulp off (8 x 1.2), and the
+        # std of that ulp would scale it to ~0.1.
+        return torch.zeros_like(rewards_G)
     advantages_G = rewards_G - rewards_G.mean()
     if std_normalize:
         # Population std: the group is the whole sample, not an estimate of a larger one.

@@ -46,9 +46,15 @@ def test_advantages_grpo_divide_by_the_population_std() -> None:
 
 
 @pytest.mark.parametrize("std_normalize", [False, True])
-def test_advantages_of_an_all_equal_group_are_zero(std_normalize: bool) -> None:
-    advantages_G = group_advantages(torch.tensor([3.0, 3.0, 3.0]), std_normalize=std_normalize)
-    assert advantages_G.tolist() == [0.0, 0.0, 0.0]
+@pytest.mark.parametrize("reward", [3.0, 1.2, 0.1, 1 / 3])
+def test_advantages_of_an_all_equal_group_are_exactly_zero(
+    std_normalize: bool, reward: float
+) -> None:
+    """Also where float32's mean of eight equal rewards is off by an ulp (1.2: the
+    calculator's correct answer with its format bonus), which divided by that ulp-sized std
+    gave every sample +0.107: a push on a group with nothing to learn."""
+    advantages_G = group_advantages(torch.tensor([reward] * 8), std_normalize=std_normalize)
+    assert advantages_G.tolist() == [0.0] * 8
 
 
 # --- policy_loss: the clip ------------------------------------------------------------
