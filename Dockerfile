@@ -9,6 +9,7 @@
 # Only the files the package needs, so edits elsewhere in the repo don't bust the layer cache.
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
+COPY api_svc/ /src/api_svc/
 COPY common/ /src/common/
 COPY console/ /src/console/
 COPY env_svc/ /src/env_svc/

@@ -1,7 +1,7 @@
 """Tenants: their API keys, their limits (quotas), and the rule that checks a job against them.
 
 A tenant is a name (`jobspec.NAME_RULE`) with limits set by the operator
-(`marlaas tenants add|limits|list|revoke`) and API keys that the tenant API (console/api.py)
+(`marlaas tenants add|limits|list|revoke`) and API keys that the tenant API (api_svc/)
 accepts. Keys look like `mlk_<key id>_<secret>`; only the SHA-256 of the secret is stored
 (keys are 256 random bits, so a slow hash buys nothing), and a key is checked with a
 constant-time comparison. Redis keys (common/store.py owns them):

@@ -1,9 +1,10 @@
 """`marlaas tenants add | list | key | revoke | revoke-key` (the operator's) and `marlaas api`
-(serve the tenant API, console/api.py)."""
+(serve the tenant API, api_svc/)."""
 
 from __future__ import annotations
 
-import asyncio
+import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
@@ -11,7 +12,6 @@ import msgspec
 import typer
 
 from common.config import SharedSettings, load
-from common.logs import setup_logging
 from common.store import RedisStore
 from common.tenants import LIMIT_NAMES, TenantLimits, TenantRecord
 from console.cli_support import one_line_errors, operator_only, options, quiet_logging, run, say
@@ -146,24 +146,16 @@ def api(
         bool, typer.Option("--check", help="Build the app and exit (an image's start-up check).")
     ] = False,
 ) -> None:
-    """Serve the tenant API (HTTP, API keys; schema at /docs) until Ctrl-C."""
-    from console.api import ApiSettings, create_app, serve
-
+    """Serve the tenant API (HTTP, API keys; schema at /docs) until Ctrl-C: `python -m
+    api_svc`, its own deployable, in place of this process."""
     operator_only("api")
-    settings = load(SharedSettings)
-    setup_logging(settings.log_level, settings.log_format)
-    api_settings = load(ApiSettings)
-    changes = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
-    if check:
-        import uvicorn
-
-        paths = sorted(create_app(settings).openapi()["paths"])
-        say(f"tenant API start-up check passed: uvicorn {uvicorn.__version__}, {len(paths)} paths")
-        return
-    try:
-        asyncio.run(serve(settings, api_settings.model_copy(update=changes)))
-    except KeyboardInterrupt:
-        pass
+    env = dict(os.environ)
+    if host is not None:
+        env["MARLAAS_API_HOST"] = host
+    if port is not None:
+        env["MARLAAS_API_PORT"] = str(port)
+    argv = [sys.executable, "-m", "api_svc", *(["--check"] if check else [])]
+    os.execve(sys.executable, argv, env)
 
 
 def register(root: typer.Typer) -> None:

@@ -357,7 +357,7 @@ class LocalStack:
         self.chat_url = ""
         """The first rollout replica's chat completions (`marlaas sample`), once started."""
         self.api_url = ""
-        """The tenant API (console/api.py), started with the services."""
+        """The tenant API (api_svc/), started with the services."""
         self.topic_partitions: dict[str, int] = {}
         self.supervisor = Supervisor(self.children, restart_policy, on_restart=self._count_restart)
         self._supervision: asyncio.Task[None] | None = None
@@ -480,7 +480,7 @@ class LocalStack:
         if self.chat_url:
             extra["MARLAAS_CHAT_URL"] = self.chat_url
         return start_service(
-            "console.api",
+            "api_svc",
             settings,
             self.kafka_bootstrap,
             self.redis_url_for("api"),

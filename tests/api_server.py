@@ -1,4 +1,4 @@
-"""The tenant API (console/api.py) served from a thread of the test process, on a free port."""
+"""The tenant API (api_svc/) served from a thread of the test process, on a free port."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from api_svc.server import ApiSettings, serve
 from common.config import SharedSettings
-from console.api import ApiSettings, serve
 
 
 @contextmanager

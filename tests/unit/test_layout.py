@@ -2,7 +2,8 @@
 
 `common/` is what the services share: every module in it is imported (directly or through
 another common module) by at least one service, and it imports neither the operator console
-nor a service. Services never import each other or the console.
+nor a service. Services never import each other or the console. The tenant API (`api_svc/`)
+imports `common/` and the client library only, and nothing imports it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
-PACKAGES = ("common", "console", *SERVICES)
+PACKAGES = ("api_svc", "common", "console", *SERVICES)
+API_MAY_IMPORT = ("api_svc", "common", "console.client", "console.chat_client")
+"""The tenant API, a deployable of its own: `common` and the operator's client library."""
 
 
 def imports_of(path: Path) -> set[str]:
@@ -91,3 +94,12 @@ def test_common_modules_import_each_other_without_a_cycle() -> None:
         if module not in done:
             visit(module, [module])
     assert cycles == []
+
+
+def test_the_api_imports_common_and_the_client_library_and_nothing_imports_it() -> None:
+    for module, path in modules("api_svc").items():
+        foreign = [n for n in imports_of(path) if not n.startswith(API_MAY_IMPORT)]
+        assert foreign == [], f"{module} imports {foreign}"
+    for package in ("common", "console", *SERVICES):
+        for module, path in modules(package).items():
+            assert not [n for n in imports_of(path) if n.startswith("api_svc")], module

@@ -1,0 +1,90 @@
+"""Who is asking, and which jobs are theirs: the API's one door.
+
+A request's tenant is the one its API key belongs to (401 without a valid key). Another
+tenant's job is answered exactly like a job that does not exist (404), so a key reveals
+nothing of other tenants.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, HTTPException, Request
+
+from api_svc.views import JobView
+from common.config import SharedSettings
+from common.store import JobRecord
+from console.client import JobStateError, MarlaasClient
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _client(request: Request) -> MarlaasClient:
+    client: MarlaasClient = request.app.state.client
+    return client
+
+
+def _settings(request: Request) -> SharedSettings:
+    settings: SharedSettings = request.app.state.settings
+    return settings
+
+
+Client = Annotated[MarlaasClient, Depends(_client)]
+"""The operator-side client the app holds open (its Kafka, Redis and artifacts)."""
+Settings = Annotated[SharedSettings, Depends(_settings)]
+
+
+async def _tenant_of(request: Request) -> str:
+    """The tenant of the request's API key; 401 without a valid one."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise unauthorized("no API key: send `Authorization: Bearer <key>`")
+    tenant = await _client(request).store.tenants.authenticate(token.strip())
+    if tenant is None:
+        raise unauthorized("API key not valid (unknown, revoked, or its tenant revoked)")
+    return tenant
+
+
+Tenant = Annotated[str, Depends(_tenant_of)]
+"""The tenant of the request's API key."""
+
+
+async def owned(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord | None:
+    """The tenant's job (None: bound to it but not registered yet); 404 otherwise."""
+    if await client.store.owner(job_id) != tenant:
+        raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
+    record = await client.store.job(job_id)
+    if record is not None and record.spec.tenant != tenant:  # registered by the operator
+        raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
+    return record
+
+
+async def registered(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord:
+    """The tenant's job, accepted by env_svc; 409 while it is not (or was rejected)."""
+    if (record := await owned(client, job_id, tenant)) is None:
+        raise HTTPException(409, f"job {job_id!r} is not accepted yet (or was rejected)")
+    return record
+
+
+async def view_of(client: MarlaasClient, record: JobRecord) -> JobView:
+    pointer = await client.store.adapter(record.spec.job_id)
+    return JobView.of(record, pointer.version if pointer else 0)
+
+
+async def conflict_on(call: Awaitable[T]) -> T:
+    """A command that does not apply to the job's state, or an export with nothing to
+    export, is the caller's 409, with the reason."""
+    try:
+        return await call
+    except (JobStateError, FileNotFoundError, ValueError) as exc:
+        raise HTTPException(409, str(exc)) from None
+    except TimeoutError as exc:
+        raise HTTPException(504, str(exc)) from None
+
+
+def unauthorized(message: str) -> HTTPException:
+    return HTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,109 @@
+"""Jobs: `POST /v1/jobs` (submit), `GET /v1/jobs`, `GET /v1/jobs/{job}` and
+`POST /v1/jobs/{job}/{pause|resume|cancel}`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from fastapi import APIRouter, HTTPException, Request
+
+from api_svc.access import Client, Settings, Tenant, conflict_on, owned, registered, view_of
+from api_svc.views import CommandDone, JobView, Submitted
+from common.jobspec import JobSpecError, validate_job
+from common.lifecycle import TERMINAL_STATES
+from common.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
+from common.tenants import count_problem, samples_in_flight
+from common.wire import decode
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/jobs")
+
+
+@router.post("", status_code=202, response_model=Submitted)
+async def submit(request: Request, tenant: Tenant, client: Client, settings: Settings) -> Submitted:
+    spec = await _spec_of(request, tenant)
+    limits = await client.store.tenants.limits(tenant)
+    try:
+        validate_job(
+            spec,
+            base_model=settings.base_model,
+            max_lora_rank=settings.max_lora_rank,
+            lora_target_modules=settings.lora_target_modules,
+            limits=limits,
+        )
+    except JobSpecError as exc:
+        raise HTTPException(422, str(exc)) from None
+    if limits is not None:
+        live = [
+            record
+            for job_id in await client.store.tenant_job_ids(tenant)
+            if (record := await client.store.job(job_id)) is not None
+            and record.status not in TERMINAL_STATES
+        ]
+        busy = sum(samples_in_flight(r.spec) for r in live)
+        if (problem := count_problem(spec, limits, len(live), busy)) is not None:
+            raise HTTPException(429, problem)
+    # Taken: bound to anyone already, this tenant included (a resubmitted id).
+    if await client.store.owner(spec.job_id) is not None or (
+        await client.store.bind_owner(spec.job_id, tenant) != tenant
+    ):
+        raise HTTPException(409, f"job id {spec.job_id!r} is taken; leave job_id out")
+    await client.submit([spec])
+    log.info("tenant %s submitted job %s", tenant, spec.job_id)
+    return Submitted(job_id=spec.job_id, tenant=tenant)
+
+
+@router.get("", response_model=list[JobView])
+async def jobs(tenant: Tenant, client: Client) -> list[JobView]:
+    views = []
+    for job_id in await client.store.tenant_job_ids(tenant):
+        if (record := await client.store.job(job_id)) is not None:
+            views.append(await view_of(client, record))
+    return views
+
+
+@router.get("/{job_id}", response_model=JobView)
+async def job(job_id: str, tenant: Tenant, client: Client) -> JobView:
+    record = await owned(client, job_id, tenant)
+    if record is not None:
+        return await view_of(client, record)
+    if (reason := await client.store.rejection(job_id)) is not None:
+        return JobView(job_id=job_id, tenant=tenant, status="rejected", reason=reason)
+    return JobView(job_id=job_id, tenant=tenant, status="submitted")
+
+
+@router.post("/{job_id}/{action}", response_model=CommandDone)
+async def command(job_id: str, action: JobAction, tenant: Tenant, client: Client) -> CommandDone:
+    await registered(client, job_id, tenant)
+    status = await conflict_on(client.command(job_id, action, wait_s=30.0))
+    return CommandDone(job_id=job_id, status=status)
+
+
+async def _spec_of(request: Request, tenant: str) -> JobSpec:
+    """The posted job spec, stamped with the key's tenant (another tenant named: 403)."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise HTTPException(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPException(400, "the body must be a JSON object: a job spec")
+    named = body.get("tenant")
+    if named not in (None, "", tenant):
+        raise HTTPException(403, f"this key is tenant {tenant!r}'s; the spec names {named!r}")
+    body = {
+        **body,
+        "kind": "job_spec",
+        "tenant": tenant,
+        "job_id": body.get("job_id") or f"{tenant}-{new_id()[:12]}",
+        "submitted_at": time.time(),
+    }
+    try:
+        spec = decode(Topic.JOBS, json.dumps(body).encode())
+    except MessageDecodeError as exc:
+        raise HTTPException(422, exc.reason) from None
+    if not isinstance(spec, JobSpec):
+        raise HTTPException(422, "not a job spec")
+    return spec

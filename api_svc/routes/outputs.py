@@ -1,0 +1,79 @@
+"""What a job leaves: `GET /v1/jobs/{job}/events` (`?follow=true`: NDJSON until it ends),
+`GET /v1/jobs/{job}/export` (the adapter, .tar.gz) and `GET /v1/report` (.tar.gz)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import Response, StreamingResponse
+
+from api_svc.access import Client, Tenant, conflict_on, owned, registered
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/jobs/{job_id}/events", response_model=None)
+async def events(job_id: str, tenant: Tenant, client: Client, follow: bool = False) -> Response:
+    await owned(client, job_id, tenant)
+    if not follow:
+        found = [e for e in await client.events(job_id) if e.tenant == tenant]
+        return Response(msgspec.json.encode(found), media_type="application/json")
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in client.follow(job_id):
+            if event.tenant == tenant:
+                yield msgspec.json.encode(event) + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/jobs/{job_id}/export", response_model=None)
+async def export(
+    job_id: str, tenant: Tenant, client: Client, version: int | None = None
+) -> Response:
+    await registered(client, job_id, tenant)
+    with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
+        out = Path(scratch) / job_id
+        exported = await conflict_on(client.export(job_id, out, version=version))
+        name = f"{job_id}-v{exported.version}"
+        body = await asyncio.to_thread(_tar_gz, out, name)
+    return Response(
+        body,
+        media_type="application/gzip",
+        headers={
+            "Content-Disposition": f'attachment; filename="{name}.tar.gz"',
+            "X-Adapter-Version": str(exported.version),
+        },
+    )
+
+
+@router.get("/report", response_model=None)
+async def report(
+    tenant: Tenant, client: Client, job: Annotated[list[str] | None, Query()] = None
+) -> Response:
+    """The HTML report (+ CSV, JSON) of the named jobs, or of all the tenant's, as .tar.gz."""
+    job_ids = job or await client.store.tenant_job_ids(tenant)
+    for job_id in job_ids:
+        await registered(client, job_id, tenant)
+    if not job_ids:
+        raise HTTPException(404, f"tenant {tenant!r} has no jobs to report on")
+    with tempfile.TemporaryDirectory(prefix="marlaas-report-") as scratch:
+        out = Path(scratch) / "report"
+        await client.report(job_ids, out)
+        body = await asyncio.to_thread(_tar_gz, out, "report")
+    return Response(body, media_type="application/gzip")
+
+
+def _tar_gz(directory: Path, name: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(directory, arcname=name)
+    return buffer.getvalue()

@@ -1,0 +1,67 @@
+"""What the tenant API answers with: its JSON shapes (pydantic, so /openapi.json has them)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from common.store import JobRecord
+from common.tenants import samples_in_flight
+
+
+class TenantView(BaseModel):
+    tenant: str
+    limits: dict[str, int]
+    jobs: list[str]
+
+
+class JobView(BaseModel):
+    job_id: str
+    tenant: str
+    status: str
+    """`submitted` until env_svc has accepted (or rejected) it, then its lifecycle state."""
+    reason: str = ""
+    version: int = 0
+    """The newest trained adapter version (the job's step)."""
+    env: str = ""
+    max_steps: int = 0
+    samples_in_flight: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @classmethod
+    def of(cls, record: JobRecord, version: int) -> JobView:
+        spec = record.spec
+        return cls(
+            job_id=spec.job_id,
+            tenant=spec.tenant,
+            status=record.status,
+            reason=record.reason,
+            version=version,
+            env=spec.env.name,
+            max_steps=spec.rl.max_steps,
+            samples_in_flight=samples_in_flight(spec),
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+        )
+
+
+class Submitted(BaseModel):
+    job_id: str
+    tenant: str
+
+
+class CommandDone(BaseModel):
+    job_id: str
+    status: str
+
+
+class SampleRequest(BaseModel):
+    prompt: str
+    version: int | None = None
+    max_tokens: int = Field(default=64, ge=1, le=1024)
+    temperature: float = Field(default=0.0, ge=0.0)
+
+
+class SampleAnswer(BaseModel):
+    model: str
+    content: str
