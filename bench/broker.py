@@ -28,7 +28,7 @@ from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
 from console.client import MarlaasClient
 from console.demo import demo_jobs
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 
 console = Console()
 RECORDS, RECORD_BYTES = 2000, 1024

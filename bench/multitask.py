@@ -40,7 +40,7 @@ from common.messages import EvalSettings, Event, JobSpec
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.jobwatch import JobProgress, watch_jobs
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 
 console = Console()
 

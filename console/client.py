@@ -181,8 +181,8 @@ class MarlaasClient:
 
     async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
-        from console.report import build_report
-        from console.report_page import write_report
+        from console.report.numbers import build_report
+        from console.report.page import write_report
 
         async with self._feed(set(job_ids) or None) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)

@@ -26,10 +26,10 @@ from common.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.children import unless_stack_fails
 from console.client import MarlaasClient
 from console.jobwatch import JobProgress
-from console.stack import LocalStack
+from console.stack.children import unless_stack_fails
+from console.stack.local import LocalStack
 from console.status import live_view
 
 REWARD_WINDOW = 3

@@ -26,7 +26,7 @@ from common.messages import Event, JobSpec
 from common.store import RedisStore, UnknownJobError
 from console.eventfeed import EventFeed
 from console.jobwatch import JobProgress
-from console.topics import group_lag
+from console.stack.topics import group_lag
 
 RECENT_EVENTS = 200
 """Events kept per job for `marlaas status JOB` and `--json`."""

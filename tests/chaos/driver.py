@@ -66,11 +66,11 @@ from common.messages import (
 )
 from common.models import tiny_model
 from common.wire import decode, encode
-from console.children import ChildServer, RestartPolicy, unless_stack_fails
 from console.client import MarlaasClient
 from console.eventfeed import AdapterFeed, TopicFeed
 from console.jobwatch import submit_jobs
-from console.stack import LocalStack, start_service
+from console.stack.children import ChildServer, RestartPolicy, unless_stack_fails
+from console.stack.local import LocalStack, start_service
 
 REPLICAS = 2
 SESSION_TIMEOUT_S = 6.0  # consumer session timeout of every replica: fail-over in seconds

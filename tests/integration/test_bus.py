@@ -26,8 +26,8 @@ from common.messages import DeadLetter, Event, Topic, new_id
 from common.signing import RecordSigner
 from common.store import RedisStore
 from common.wire import decode, encode
-from console.stack import free_port, start_valkey
-from console.topics import ensure_topics, group_lag
+from console.stack.local import free_port, start_valkey
+from console.stack.topics import ensure_topics, group_lag
 
 pytestmark = pytest.mark.kafka
 

@@ -15,7 +15,7 @@ from common.config import RolloutSettings, SharedSettings
 from common.messages import EnvSettings, JobSpec, new_id
 from common.models import tiny_model
 from common.store import RedisStore
-from console.cli import app
+from console.cli.main import app
 from rollout_svc.engine import RolloutEngine
 from rollout_svc.service import RolloutService
 from tests.integration.test_rollout_engine import make_adapter

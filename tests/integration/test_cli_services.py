@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from common.messages import new_id
-from console.cli import app
-from console.stack import LocalStack
+from console.cli.main import app
+from console.stack.local import LocalStack
 from tests.api_server import api_server
 from tests.conftest import RunningServices, with_store
 

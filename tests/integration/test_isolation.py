@@ -44,7 +44,7 @@ from common.tenants import TenantLimits
 from common.wire import encode, key_bytes, topic_of
 from console.api_client import ApiError, TenantClient
 from console.client import MarlaasClient
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 from tests.api_server import api_server
 from tests.conftest import RunningServices
 from tests.fakes import KafkaTap

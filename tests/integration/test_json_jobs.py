@@ -16,7 +16,7 @@ import pytest
 from common.messages import JobSpec, Topic, new_id
 from common.wire import decode
 from console.jobwatch import JobProgress, watch_jobs
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 from tests.conftest import RunningServices
 from tests.wire_samples import readme_json_job
 

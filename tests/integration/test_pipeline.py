@@ -32,7 +32,7 @@ from common.signing import RecordSigner
 from common.store import RedisStore
 from common.wire import decode
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 from tests.conftest import RunningServices
 
 pytestmark = pytest.mark.kafka

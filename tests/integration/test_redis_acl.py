@@ -24,8 +24,8 @@ from common.lifecycle import SERVICES, RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.store import DROPPED, TRAINED, RedisStore
 from common.tenants import TenantLimits
-from console.children import ChildServer
-from console.stack import LocalStack, free_port, start_valkey
+from console.stack.children import ChildServer
+from console.stack.local import LocalStack, free_port, start_valkey
 
 pytestmark = pytest.mark.kafka
 

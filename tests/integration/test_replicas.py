@@ -31,7 +31,7 @@ from common.messages import (
 )
 from common.models import tiny_model
 from console.client import MarlaasClient
-from console.stack import LocalStack, replicated
+from console.stack.local import LocalStack, replicated
 
 pytestmark = pytest.mark.kafka
 

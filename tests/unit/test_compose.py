@@ -22,7 +22,7 @@ import yaml
 from common.access import KAFKA_SUPER_USERS, PRINCIPALS
 from common.config import KafkaAuthSettings, SharedSettings
 from common.lifecycle import SERVICES
-from console.cli_access import password_variable
+from console.cli.access import password_variable
 from tests.image_targets import dockerfile_stages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -480,7 +480,7 @@ def test_checks_catch_a_broken_copy(
 
 
 def test_each_gpu_gets_its_own_rollout_or_trainer_service(compose: Compose) -> None:
-    from console.compose_gpus import gpu_override
+    from console.stack.compose_gpus import gpu_override
 
     override = gpu_override(compose, {"rollout": ["0", "1"], "trainer": ["2"]})
     services = override["services"]

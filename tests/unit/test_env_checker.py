@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from console.cli import app
+from console.cli.main import app
 from env_svc.checker import check_environment
 from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import ENVIRONMENTS_VAR, available_environments

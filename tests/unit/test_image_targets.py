@@ -22,12 +22,13 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 STARTS = {
     # compose's `topics` and `cli` services: topics, and job files read for `submit`.
-    "base": "import console.topics, console.export, console.report, console.audit, runpy\n"
+    "base": "import console.stack.topics, console.export, console.report.numbers, runpy\n"
+    "import console.audit\n"
     "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
     f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
     "load_job_file(f, base_model='smollm2-135m-instruct')\n"
     "sys.argv = ['marlaas', 'topics', '--help']\n"
-    "runpy.run_module('console.cli', run_name='__main__')",
+    "runpy.run_module('console.cli.main', run_name='__main__')",
     "api": "import runpy; sys.argv = ['api_svc', '--check']; "
     "runpy.run_module('api_svc', run_name='__main__')",
     "env": "import runpy; sys.argv = ['env_svc', '--check']; "

@@ -1,5 +1,5 @@
 """Least privilege on the bus: the Kafka side of common/access.py, the clients' SASL options
-(common/config.py), and the files compose's init containers apply (console/cli_access.py).
+(common/config.py), and the files compose's init containers apply (console/cli/access.py).
 
 No Apache Kafka can run here and the embedded Tansu enforces no ACLs, so the ACLs are
 checked as a table (against what each service sends and reads) and as the generated
@@ -30,8 +30,8 @@ from common.access import (
 from common.config import SERVICE_SETTINGS, KafkaAuthSettings, kafka_client_options
 from common.lifecycle import CONSUMED_TOPICS, SERVICES
 from common.messages import Topic
-from console.cli import app
-from console.cli_access import kafka_acl_script, password_variable
+from console.cli.access import kafka_acl_script, password_variable
+from console.cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ACL_SCRIPT = REPO_ROOT / "deploy" / "kafka" / "acls.sh"
@@ -221,7 +221,7 @@ def test_a_real_valkey_loads_the_written_aclfile(tmp_path: Path) -> None:
     from redis import asyncio as aioredis
 
     from common.store import RedisStore
-    from console.stack import free_port, start_valkey
+    from console.stack.local import free_port, start_valkey
 
     aclfile = tmp_path / "users.acl"
     result = CliRunner().invoke(

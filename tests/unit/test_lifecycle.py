@@ -19,7 +19,7 @@ from common.lifecycle import (
 )
 from common.messages import Event, EventKind, JobAction, Topic, job_event
 from console.jobwatch import JobProgress
-from console.report import build_report
+from console.report.numbers import build_report
 
 
 def fold(*kinds: EventKind, reason: str = "") -> JobLifecycle:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import localbucket
 
-from console.s3server import ScopedListingHandler
+from console.stack.s3server import ScopedListingHandler
 
 
 def test_scoped_listings_equal_localbuckets(tmp_path: Path) -> None:

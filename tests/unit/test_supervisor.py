@@ -1,4 +1,4 @@
-"""console.children.Supervisor: the embedded stack restarts what crashes, within reason."""
+"""console.stack.children.Supervisor: the embedded stack restarts what crashes, within reason."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.children import ChildServer, RestartPolicy, StackError, Supervisor, spawn
+from console.stack.children import ChildServer, RestartPolicy, StackError, Supervisor, spawn
 
 FAST = RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0.01, max_delay_s=0.05)
 

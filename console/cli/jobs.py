@@ -16,7 +16,7 @@ from common.lifecycle import TERMINAL_STATES
 from common.messages import JobAction, JobSpec
 from console.api_client import TenantClient
 from console.audit import Audit
-from console.cli_support import (
+from console.cli.support import (
     console,
     fail,
     one_line_errors,

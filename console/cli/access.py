@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from common.access import KAFKA_GRANTS, PRINCIPALS, kafka_acl_commands, valkey_acl_lines
-from console.cli_support import one_line_errors, say
+from console.cli.support import one_line_errors, say
 
 app = typer.Typer(
     help="Least privilege: Redis users and Kafka ACLs from the one access table.",

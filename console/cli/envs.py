@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from console.cli_support import console, one_line_errors, say
+from console.cli.support import console, one_line_errors, say
 
 envs_app = typer.Typer(
     help="Environments installed here (built-in, entry points, MARLAAS_ENVIRONMENTS).",

@@ -1,6 +1,6 @@
 """The embedded durable broker's S3 server: `localbucket`, with listings that scale.
 
-    python -m console.s3server --host 127.0.0.1 --port PORT DATA_ROOT
+    python -m console.stack.s3server --host 127.0.0.1 --port PORT DATA_ROOT
 
 localbucket (PyPI, stdlib only) walks the whole bucket for every object listing, and
 Tansu's s3 engine lists a partition's batch objects on every fetch and produce: the broker

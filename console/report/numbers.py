@@ -2,7 +2,7 @@
 
 Pure: it turns events (`marlaas.events`) and rollout replica stats history (Redis) into a
 `Report`; reading them is `console.client`'s job, writing the page and files is
-`console.report_page`'s.
+`console.report.page`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from common.lifecycle import (
     StepMetrics,
 )
 from common.messages import Event, JobSpec
-from console.svgchart import is_number
+from console.report.charts import is_number
 
 RESTART_SLACK_S = 1.0
 """How much shorter than the gap between two samples the uptime may be (sampling jitter)

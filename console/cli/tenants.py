@@ -14,7 +14,7 @@ import typer
 from common.config import SharedSettings, load
 from common.store import RedisStore
 from common.tenants import LIMIT_NAMES, TenantLimits, TenantRecord
-from console.cli_support import one_line_errors, operator_only, options, quiet_logging, run, say
+from console.cli.support import one_line_errors, operator_only, options, quiet_logging, run, say
 
 T = TypeVar("T")
 

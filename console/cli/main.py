@@ -13,8 +13,8 @@ from common.access import redacted
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
 from common.logs import setup_logging
-from console import cli_access, cli_envs, cli_jobs, cli_sample, cli_tenants, cli_track
-from console.cli_support import (
+from console.cli import access, envs, jobs, sample, tenants, track
+from console.cli.support import (
     USER_ERRORS,
     console,
     err_console,
@@ -22,7 +22,7 @@ from console.cli_support import (
     options,
     quiet_logging,
 )
-from console.stack import LocalStack
+from console.stack.local import LocalStack
 
 app = typer.Typer(
     help="MARLaaS: multi-tenant asynchronous RL fine-tuning on one shared base model.",
@@ -32,12 +32,8 @@ app = typer.Typer(
 topics_app = typer.Typer(help="Kafka topics of MARLaaS.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 
-cli_jobs.register(app)
-cli_envs.register(app)
-cli_sample.register(app)
-cli_track.register(app)
-cli_tenants.register(app)
-cli_access.register(app)
+for commands in (jobs, envs, sample, track, tenants, access):
+    commands.register(app)
 
 
 @app.callback()
@@ -120,7 +116,7 @@ def up(
 ) -> None:
     """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
     from common.models import resolve_base_model
-    from console.stack import replicated
+    from console.stack.local import replicated
 
     settings = load(SharedSettings)
     setup_logging(settings.log_level)
@@ -151,7 +147,7 @@ def topics_create(
     ),
 ) -> None:
     """Create every marlaas.* topic that does not exist yet (idempotent)."""
-    from console.topics import ensure_topics
+    from console.stack.topics import ensure_topics
 
     settings = load(SharedSettings)
     quiet_logging()

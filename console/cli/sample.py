@@ -10,7 +10,7 @@ import typer
 from common.config import SharedSettings, load
 from console.api_client import TenantClient
 from console.chat_client import ChatFailed, chat_completion
-from console.cli_support import one_line_errors, run, say, tenant_client
+from console.cli.support import one_line_errors, run, say, tenant_client
 
 
 @one_line_errors
