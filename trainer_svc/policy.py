@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.hardware import ComputeDtype
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import masked_token_logprobs, policy_loss, token_logprobs
-from trainer_svc.packing import PackRow, plan_packs
+from trainer_svc.packing import Pack, PackRow, plan_packs
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,47 @@ class _Job:
     rl: RLSettings
     optimizer: torch.optim.Optimizer
     params: list[torch.nn.Parameter]
+
+
+@dataclass
+class _Row:
+    """One trajectory of a step, with its job and advantage."""
+
+    job_id: str
+    trajectory: Trajectory
+    advantage: float
+
+    @property
+    def tokens(self) -> int:
+        # Position 0 predicts nothing (token_logprobs gives it 0): never in the loss.
+        return sum(self.trajectory.loss_mask[1:])
+
+
+@dataclass
+class _Tally:
+    """One job's step: its loss tokens (all rows, the computed ones) and metric sums."""
+
+    tokens: int = 0
+    """The loss's denominator: every row's, the skipped ones' too."""
+    computed_tokens: int = 0
+    rows: int = 0
+    zero_rows: int = 0
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0))
+
+    def add_row(self, row: _Row) -> None:
+        self.tokens += row.tokens
+        self.rows += 1
+        self.zero_rows += row.advantage == 0.0
+
+    def add_computed(self, row: _Row) -> None:
+        self.computed_tokens += row.tokens
+
+    def add(self, metrics: Mapping[str, float]) -> None:
+        """A pass's metrics for this job: the loss is a mean over all the job's tokens
+        (skipped rows add 0), the other metrics over the computed ones."""
+        for key in _TOKEN_MEAN_METRICS:
+            of = self.tokens if key == "loss" else self.computed_tokens
+            self.sums[key] += metrics[key] * metrics["tokens"] / max(of, 1)
 
 
 def _adapter_name(job_id: str) -> str:
@@ -184,100 +225,110 @@ class MultiAdapterPolicy:
         means over the rows that were computed. `zero_advantage_share` says how many rows
         were left out.
         """
-        import torch
-
         started = time.monotonic()
         jobs = {job_id: self._job(job_id) for job_id in batches}
-        rows: list[tuple[str, Trajectory, float]] = []
-        total_tokens: dict[str, int] = {}
+        rows: list[_Row] = []
         for job_id, (trajectories, advantages) in batches.items():
             if not trajectories or len(trajectories) != len(advantages):
                 raise ValueError(
                     f"job {job_id!r}: need one advantage per trajectory and at least one"
                 )
-            rows += [(job_id, t, a) for t, a in zip(trajectories, advantages, strict=True)]
-            # Position 0 predicts nothing (token_logprobs gives it 0): never in the loss.
-            total_tokens[job_id] = sum(sum(t.loss_mask[1:]) for t in trajectories)
+            rows += [_Row(job_id, t, a) for t, a in zip(trajectories, advantages, strict=True)]
+        tallies = {job_id: _Tally() for job_id in jobs}
+        for row in rows:
+            tallies[row.job_id].add_row(row)
+        computed = [r for r in rows if r.advantage != 0.0 or not self.skip_zero_advantages]
+        for row in computed:
+            tallies[row.job_id].add_computed(row)
         self._train_only(jobs.values())
-        sums = {job_id: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0) for job_id in jobs}
-        computed = [
-            i for i, (_, _, a) in enumerate(rows) if a != 0.0 or not self.skip_zero_advantages
-        ]
-        computed_tokens = dict.fromkeys(jobs, 0)
-        for i in computed:
-            computed_tokens[rows[i][0]] += sum(rows[i][1].loss_mask[1:])
         pack_rows = [
-            PackRow((rows[i][0], rows[i][1].group_id), rows[i][1].token_ids, rows[i][1].loss_mask)
-            for i in computed
+            PackRow(
+                (r.job_id, r.trajectory.group_id), r.trajectory.token_ids, r.trajectory.loss_mask
+            )
+            for r in computed
         ]
         packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
         threads: list[int] = []
         for pack in packs:
             if self.before_pass is not None:
                 threads.append(self.before_pass())
-            # Pack indices are into `computed`; from here on, indices into `rows`.
-            indices = [computed[i] for i in pack.rows]
-            owners = [rows[i][0] for i in indices]
-            # In a pack everything is in suffix coordinates: position 0 is `prefix_len`.
-            token_ids_BT, attention_BT, mask_BT, behaviour_BT = (
-                tensor.to(self.device)
-                for tensor in _pad([rows[i][1] for i in indices], start=pack.prefix_len)
+            self._pass(pack, computed, jobs, tallies)
+        results = self._step_each(jobs, tallies)
+        elapsed = time.monotonic() - started
+        all_tokens = sum(tally.tokens for tally in tallies.values())
+        for job_id, metrics in results.items():
+            share = tallies[job_id].tokens / all_tokens if all_tokens else 1 / len(jobs)
+            metrics["step_s"] = elapsed * share
+            metrics["jobs_in_step"] = float(len(jobs))
+            if threads:
+                metrics["threads"] = sum(threads) / len(threads)
+        return results
+
+    def _pass(
+        self, pack: Pack, computed: list[_Row], jobs: Mapping[str, _Job], tallies: dict[str, _Tally]
+    ) -> None:
+        """One forward/backward pass over a pack (its indices are into `computed`): each
+        job's loss, weighted by its share of the job's tokens, into one backward."""
+        import torch
+
+        rows = [computed[i] for i in pack.rows]
+        owners = [row.job_id for row in rows]
+        # In a pack everything is in suffix coordinates: position 0 is `prefix_len`.
+        token_ids_BT, attention_BT, mask_BT, behaviour_BT = (
+            tensor.to(self.device)
+            for tensor in _pad([row.trajectory for row in rows], start=pack.prefix_len)
+        )
+        prefix = None
+        if pack.prefix_len:
+            leaders = [computed[i] for i in pack.prefix_rows]
+            prefix = SharedPrefix(
+                token_ids_GP=torch.tensor(
+                    [row.trajectory.token_ids[: pack.prefix_len] for row in leaders],
+                    device=self.device,
+                ),
+                adapter_names_G=[jobs[row.job_id].adapter_name for row in leaders],
+                group_of_row_B=torch.tensor(pack.prefix_of_row, device=self.device),
             )
-            prefix = None
-            if pack.prefix_len:
-                prefix = SharedPrefix(
-                    token_ids_GP=torch.tensor(
-                        [
-                            rows[computed[r]][1].token_ids[: pack.prefix_len]
-                            for r in pack.prefix_rows
-                        ],
-                        device=self.device,
-                    ),
-                    adapter_names_G=[
-                        jobs[rows[computed[r]][0]].adapter_name for r in pack.prefix_rows
-                    ],
-                    group_of_row_B=torch.tensor(pack.prefix_of_row, device=self.device),
-                )
-            logprobs_BT = self._loss_logprobs(
-                token_ids_BT,
-                attention_BT,
-                mask_BT,
-                [jobs[o].adapter_name for o in owners],
-                prefix,
+        logprobs_BT = self._loss_logprobs(
+            token_ids_BT, attention_BT, mask_BT, [jobs[o].adapter_name for o in owners], prefix
+        )
+        advantages_B = torch.tensor(
+            [row.advantage for row in rows], dtype=torch.float32, device=self.device
+        )
+        objective: torch.Tensor | None = None
+        for job_id in dict.fromkeys(owners):
+            rl = jobs[job_id].rl
+            own_B = torch.tensor([owner == job_id for owner in owners], device=self.device)
+            loss, metrics = policy_loss(
+                logprobs_BT[own_B],
+                behaviour_BT[own_B],
+                advantages_B[own_B],
+                mask_BT[own_B],
+                clip_low=rl.clip_low,
+                clip_high=rl.clip_high,
+                is_cap=rl.is_cap,
             )
-            advantages_B = torch.tensor(
-                [rows[i][2] for i in indices], dtype=torch.float32, device=self.device
-            )
-            objective: torch.Tensor | None = None
-            for job_id in dict.fromkeys(owners):
-                rl = jobs[job_id].rl
-                own_B = torch.tensor([owner == job_id for owner in owners], device=self.device)
-                loss, metrics = policy_loss(
-                    logprobs_BT[own_B],
-                    behaviour_BT[own_B],
-                    advantages_B[own_B],
-                    mask_BT[own_B],
-                    clip_low=rl.clip_low,
-                    clip_high=rl.clip_high,
-                    is_cap=rl.is_cap,
-                )
-                share = metrics["tokens"] / max(total_tokens[job_id], 1)
-                if metrics["tokens"] > 0:
-                    objective = loss * share if objective is None else objective + loss * share
-                for key in _TOKEN_MEAN_METRICS:
-                    # The loss is a mean over all the job's tokens (skipped rows add 0), the
-                    # other metrics over the computed ones.
-                    of = total_tokens if key == "loss" else computed_tokens
-                    sums[job_id][key] += metrics[key] * metrics["tokens"] / max(of[job_id], 1)
-            if objective is not None:
-                objective.backward()
-        zero_rows = {job_id: sum(a == 0.0 for a in batches[job_id][1]) for job_id in jobs}
+            tally = tallies[job_id]
+            if metrics["tokens"] > 0:
+                weighted = loss * (metrics["tokens"] / max(tally.tokens, 1))
+                objective = weighted if objective is None else objective + weighted
+            tally.add(metrics)
+        if objective is not None:
+            objective.backward()
+
+    def _step_each(
+        self, jobs: Mapping[str, _Job], tallies: Mapping[str, _Tally]
+    ) -> dict[str, dict[str, float]]:
+        """Each job clips its own gradient and steps its own optimizer."""
+        import torch
+
         results: dict[str, dict[str, float]] = {}
         for job_id, job in jobs.items():
+            tally = tallies[job_id]
             # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
             # A skipped row would have reached it with a zero gradient, which still moves
             # Adam's state: give it that zero.
-            if self.skip_zero_advantages and zero_rows[job_id]:
+            if tally.zero_rows and self.skip_zero_advantages:
                 for param in job.params:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
@@ -285,18 +336,11 @@ class MultiAdapterPolicy:
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
             results[job_id] = {
-                **sums[job_id],
+                **tally.sums,
                 "grad_norm": float(grad_norm),
-                "tokens": float(total_tokens[job_id]),
-                "zero_advantage_share": zero_rows[job_id] / len(batches[job_id][0]),
+                "tokens": float(tally.tokens),
+                "zero_advantage_share": tally.zero_rows / tally.rows,
             }
-        elapsed, all_tokens = time.monotonic() - started, sum(total_tokens.values())
-        for job_id, metrics in results.items():
-            share = total_tokens[job_id] / all_tokens if all_tokens else 1 / len(jobs)
-            metrics["step_s"] = elapsed * share
-            metrics["jobs_in_step"] = float(len(jobs))
-            if threads:
-                metrics["threads"] = sum(threads) / len(threads)
         return results
 
     def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:
