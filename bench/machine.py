@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.hardware import ComputeDtype, Hardware, detect
-from console.stack.local import service_precisions
+from console.stack.services import service_precisions
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -26,7 +26,7 @@ from console.audit import Audit, audit
 from console.eventfeed import AdapterFeed, EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
-from console.status import StatusBoard
+from console.status.board import StatusBoard
 from console.tracking import Tracker
 
 

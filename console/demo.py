@@ -30,7 +30,7 @@ from console.client import MarlaasClient
 from console.jobwatch import JobProgress
 from console.stack.children import unless_stack_fails
 from console.stack.local import LocalStack
-from console.status import live_view
+from console.status.live import live_view
 
 REWARD_WINDOW = 3
 """Steps averaged for reward_start / reward_end."""

@@ -15,7 +15,8 @@ from pydantic import SecretStr
 
 from common.config import SharedSettings
 from common.store import RedisStore
-from console.stack.local import ChildServer, LocalStack
+from console.stack.children import ChildServer
+from console.stack.local import LocalStack
 from tests.readme_env import install_readme_environment
 
 
@@ -93,7 +94,7 @@ def pipeline_services(
     """
     from common.lifecycle import SERVICES
     from common.models import tiny_model
-    from console.stack.local import start_services, stop_services
+    from console.stack.services import start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
     # Signing on, as `marlaas up` runs them: a test that produces to their topics itself

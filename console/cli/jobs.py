@@ -30,7 +30,9 @@ from console.cli.support import (
 from console.client import MarlaasClient
 from console.export import ExportedAdapter
 from console.jobfile import load_job_file
-from console.status import StatusSnapshot, event_cells, live_view, render
+from console.status.board import StatusSnapshot
+from console.status.live import live_view
+from console.status.render import event_cells, render
 
 
 def _client() -> MarlaasClient:

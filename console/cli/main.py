@@ -116,7 +116,7 @@ def up(
 ) -> None:
     """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
     from common.models import resolve_base_model
-    from console.stack.local import replicated
+    from console.stack.services import replicated
 
     settings = load(SharedSettings)
     setup_logging(settings.log_level)

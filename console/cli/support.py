@@ -18,7 +18,7 @@ from common.backoff import ServerUnreachable
 from common.store import UnknownJobError
 from common.tenants import UnknownTenantError
 from console.api_client import ApiClientSettings, ApiError, TenantClient
-from console.stack.local import StackError
+from console.stack.children import StackError
 from console.tracking import TrackingUnavailableError
 
 PIPED_WIDTH = 200

@@ -70,7 +70,8 @@ from console.client import MarlaasClient
 from console.eventfeed import AdapterFeed, TopicFeed
 from console.jobwatch import submit_jobs
 from console.stack.children import ChildServer, RestartPolicy, unless_stack_fails
-from console.stack.local import LocalStack, start_service
+from console.stack.local import LocalStack
+from console.stack.services import start_service
 
 REPLICAS = 2
 SESSION_TIMEOUT_S = 6.0  # consumer session timeout of every replica: fail-over in seconds

@@ -11,7 +11,8 @@ from common.config import SharedSettings
 from common.lifecycle import SERVICES
 from console.demo import demo_jobs
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
-from console.stack.local import LocalStack, start_services, stop_services
+from console.stack.local import LocalStack
+from console.stack.services import start_services, stop_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

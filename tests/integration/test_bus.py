@@ -26,7 +26,8 @@ from common.messages import DeadLetter, Event, Topic, new_id
 from common.signing import RecordSigner
 from common.store import RedisStore
 from common.wire import decode, encode
-from console.stack.local import free_port, start_valkey
+from console.stack.children import free_port
+from console.stack.infra import start_valkey
 from console.stack.topics import ensure_topics, group_lag
 
 pytestmark = pytest.mark.kafka

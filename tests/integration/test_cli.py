@@ -36,7 +36,8 @@ from common.service import runtime_fields
 from common.store import RedisStore
 from common.wire import decode
 from console.cli.main import app
-from console.stack.local import LocalStack, free_port
+from console.stack.children import free_port
+from console.stack.local import LocalStack
 from tests.conftest import with_store
 from tests.track_readers import mlflow_run, tensorboard_hparams, tensorboard_scalars
 

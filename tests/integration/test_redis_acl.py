@@ -24,8 +24,9 @@ from common.lifecycle import SERVICES, RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.store import DROPPED, TRAINED, RedisStore
 from common.tenants import TenantLimits
-from console.stack.children import ChildServer
-from console.stack.local import LocalStack, free_port, start_valkey
+from console.stack.children import ChildServer, free_port
+from console.stack.infra import start_valkey
+from console.stack.local import LocalStack
 
 pytestmark = pytest.mark.kafka
 

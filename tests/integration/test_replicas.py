@@ -31,7 +31,8 @@ from common.messages import (
 )
 from common.models import tiny_model
 from console.client import MarlaasClient
-from console.stack.local import LocalStack, replicated
+from console.stack.local import LocalStack
+from console.stack.services import replicated
 
 pytestmark = pytest.mark.kafka
 

@@ -17,7 +17,8 @@ from common.config import stack_env_file
 from common.messages import Topic
 from common.models import tiny_model
 from common.store import RedisStore
-from console.stack.local import LocalStack, free_port
+from console.stack.children import free_port
+from console.stack.local import LocalStack
 from console.stack.topics import ensure_topics
 
 pytestmark = pytest.mark.kafka

@@ -13,7 +13,7 @@ from common.flow import DroppedGroup, FlowState, issue_limit
 from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.store import RedisStore, UnknownJobError
-from console.stack.local import free_port
+from console.stack.children import free_port
 
 pytestmark = pytest.mark.kafka
 

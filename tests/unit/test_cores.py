@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.cores import engine_trainer_split, format_cores, parse_cores, pin_to_cores
-from console.stack.local import core_placement
+from console.stack.services import core_placement
 
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
 

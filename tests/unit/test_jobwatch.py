@@ -7,7 +7,8 @@ import pytest
 
 from common.messages import Event, job_event
 from console.jobwatch import ETA_WINDOW, JobProgress
-from console.status import JobRow, ProgressLog, StatusSnapshot
+from console.status.board import JobRow, StatusSnapshot
+from console.status.live import ProgressLog
 
 
 def at(event: Event, when: float) -> Event:

@@ -221,7 +221,8 @@ def test_a_real_valkey_loads_the_written_aclfile(tmp_path: Path) -> None:
     from redis import asyncio as aioredis
 
     from common.store import RedisStore
-    from console.stack.local import free_port, start_valkey
+    from console.stack.children import free_port
+    from console.stack.infra import start_valkey
 
     aclfile = tmp_path / "users.acl"
     result = CliRunner().invoke(

@@ -103,3 +103,16 @@ def test_the_api_imports_common_and_the_client_library_and_nothing_imports_it() 
     for package in ("common", "console", *SERVICES):
         for module, path in modules(package).items():
             assert not [n for n in imports_of(path) if n.startswith("api_svc")], module
+
+
+def test_the_console_is_in_rooms() -> None:
+    """console/ (and api_svc/): no folder a flat list of more than 12 modules, no module
+    over 400 lines; a new one goes into the room it belongs to, or makes one."""
+    for package in ("console", "api_svc"):
+        folders = {path.parent for path in (ROOT / package).rglob("*.py")}
+        for folder in folders:
+            flat = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+            assert len(flat) <= 12, f"{folder.relative_to(ROOT)}: {len(flat)} modules"
+        for path in (ROOT / package).rglob("*.py"):
+            lines = len(path.read_text().splitlines())
+            assert lines <= 400, f"{path.relative_to(ROOT)}: {lines} lines"

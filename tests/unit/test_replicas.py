@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.lifecycle import SERVICES
-from console.stack.local import replicated
+from console.stack.services import replicated
 
 
 def test_replicas_repeat_each_named_service_and_keep_the_others_single() -> None:
