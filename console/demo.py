@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
@@ -52,15 +53,9 @@ def demo_jobs(base_model: str, run_id: str, seed: int = 0) -> list[JobSpec]:
         max_context_tokens=256,
         sampling=SamplingSettings(max_new_tokens=16),
     )
-    calculator_rl = RLSettings(
-        group_size=8,
-        groups_per_step=2,
-        max_steps=12,
-        max_staleness=1,
-        learning_rate=1e-3,
-        std_normalize=True,
-        max_context_tokens=512,
-        sampling=SamplingSettings(max_new_tokens=48),
+    # The same, with room for a tool call and its result.
+    calculator_rl = msgspec.structs.replace(
+        arithmetic_rl, max_context_tokens=512, sampling=SamplingSettings(max_new_tokens=48)
     )
     # Two-digit sums: the base model gets 22% of them right greedily in its head, a tool call
     # always. With one-digit ones it was already right 78-81% of the time, so an evaluation
