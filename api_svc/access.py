@@ -7,7 +7,6 @@ nothing of other tenants.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable
 from typing import Annotated, TypeVar
 
@@ -17,8 +16,6 @@ from api_svc.views import JobView
 from common.config import SharedSettings
 from common.store import JobRecord
 from console.client import JobStateError, MarlaasClient
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -54,7 +54,7 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     if config["cores"] is not None:
         os.sched_setaffinity(0, set(config["cores"]))
     own, lent = set(config["cores"] or ()), set(config.get("lent") or ())
-    compute = ComputeThread(own, lent, config["threads"] or len(os.sched_getaffinity(0)))
+    compute = ComputeThread(own, lent, config["threads"])  # 0: one thread per own core
     policy = compute.call(
         MultiAdapterPolicy,
         resolve_base_model(config["model"]),

@@ -29,10 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService
 
-    own, lent = (
-        parse_cores(spec) if spec else set() for spec in (settings.cpu_cores, settings.borrow_cores)
-    )
-    compute = ComputeThread(own, lent, threads)
+    # Its own cores: the ones pin_to_cores left this process (ComputeThread's default).
+    lent = parse_cores(settings.borrow_cores) if settings.borrow_cores else set()
+    compute = ComputeThread(set(), lent, threads)
 
     def load_policy() -> MultiAdapterPolicy:
         return MultiAdapterPolicy(

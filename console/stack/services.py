@@ -120,14 +120,15 @@ def core_placement(
     if {"VLLM_CPU_OMP_THREADS_BIND", "ROLLOUT_CPU_CORES", "TRAINER_CPU_CORES"} & environ.keys():
         return {}
     engine, trainer = split
+    lent = environ.get("TRAINER_BORROW_CORES", format_cores(engine))
     trainer_env = {"TRAINER_CPU_CORES": format_cores(trainer)}
-    if "TRAINER_BORROW_CORES" not in environ:  # set (even empty), it says what is lent
-        trainer_env["TRAINER_BORROW_CORES"] = format_cores(engine)
+    if "TRAINER_BORROW_CORES" not in environ:  # set (even empty), the trainer reads it itself
+        trainer_env["TRAINER_BORROW_CORES"] = lent
     log.info(
         "cores: rollout engine %s, trainer %s (borrowing %s while it idles)",
         format_cores(engine),
         format_cores(trainer),
-        trainer_env.get("TRAINER_BORROW_CORES") or environ["TRAINER_BORROW_CORES"] or "none",
+        lent or "none",
     )
     return {"rollout_svc": {"ROLLOUT_CPU_CORES": format_cores(engine)}, "trainer_svc": trainer_env}
 
