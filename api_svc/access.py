@@ -14,7 +14,7 @@ from fastapi import Depends, HTTPException, Request
 
 from api_svc.views import JobView
 from common.config import SharedSettings
-from common.store import JobRecord
+from common.registry import JobRecord
 from console.client import JobStateError, MarlaasClient
 
 T = TypeVar("T")

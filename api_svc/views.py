@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from common.store import JobRecord
+from common.registry import JobRecord
 from common.tenants import samples_in_flight
 
 

@@ -19,11 +19,16 @@ counted once; `eval:{job}:{v}` holds the tally.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from redis.commands.core import AsyncScript
+
 from common.messages import JobSpec
+from common.redis_part import RedisPart, text, texts
 
 DONE = "done"
 MAX_RESENDS = 2
@@ -58,11 +63,11 @@ def evals_key(job_id: str) -> str:
     return f"evals:{job_id}"
 
 
-def resends_key(job_id: str) -> str:
+def _resends_key(job_id: str) -> str:
     return f"evalresends:{job_id}"
 
 
-def tally_keys(job_id: str, version: int) -> list[str]:
+def _tally_keys(job_id: str, version: int) -> list[str]:
     return [f"evalseen:{job_id}:{version}", f"eval:{job_id}:{version}"]
 
 
@@ -78,10 +83,7 @@ class EvalTally:
 
     @classmethod
     def from_hash(cls, version: int, fields: Mapping[Any, Any]) -> EvalTally:
-        def text(value: Any) -> str:
-            return value.decode() if isinstance(value, bytes) else str(value)
-
-        values = {text(k): float(text(v)) for k, v in fields.items()}
+        values = {k: float(v) for k, v in texts(fields).items()}
         return cls(
             version=version,
             episodes=int(values.get("episodes", 0)),
@@ -114,7 +116,7 @@ class EvalTally:
         }
 
 
-def record_args(
+def _record_args(
     episode_id: str, reward: float, solved: bool, components: dict[str, float]
 ) -> list[Any]:
     flat: list[Any] = [episode_id, reward, int(solved)]
@@ -123,13 +125,13 @@ def record_args(
     return flat
 
 
-CLAIM_EVAL = """
+_CLAIM_EVAL = """
 -- KEYS[1] evals:{job}; ARGV version, now -> 1 when this caller claimed the version's
 -- evaluation (and sends its requests), 0 when it was claimed before
 return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 """
 
-TAKE_STALE_EVALS = """
+_TAKE_STALE_EVALS = """
 -- KEYS[1] evals:{job}; ARGV cutoff, now -> versions whose requests were sent before cutoff
 -- and whose evaluation is not done, each re-armed to now so that one sweeper takes it
 local taken = {}
@@ -144,7 +146,7 @@ end
 return taken
 """
 
-RECORD_EVAL = """
+_RECORD_EVAL = """
 -- KEYS[1] evalseen:{job}:{v}, KEYS[2] eval:{job}:{v}; ARGV episode id, reward, solved 0/1,
 -- then component name/value pairs -> episodes counted so far, or -1 for an episode counted
 -- before (a redelivered result)
@@ -156,3 +158,69 @@ for i = 4, #ARGV, 2 do
 end
 return redis.call('HINCRBY', KEYS[2], 'episodes', 1)
 """
+
+
+class EvalTallies(RedisPart):
+    """Claims, re-sends and tallies of each job's evaluations."""
+
+    @cached_property
+    def _claim_eval(self) -> AsyncScript:
+        return self._redis.register_script(_CLAIM_EVAL)
+
+    @cached_property
+    def _take_stale_evals(self) -> AsyncScript:
+        return self._redis.register_script(_TAKE_STALE_EVALS)
+
+    @cached_property
+    def _record_eval(self) -> AsyncScript:
+        return self._redis.register_script(_RECORD_EVAL)
+
+    async def claim_eval(self, job_id: str, version: int) -> bool:
+        """True for the one caller that sends the evaluation of `version`."""
+        return bool(await self._claim_eval(keys=[evals_key(job_id)], args=[version, time.time()]))
+
+    async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]:
+        """Evaluations sent more than `older_than_s` ago and not done, each handed to one
+        caller per `older_than_s`: the caller finishes it or sends its requests again."""
+        now = time.time()
+        taken = await self._take_stale_evals(
+            keys=[evals_key(job_id)], args=[now - older_than_s, now]
+        )
+        return [int(version) for version in taken]
+
+    async def record_eval(
+        self,
+        job_id: str,
+        version: int,
+        episode_id: str,
+        *,
+        reward: float,
+        solved: bool,
+        components: Mapping[str, float],
+    ) -> int:
+        """Count one finished evaluation episode; returns the episodes counted so far, or -1
+        when this one was counted before."""
+        return int(
+            await self._record_eval(
+                keys=_tally_keys(job_id, version),
+                args=_record_args(episode_id, reward, solved, dict(components)),
+            )
+        )
+
+    async def eval_tally(self, job_id: str, version: int) -> EvalTally:
+        return EvalTally.from_hash(
+            version, await self._redis.hgetall(_tally_keys(job_id, version)[1])
+        )
+
+    async def count_eval_resend(self, job_id: str, version: int) -> int:
+        """One more re-send of the evaluation of `version`; returns how many so far."""
+        return int(await self._redis.hincrby(_resends_key(job_id), str(version), 1))
+
+    async def finish_eval(self, job_id: str, version: int) -> None:
+        """Its `eval` event is out: the sweeper leaves it alone."""
+        await self._redis.hset(evals_key(job_id), str(version), DONE)
+
+    async def evals(self, job_id: str) -> dict[int, str]:
+        """Evaluated versions: when their requests were last sent, or `done`."""
+        raw = await self._redis.hgetall(evals_key(job_id))
+        return {int(text(k)): text(v) for k, v in raw.items()}

@@ -5,15 +5,25 @@ The rule (docs/architecture.md, "Flow control"): a job may have at most
 never more than `max_steps * B` (more would be waste). Each trained version releases exactly
 one step's worth of groups; with S = 0 generation never runs ahead of training.
 
-State: `flow:{job}` holds the two counters below. The trained version is NOT stored here: it
+State: `flow:{job}` holds the counters below; `claims:{job}` the claimed groups not yet
+sent and `ledger:{job}` the audit ledger (common/keyspace.py). `FlowWindow` is the store's
+part that moves them, each move one Lua script. The trained version is NOT stored here: it
 is the adapter pointer's version (`adapter:{job}`, moved forward by the trainer), stored once
-and read by the issue script. `issue_limit` and `TRY_ISSUE_GROUP` are the same rule, one in
+and read by the issue script. `issue_limit` and `_TRY_ISSUE_GROUP` are the same rule, one in
 Python (tests, the status board) and one in Lua (the atomic claim in Redis).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from functools import cached_property
+
+from redis.commands.core import AsyncScript
+
+from common.dedup import DROPPED, TRAINED
+from common.keyspace import adapter_key, claims_key, dedup_key, flow_key, ledger_key
+from common.redis_part import RedisPart, text
 
 ISSUED_GROUPS = "issued_groups"
 """Group indices claimed so far (env_svc); index n is the job's n-th task."""
@@ -23,10 +33,6 @@ Counted once per group id, however often a drop is replayed."""
 FAILED_IN_A_ROW = "failed_in_a_row"
 """Groups dropped as invalid (no usable rewards) since the job's last trained step; a job
 that reaches the trainer's limit fails instead of being re-issued forever."""
-
-
-def flow_key(job_id: str) -> str:
-    return f"flow:{job_id}"
 
 
 def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
@@ -68,19 +74,7 @@ class IssuedGroup:
     """The job's trained version when the group was claimed: its samples wait for it."""
 
 
-def ledger_key(job_id: str) -> str:
-    """The job's audit ledger: a Redis stream with one entry per effect on a group, each
-    written by the same Lua script as the effect (console/audit.py reads it)."""
-    return f"ledger:{job_id}"
-
-
-def claims_key(job_id: str) -> str:
-    """Hash of the job's claimed group indices whose first requests are not all sent yet,
-    index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
-    return f"claims:{job_id}"
-
-
-TRY_ISSUE_GROUP = """
+_TRY_ISSUE_GROUP = """
 -- KEYS[1] flow:{job}, KEYS[2] claims:{job}, KEYS[3] ledger:{job}; ARGV max_staleness,
 -- groups_per_step, max_groups, now, job -> {claimed index or -1, trained version}. The
 -- trained version is read from adapter:{job} undeclared: a declared key needs write access
@@ -98,7 +92,7 @@ redis.call('XADD', KEYS[3], '*', 'kind', 'issued', 'group', issued, 'version', t
 return {issued, trained}
 """
 
-TAKE_STALE_CLAIMS = """
+_TAKE_STALE_CLAIMS = """
 -- KEYS[1] claims:{job}; ARGV cutoff, now -> {index, trained version, ...} of the claims
 -- older than cutoff, each re-armed to now so that one sweeper re-sends it, not every replica
 local taken = {}
@@ -114,7 +108,7 @@ end
 return taken
 """
 
-RECORD_DROP = """
+_RECORD_DROP = """
 -- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set, KEYS[3] ledger:{job}, KEYS[4]
 -- the job's trained-groups set; ARGV group id, invalid 0/1, drop kind -> {counted 0/1,
 -- dropped_groups, failed_in_a_row}. A group a published version trained is never dropped.
@@ -131,8 +125,107 @@ return {counted, tonumber(redis.call('HGET', KEYS[1], 'dropped_groups') or '0'),
         tonumber(redis.call('HGET', KEYS[1], 'failed_in_a_row') or '0')}
 """
 
-FINISH_CLAIM = """
+_FINISH_CLAIM = """
 -- KEYS[1] claims:{job}, KEYS[2] ledger:{job}; ARGV group index
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('XADD', KEYS[2], '*', 'kind', 'sent', 'group', ARGV[1])
 """
+
+
+class FlowWindow(RedisPart):
+    """Each job's window of live groups: claims, drops, and the audit ledger they write."""
+
+    @cached_property
+    def _try_issue_group(self) -> AsyncScript:
+        return self._redis.register_script(_TRY_ISSUE_GROUP)
+
+    @cached_property
+    def _take_stale_claims(self) -> AsyncScript:
+        return self._redis.register_script(_TAKE_STALE_CLAIMS)
+
+    @cached_property
+    def _record_drop(self) -> AsyncScript:
+        return self._redis.register_script(_RECORD_DROP)
+
+    @cached_property
+    def _finish_claim(self) -> AsyncScript:
+        return self._redis.register_script(_FINISH_CLAIM)
+
+    async def try_issue_group(
+        self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
+    ) -> IssuedGroup | None:
+        """Claim the next group index if the staleness bound allows it, else None.
+
+        `max_groups` caps the live groups of the whole job (max_steps * B: more is waste).
+        """
+        index, trained_version = await self._try_issue_group(
+            keys=[flow_key(job_id), claims_key(job_id), ledger_key(job_id)],
+            args=[max_staleness, groups_per_step, max_groups, time.time(), job_id],
+        )
+        return None if int(index) < 0 else IssuedGroup(int(index), int(trained_version))
+
+    async def finish_claim(self, job_id: str, index: int) -> None:
+        """Every first request of claimed group `index` is on the bus: nothing to re-send."""
+        await self._finish_claim(keys=[claims_key(job_id), ledger_key(job_id)], args=[index])
+
+    async def take_stale_claims(self, job_id: str, older_than_s: float) -> list[IssuedGroup]:
+        """Claims not finished for `older_than_s` (their replica died or failed mid-group),
+        each handed to one caller per `older_than_s`: the caller re-sends the group."""
+        now = time.time()
+        flat = await self._take_stale_claims(
+            keys=[claims_key(job_id)], args=[now - older_than_s, now]
+        )
+        return [IssuedGroup(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    async def record_dropped_group(
+        self, job_id: str, group_id: str, *, invalid: bool, kind: str = "dropped"
+    ) -> DroppedGroup:
+        """Count a group out of the job's window (it is replaced), once per group id; an
+        `invalid` one (no usable rewards) also extends the job's run of failed groups."""
+        counted, dropped, failed = await self._record_drop(
+            keys=[
+                flow_key(job_id),
+                dedup_key(DROPPED, job_id),
+                ledger_key(job_id),
+                dedup_key(TRAINED, job_id),
+            ],
+            args=[group_id, int(invalid), kind],
+        )
+        return DroppedGroup(bool(counted), int(dropped), int(failed))
+
+    async def flow(self, job_id: str) -> FlowState:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(flow_key(job_id))
+            pipe.hget(adapter_key(job_id), "version")
+            counters, version = await pipe.execute()
+        values = {text(k): int(v) for k, v in counters.items()}
+        return FlowState(
+            issued_groups=values.get(ISSUED_GROUPS, 0),
+            dropped_groups=values.get(DROPPED_GROUPS, 0),
+            trained_version=int(version or 0),
+            failed_in_a_row=values.get(FAILED_IN_A_ROW, 0),
+        )
+
+    async def live_groups(self, job_id: str) -> list[str]:
+        """Ids of the job's issued groups neither trained nor dropped, oldest first."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(flow_key(job_id), ISSUED_GROUPS)
+            pipe.smembers(dedup_key(TRAINED, job_id))
+            pipe.smembers(dedup_key(DROPPED, job_id))
+            issued, trained, dropped = await pipe.execute()
+        done = {text(g) for g in trained | dropped}
+        ids = (f"{job_id}/g{index}" for index in range(int(issued or 0)))
+        return [group_id for group_id in ids if group_id not in done]
+
+    async def ledger(self, job_id: str) -> list[dict[str, str]]:
+        """The job's audit ledger, oldest first: each entry's fields (kind, group, ...)."""
+        entries = await self._redis.xrange(ledger_key(job_id)) or []
+        return [{text(k): text(v) for k, v in (fields or {}).items()} for _, fields in entries]
+
+    async def last_activity(self, job_id: str) -> float | None:
+        """When the job's ledger last moved (a group issued, sent, trained or dropped), unix
+        s; None before its first entry."""
+        entries = await self._redis.xrevrange(ledger_key(job_id), count=1) or []
+        if not entries or entries[0][0] is None:
+            return None
+        return int(text(entries[0][0]).split("-")[0]) / 1000  # the entry id's milliseconds

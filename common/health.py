@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 if TYPE_CHECKING:
-    from common.ports import StateStore
+    from common.store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ async def check(probe: Awaitable[object], timeout_s: float = CHECK_TIMEOUT_S) ->
     return True
 
 
-async def redis_ready(store: StateStore | None) -> bool:
+async def redis_ready(store: RedisStore | None) -> bool:
     """Redis answers a PING in time."""
     if store is None:
         return False

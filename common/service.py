@@ -25,7 +25,7 @@ from common.hardware import Hardware, Precision
 from common.health import HealthServer
 from common.lifecycle import CONSUMED_TOPICS
 from common.messages import Message
-from common.ports import Sender, StateStore
+from common.ports import Sender
 from common.store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Connections:
         client_id: str,
         *,
         producer: Sender | None = None,
-        store: StateStore | None = None,
+        store: RedisStore | None = None,
     ) -> None:
         self._shared = shared
         self._kafka = (
@@ -108,7 +108,7 @@ class Connections:
         if self.store is not None and self._owns_store:
             await self.store.close()
 
-    def require_store(self) -> StateStore:
+    def require_store(self) -> RedisStore:
         if self.store is None:
             raise RuntimeError("the service has not started: no store yet")
         return self.store

@@ -4,7 +4,7 @@ A tenant is a name (`jobspec.NAME_RULE`) with limits set by the operator
 (`marlaas tenants add|limits|list|revoke`) and API keys that the tenant API (api_svc/)
 accepts. Keys look like `mlk_<key id>_<secret>`; only the SHA-256 of the secret is stored
 (keys are 256 random bits, so a slow hash buys nothing), and a key is checked with a
-constant-time comparison. Redis keys (common/store.py owns them):
+constant-time comparison. Redis keys (named here; common/keyspace.py lists the rest):
 
 - `tenant:{name}`   hash limits (JSON of `TenantLimits`), created_at, revoked_at
 - `tenants`         set of every tenant name
@@ -15,10 +15,11 @@ constant-time comparison. Redis keys (common/store.py owns them):
 - `tenant-jobs:{name}` set of the tenant's registered jobs (the quota's count)
 
 Limits are enforced where a job is accepted (env_svc, atomically with its registration:
-common/store.py `register_job`), so jobs produced to Kafka directly by the operator obey
-them too; the API checks them first only to answer sooner. A tenant the operator never
-added has no limits beyond the bounds on every job field (common/jobspec.py): only the
-operator's own Kafka producers can send its jobs, since tenants never hold Kafka credentials.
+common/registry.py `register_job`), so jobs produced to Kafka directly by the operator obey
+them too; the API asks the same rule first (`check_quota`) only to answer sooner. A tenant
+the operator never added has no limits beyond the bounds on every job field
+(common/jobspec.py): only the operator's own Kafka producers can send its jobs, since tenants
+never hold Kafka credentials.
 `marlaas tenants add` starts a tenant at `TenantLimits()`.
 """
 
@@ -73,10 +74,6 @@ def owner_key(job_id: str) -> str:
     return f"owner:{job_id}"
 
 
-def rejection_key(job_id: str) -> str:
-    return f"rejected:{job_id}"
-
-
 def api_key_key(key_id: str) -> str:
     return f"apikey:{key_id}"
 
@@ -112,23 +109,22 @@ def job_limit_problems(spec: JobSpec, limits: TenantLimits) -> list[str]:
     ]
 
 
-def count_problem(
-    spec: JobSpec, limits: TenantLimits, live_jobs: int, live_samples: int
-) -> str | None:
-    """Which count limit the job would take its tenant past, given the tenant's jobs that have
-    not ended and their samples in flight (None: it fits)."""
-    if live_jobs + 1 > limits.max_concurrent_jobs:
+def quota_problem(
+    code: int, spec: JobSpec, limits: TenantLimits, live_jobs: int, live_samples: int
+) -> str:
+    """What the count limit the job would take its tenant past says, given which one the
+    rule found (`code`: -1 jobs, -2 samples; common/registry.py), the tenant's jobs that have
+    not ended and their samples in flight."""
+    if code == -1:
         return (
             f"quota max_concurrent_jobs: tenant {spec.tenant!r} has {live_jobs} jobs that have "
             f"not ended; its limit is {limits.max_concurrent_jobs}"
         )
-    if live_samples + samples_in_flight(spec) > limits.max_samples_in_flight:
-        return (
-            f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {live_samples} "
-            f"samples in flight and this one adds {samples_in_flight(spec)} (G x B x (S + 1)); "
-            f"its limit is {limits.max_samples_in_flight}"
-        )
-    return None
+    return (
+        f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {live_samples} "
+        f"samples in flight and this one adds {samples_in_flight(spec)} (G x B x (S + 1)); "
+        f"its limit is {limits.max_samples_in_flight}"
+    )
 
 
 def encode_limits(limits: TenantLimits) -> bytes:

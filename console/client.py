@@ -21,7 +21,8 @@ from common.config import (
 )
 from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from common.store import JobRecord, RedisStore, UnknownJobError
+from common.registry import JobRecord, UnknownJobError
+from common.store import RedisStore
 from console.audit import Audit, audit
 from console.eventfeed import AdapterFeed, EventFeed
 from console.export import ExportedAdapter, export_adapter

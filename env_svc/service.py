@@ -44,9 +44,10 @@ from common.messages import (
     Trajectory,
     job_event,
 )
-from common.ports import Sender, StateStore
+from common.ports import Sender
+from common.registry import JobRecord
 from common.service import Connections, Service
-from common.store import JobRecord
+from common.store import RedisStore
 from common.tenants import QuotaError
 from common.wire import job_named_in
 from env_svc.calls import EnvCalls
@@ -76,7 +77,7 @@ class EnvService(Service):
         tokenizer: ChatTokenizer,
         *,
         producer: Sender | None = None,
-        store: StateStore | None = None,
+        store: RedisStore | None = None,
     ) -> None:
         """`producer` / `store`: given (tests), they are used as they are; else `start()`
         connects to Kafka and Redis."""

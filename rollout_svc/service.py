@@ -43,8 +43,9 @@ from common.metrics import (
     ROLLOUT_TOKENS_PER_SECOND,
     export_service_metrics,
 )
-from common.ports import Sender, StateStore
+from common.ports import Sender
 from common.service import Connections, Service, announce_runtime, runtime_fields
+from common.store import RedisStore
 from common.wire import dead_letter, encode
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
@@ -121,7 +122,7 @@ class RolloutService(Service):
         engine: GenerationEngine,
         *,
         producer: Sender | None = None,
-        store: StateStore | None = None,
+        store: RedisStore | None = None,
     ) -> None:
         """`producer` / `store`: given (tests), they are used as they are; else `start()`
         connects to Kafka and Redis."""

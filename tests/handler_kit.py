@@ -9,7 +9,8 @@ from typing import Any
 
 from common.artifacts import adapter_dir
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings
-from common.flow import ISSUED_GROUPS, flow_key
+from common.flow import ISSUED_GROUPS
+from common.keyspace import flow_key
 from common.messages import (
     AdapterUpdate,
     EnvSettings,

@@ -24,6 +24,7 @@ from aiokafka.structs import TopicPartition
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
+from common.dedup import DROPPED, TRAINED
 from common.faults import fault_point
 from common.hardware import Precision, detect
 from common.health import redis_ready
@@ -50,9 +51,10 @@ from common.metrics import (
     TRAINER_TOKENS_PER_SECOND,
     export_service_metrics,
 )
-from common.ports import Sender, StateStore
+from common.pointers import FencedError
+from common.ports import Sender
 from common.service import Connections, Service, announce_runtime, runtime_fields
-from common.store import DROPPED, TRAINED, FencedError
+from common.store import RedisStore
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
 from trainer_svc.compute import ComputeThread
 from trainer_svc.groups import Group, checked, group_index, not_of_job, verdict
@@ -99,7 +101,7 @@ class TrainerService(Service):
         load_policy: Callable[[], MultiAdapterPolicy],
         *,
         producer: Sender | None = None,
-        store: StateStore | None = None,
+        store: RedisStore | None = None,
         precision: Precision | None = None,
         compute: ComputeThread | None = None,
     ) -> None:

@@ -12,9 +12,8 @@ from fastapi import APIRouter, HTTPException, Request
 from api_svc.access import Client, Settings, Tenant, conflict_on, owned, registered, view_of
 from api_svc.views import CommandDone, JobView, Submitted
 from common.jobspec import JobSpecError, validate_job
-from common.lifecycle import TERMINAL_STATES
 from common.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
-from common.tenants import count_problem, samples_in_flight
+from common.tenants import QuotaError
 from common.wire import decode
 
 log = logging.getLogger(__name__)
@@ -37,15 +36,10 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
     except JobSpecError as exc:
         raise HTTPException(422, str(exc)) from None
     if limits is not None:
-        live = [
-            record
-            for job_id in await client.store.tenant_job_ids(tenant)
-            if (record := await client.store.job(job_id)) is not None
-            and record.status not in TERMINAL_STATES
-        ]
-        busy = sum(samples_in_flight(r.spec) for r in live)
-        if (problem := count_problem(spec, limits, len(live), busy)) is not None:
-            raise HTTPException(429, problem)
+        try:
+            await client.store.check_quota(spec, limits)
+        except QuotaError as exc:
+            raise HTTPException(429, str(exc)) from None
     # Taken: bound to anyone already, this tenant included (a resubmitted id).
     if await client.store.owner(spec.job_id) is not None or (
         await client.store.bind_owner(spec.job_id, tenant) != tenant

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 
 from common.backoff import ServerUnreachable
-from common.store import UnknownJobError
+from common.registry import UnknownJobError
 from common.tenants import UnknownTenantError
 from console.api_client import ApiClientSettings, ApiError, TenantClient
 from console.stack.children import StackError

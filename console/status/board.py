@@ -16,7 +16,8 @@ from typing import Any
 
 from common.lifecycle import CONSUMED_TOPICS
 from common.messages import Event, JobSpec
-from common.store import RedisStore, UnknownJobError
+from common.registry import UnknownJobError
+from common.store import RedisStore
 from console.eventfeed import EventFeed
 from console.jobwatch import JobProgress
 from console.stack.topics import group_lag

@@ -14,16 +14,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 from redis import asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from common.access import PRINCIPALS, Principal, new_passwords, redis_url_for, valkey_acl_lines
 from common.config import SharedSettings, stack_env_file
+from common.dedup import DROPPED, TRAINED
 from common.lifecycle import SERVICES, RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.store import DROPPED, TRAINED, RedisStore
-from common.tenants import TenantLimits
+from common.store import RedisStore
+from common.tenants import QuotaError, TenantLimits
 from console.stack.children import ChildServer, free_port
 from console.stack.infra import start_valkey
 from console.stack.local import LocalStack
@@ -217,10 +219,16 @@ async def test_api_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await api.owner(new_job) is None
         assert await api.bind_owner(new_job, tenant) == tenant
         assert job_id in await api.job_ids()
-        assert (await api.job(job_id)) is not None
+        record_of_job = await api.job(job_id)
+        assert record_of_job is not None
         assert (await api.adapter(job_id)) is not None
         assert await api.published_uri(job_id, 1) == "file:///a/v1"
         assert [e["kind"] for e in await api.ledger(job_id)] == ["trained"]
+        # The count-limit rule, read-only: the tenant's one live job fills a limit of one.
+        spec = msgspec.structs.replace(record_of_job.spec, job_id=new_job)
+        await api.check_quota(spec, TenantLimits())
+        with pytest.raises(QuotaError, match=r"max_concurrent_jobs: tenant .* has 1 jobs"):
+            await api.check_quota(spec, TenantLimits(max_concurrent_jobs=1))
 
 
 # --- and nothing else -------------------------------------------------------------------

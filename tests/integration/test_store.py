@@ -12,7 +12,8 @@ from common.backoff import ServerUnreachable
 from common.flow import DroppedGroup, FlowState, issue_limit
 from common.lifecycle import RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.store import RedisStore, UnknownJobError
+from common.registry import UnknownJobError
+from common.store import RedisStore
 from console.stack.children import free_port
 
 pytestmark = pytest.mark.kafka

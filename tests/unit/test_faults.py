@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.artifacts import latest_checkpoint_version
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
+from common.dedup import TRAINED
 from common.lifecycle import RolloutReplicaStats
 from common.messages import (
     EnvSettings,
@@ -33,7 +34,6 @@ from common.messages import (
     new_id,
     result_for,
 )
-from common.store import TRAINED
 from common.wire import decode
 from console.audit import audit
 from env_svc import protocol

@@ -1,0 +1,257 @@
+"""The job registry: each job's record (spec, tenant, status), the set of all jobs, why a
+job was rejected, job-id owners, and the tenant's count limits checked where jobs register.
+
+The count limits (a tenant's live jobs and their samples in flight) are one rule, in Lua:
+`_QUOTA_RULE` is part of the script that registers a job (checked and registered in one step,
+so two replicas accepting two jobs of one tenant cannot both take the last slot) and of the
+read-only script the tenant API asks before it accepts a job for the bus.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+from redis.commands.core import AsyncScript
+
+from common.keyspace import JOB_PREFIX, JOBS, job_key, rejection_key
+from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
+from common.messages import JobSpec, Topic
+from common.redis_part import RedisPart, text
+from common.tenants import (
+    QuotaError,
+    TenantLimits,
+    owner_key,
+    quota_problem,
+    samples_in_flight,
+    tenant_jobs_key,
+)
+from common.wire import decode, encode
+
+REJECTION_TTL_S = 7 * 24 * 3600
+
+# quota(tenant's jobs set, the job's samples in flight, max_concurrent_jobs,
+# max_samples_in_flight (-1: unlimited), index in ARGV of the first terminal status) ->
+# code (1 fits / -1 too many jobs / -2 too many samples), the tenant's live jobs, their
+# samples in flight. It reads the tenant's job records without declaring them (one Redis,
+# never a cluster; a declared key needs write access under ACLs: common/access.py).
+_QUOTA_RULE = f"""
+local function quota(tenant_jobs, samples, max_jobs, max_samples, terminal_from)
+  local jobs, busy = 0, 0
+  for _, member in ipairs(redis.call('SMEMBERS', tenant_jobs)) do
+    local fields = redis.call('HMGET', '{JOB_PREFIX}' .. member, 'status', 'samples')
+    local live = fields[1] ~= false
+    for i = terminal_from, #ARGV do
+      if fields[1] == ARGV[i] then live = false end
+    end
+    if live then
+      jobs = jobs + 1
+      busy = busy + tonumber(fields[2] or '0')
+    end
+  end
+  if max_jobs >= 0 and jobs + 1 > max_jobs then return -1, jobs, busy end
+  if max_samples >= 0 and busy + samples > max_samples then return -2, jobs, busy end
+  return 1, jobs, busy
+end
+"""
+
+# KEYS[1] job key, KEYS[2] jobs set, KEYS[3] the tenant's jobs set; ARGV job_id, spec,
+# tenant, status, now, the job's samples in flight, max_concurrent_jobs,
+# max_samples_in_flight, terminal statuses... -> {1 new / 0 known / -1 too many jobs / -2 too
+# many samples, the tenant's live jobs, their samples in flight}.
+_REGISTER_JOB = (
+    _QUOTA_RULE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0, 0} end
+local code, jobs, busy = quota(KEYS[3], tonumber(ARGV[6]), tonumber(ARGV[7]),
+                               tonumber(ARGV[8]), 9)
+if code < 0 then return {code, jobs, busy} end
+redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'tenant', ARGV[3], 'status', ARGV[4],
+           'reason', '', 'created_at', ARGV[5], 'updated_at', ARGV[5], 'samples', ARGV[6])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+return {1, jobs + 1, busy + tonumber(ARGV[6])}
+"""
+)
+
+# No KEYS; ARGV the tenant's jobs set, the job's samples in flight, max_concurrent_jobs,
+# max_samples_in_flight, terminal statuses... -> {code, live jobs, their samples in flight}
+_CHECK_QUOTA = (
+    _QUOTA_RULE
+    + """
+local code, jobs, busy = quota(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+                               tonumber(ARGV[4]), 5)
+return {code, jobs, busy}
+"""
+)
+
+# KEYS[1] owner key; ARGV tenant -> the tenant the job id is bound to (this one if unbound)
+_BIND_OWNER = """
+local owner = redis.call('GET', KEYS[1])
+if owner then return owner end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
+"""
+
+# KEYS[1] job key; ARGV status, reason, now, terminal statuses... -> {changed 0/1, status now}
+_SET_STATUS = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return {0, ''} end
+for i = 4, #ARGV do
+  if current == ARGV[i] then return {0, current} end
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
+return {1, ARGV[1]}
+"""
+
+_TERMINAL = sorted(TERMINAL_STATES)
+
+
+class UnknownJobError(KeyError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return f"unknown job {self.job_id!r}"
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    spec: JobSpec
+    status: JobState
+    reason: str
+    created_at: float
+    updated_at: float
+
+
+class JobRegistry(RedisPart):
+    @cached_property
+    def _register_job(self) -> AsyncScript:
+        return self._redis.register_script(_REGISTER_JOB)
+
+    @cached_property
+    def _check_quota(self) -> AsyncScript:
+        return self._redis.register_script(_CHECK_QUOTA)
+
+    @cached_property
+    def _bind_owner(self) -> AsyncScript:
+        return self._redis.register_script(_BIND_OWNER)
+
+    @cached_property
+    def _set_status(self) -> AsyncScript:
+        return self._redis.register_script(_SET_STATUS)
+
+    async def register_job(
+        self,
+        spec: JobSpec,
+        status: JobState = "pending",
+        *,
+        limits: TenantLimits | None = None,
+    ) -> bool:
+        """Record a job once; returns False when the id was already registered.
+
+        With `limits`, raises QuotaError (naming the limit) instead of registering a job that
+        would take its tenant past `max_concurrent_jobs` or `max_samples_in_flight`."""
+        code, jobs, busy = await self._register_job(
+            keys=[job_key(spec.job_id), JOBS, tenant_jobs_key(spec.tenant)],
+            args=[
+                spec.job_id,
+                encode(spec),
+                spec.tenant,
+                status,
+                time.time(),
+                *_quota_args(spec, limits),
+            ],
+        )
+        _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
+        return bool(code)
+
+    async def check_quota(self, spec: JobSpec, limits: TenantLimits) -> None:
+        """Raises QuotaError when registering the job now would take its tenant past a count
+        limit (the tenant API asks before it puts a job on the bus; registering checks
+        again, atomically)."""
+        code, jobs, busy = await self._check_quota(
+            keys=[], args=[tenant_jobs_key(spec.tenant), *_quota_args(spec, limits)]
+        )
+        _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
+
+    async def bind_owner(self, job_id: str, tenant: str) -> str:
+        """Bind the job id to `tenant` unless it is bound already; returns its tenant."""
+        return text(await self._bind_owner(keys=[owner_key(job_id)], args=[tenant]))
+
+    async def owner(self, job_id: str) -> str | None:
+        """The tenant the job id is bound to (None: not bound yet)."""
+        owner = await self._redis.get(owner_key(job_id))
+        return None if owner is None else text(owner)
+
+    async def record_rejection(self, job_id: str, reason: str) -> None:
+        """Why a job was rejected (it is never registered), kept a week for its sender."""
+        await self._redis.set(rejection_key(job_id), reason, ex=REJECTION_TTL_S)
+
+    async def rejection(self, job_id: str) -> str | None:
+        reason = await self._redis.get(rejection_key(job_id))
+        return None if reason is None else text(reason)
+
+    async def tenant_job_ids(self, tenant: str) -> list[str]:
+        return sorted(text(m) for m in await self._redis.smembers(tenant_jobs_key(tenant)))
+
+    async def job(self, job_id: str) -> JobRecord | None:
+        fields = {text(k): v for k, v in (await self._redis.hgetall(job_key(job_id))).items()}
+        if not fields:
+            return None
+        return JobRecord(
+            spec=_stored_spec(fields["spec"]),
+            status=_status(fields["status"]),
+            reason=text(fields["reason"]),
+            created_at=float(fields["created_at"]),
+            updated_at=float(fields["updated_at"]),
+        )
+
+    async def job_ids(self) -> list[str]:
+        return sorted(text(member) for member in await self._redis.smembers(JOBS))
+
+    async def set_job_status(self, job_id: str, status: JobState, reason: str = "") -> bool:
+        """Move a job to `status`; a job in a terminal status stays there (returns False).
+
+        Raises UnknownJobError for a job that was never registered.
+        """
+        changed, current = await self._set_status(
+            keys=[job_key(job_id)], args=[status, reason, time.time(), *_TERMINAL]
+        )
+        if not current:
+            raise UnknownJobError(job_id)
+        return bool(changed)
+
+
+def _quota_args(spec: JobSpec, limits: TenantLimits | None) -> list[int | str]:
+    """The quota rule's arguments: samples, the two limits (-1: none), terminal statuses."""
+    return [
+        samples_in_flight(spec),
+        limits.max_concurrent_jobs if limits else -1,
+        limits.max_samples_in_flight if limits else -1,
+        *_TERMINAL,
+    ]
+
+
+def _raise_over_quota(
+    code: int, spec: JobSpec, limits: TenantLimits | None, jobs: int, busy: int
+) -> None:
+    if code < 0 and limits is not None:
+        raise QuotaError(quota_problem(code, spec, limits, jobs, busy))
+
+
+def _status(raw: bytes | str) -> JobState:
+    status = text(raw)
+    if status not in JOB_STATES:
+        raise ValueError(f"corrupt job status {status!r}")
+    return status  # type: ignore[return-value]
+
+
+def _stored_spec(raw: bytes | str) -> JobSpec:
+    """A registered spec, in any wire schema a build of this deployment wrote."""
+    spec = decode(Topic.JOBS, raw.encode() if isinstance(raw, str) else raw)
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"a job record holds a {type(spec).__name__}, not a JobSpec")
+    return spec
