@@ -13,11 +13,9 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import TopicPartition
 
 from common.backoff import retry_transient
-from common.bus import start_client
-from common.config import kafka_client_options
+from common.bus import start_reader
 from common.messages import Message, MessageDecodeError
 from common.signing import RecordSigner
 from common.wire import decode
@@ -53,23 +51,13 @@ class BroadcastReader(Generic[M]):
         self._stopping = asyncio.Event()
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
-        consumer = await start_client(
-            lambda: AIOKafkaConsumer(
-                bootstrap_servers=self.bootstrap,
-                client_id=f"{self.service}-broadcast",
-                enable_auto_commit=False,
-                auto_offset_reset="latest",
-                **kafka_client_options(),
-            ),
+        consumer, assigned = await start_reader(
             self.bootstrap,
-            timeout_s,
+            self.topic,
+            client_id=f"{self.service}-broadcast",
+            start_at="latest",
+            timeout_s=timeout_s,
         )
-        partitions = consumer.partitions_for_topic(self.topic)
-        if not partitions:
-            await consumer.topics()  # refresh metadata once
-            partitions = consumer.partitions_for_topic(self.topic) or set()
-        assigned = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        consumer.assign(assigned)
         # Pin "now" before returning, so the caller's snapshot cannot miss a record.
         for tp, end in (await consumer.end_offsets(assigned)).items():
             consumer.seek(tp, end)

@@ -75,6 +75,31 @@ async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) 
     )
 
 
+async def start_reader(
+    bootstrap: str, topic: str, *, client_id: str, start_at: str, timeout_s: float
+) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
+    """A started consumer in no group, assigned every partition of `topic`: it reads from
+    `start_at` (`earliest` or `latest`) and never commits. Also its partitions."""
+    consumer = await start_client(
+        lambda: AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            client_id=client_id,
+            enable_auto_commit=False,
+            auto_offset_reset=start_at,
+            **kafka_client_options(),
+        ),
+        bootstrap,
+        timeout_s,
+    )
+    partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        await consumer.topics()  # refresh metadata once
+        partitions = consumer.partitions_for_topic(topic) or set()
+    assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(assigned)
+    return consumer, assigned
+
+
 # --- producing ----------------------------------------------------------------------
 
 

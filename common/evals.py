@@ -22,13 +22,11 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-from redis.commands.core import AsyncScript
-
+from common.keyspace import eval_resends_key, eval_seen_key, eval_tally_key, evals_key
 from common.messages import JobSpec
-from common.redis_part import RedisPart, text, texts
+from common.redis_part import Lua, RedisPart, text, texts
 
 DONE = "done"
 MAX_RESENDS = 2
@@ -57,18 +55,6 @@ def evaluated(spec: JobSpec, version: int) -> bool:
         return False
     every = settings.every_steps
     return version in (0, spec.rl.max_steps) or (every > 0 and version % every == 0)
-
-
-def evals_key(job_id: str) -> str:
-    return f"evals:{job_id}"
-
-
-def _resends_key(job_id: str) -> str:
-    return f"evalresends:{job_id}"
-
-
-def _tally_keys(job_id: str, version: int) -> list[str]:
-    return [f"evalseen:{job_id}:{version}", f"eval:{job_id}:{version}"]
 
 
 @dataclass(frozen=True)
@@ -163,17 +149,9 @@ return redis.call('HINCRBY', KEYS[2], 'episodes', 1)
 class EvalTallies(RedisPart):
     """Claims, re-sends and tallies of each job's evaluations."""
 
-    @cached_property
-    def _claim_eval(self) -> AsyncScript:
-        return self._redis.register_script(_CLAIM_EVAL)
-
-    @cached_property
-    def _take_stale_evals(self) -> AsyncScript:
-        return self._redis.register_script(_TAKE_STALE_EVALS)
-
-    @cached_property
-    def _record_eval(self) -> AsyncScript:
-        return self._redis.register_script(_RECORD_EVAL)
+    _claim_eval = Lua(_CLAIM_EVAL)
+    _take_stale_evals = Lua(_TAKE_STALE_EVALS)
+    _record_eval = Lua(_RECORD_EVAL)
 
     async def claim_eval(self, job_id: str, version: int) -> bool:
         """True for the one caller that sends the evaluation of `version`."""
@@ -202,19 +180,19 @@ class EvalTallies(RedisPart):
         when this one was counted before."""
         return int(
             await self._record_eval(
-                keys=_tally_keys(job_id, version),
+                keys=[eval_seen_key(job_id, version), eval_tally_key(job_id, version)],
                 args=_record_args(episode_id, reward, solved, dict(components)),
             )
         )
 
     async def eval_tally(self, job_id: str, version: int) -> EvalTally:
         return EvalTally.from_hash(
-            version, await self._redis.hgetall(_tally_keys(job_id, version)[1])
+            version, await self._redis.hgetall(eval_tally_key(job_id, version))
         )
 
     async def count_eval_resend(self, job_id: str, version: int) -> int:
         """One more re-send of the evaluation of `version`; returns how many so far."""
-        return int(await self._redis.hincrby(_resends_key(job_id), str(version), 1))
+        return int(await self._redis.hincrby(eval_resends_key(job_id), str(version), 1))
 
     async def finish_eval(self, job_id: str, version: int) -> None:
         """Its `eval` event is out: the sweeper leaves it alone."""

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
-
-from redis.commands.core import AsyncScript
 
 from common.dedup import DROPPED, TRAINED
 from common.keyspace import adapter_key, claims_key, dedup_key, flow_key, ledger_key
-from common.redis_part import RedisPart, text
+from common.redis_part import Lua, RedisPart, text
 
 ISSUED_GROUPS = "issued_groups"
 """Group indices claimed so far (env_svc); index n is the job's n-th task."""
@@ -135,21 +132,10 @@ redis.call('XADD', KEYS[2], '*', 'kind', 'sent', 'group', ARGV[1])
 class FlowWindow(RedisPart):
     """Each job's window of live groups: claims, drops, and the audit ledger they write."""
 
-    @cached_property
-    def _try_issue_group(self) -> AsyncScript:
-        return self._redis.register_script(_TRY_ISSUE_GROUP)
-
-    @cached_property
-    def _take_stale_claims(self) -> AsyncScript:
-        return self._redis.register_script(_TAKE_STALE_CLAIMS)
-
-    @cached_property
-    def _record_drop(self) -> AsyncScript:
-        return self._redis.register_script(_RECORD_DROP)
-
-    @cached_property
-    def _finish_claim(self) -> AsyncScript:
-        return self._redis.register_script(_FINISH_CLAIM)
+    _try_issue_group = Lua(_TRY_ISSUE_GROUP)
+    _take_stale_claims = Lua(_TAKE_STALE_CLAIMS)
+    _record_drop = Lua(_RECORD_DROP)
+    _finish_claim = Lua(_FINISH_CLAIM)
 
     async def try_issue_group(
         self, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int

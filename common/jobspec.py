@@ -151,13 +151,14 @@ def _bounds(value: Any, info: inspect.Type, at: str, or_unset: str = "") -> list
         if isinstance(value, bool) or not isinstance(value, int | float) or _within(value, info):
             return []
         return [(at, f"must be {_range(info)}{or_unset}, got {value}")]
-    if isinstance(info, inspect.ListType) and isinstance(value, list):
+    if isinstance(info, inspect.ListType | inspect.VarTupleType) and isinstance(
+        value, list | tuple
+    ):
         low, high = info.min_length or 0, info.max_length
         if len(value) >= low and (high is None or len(value) <= high):
             return []
-        return [
-            (at, f"must have {low}-{high if high is not None else 'any'} items, got {len(value)}")
-        ]
+        span = f"{low}-{high}" if high is not None else f"at least {low}"
+        return [(at, f"must have {span} items, got {len(value)}")]
     return []
 
 

@@ -9,7 +9,9 @@ docs/architecture.md, "Redis keys").
                     updated_at, samples (its G x B x (S + 1), for its tenant's quota)
 - `jobs`            set of every registered job id
 - `rejected:{job}`  why a job was rejected (never registered), for a week
-- tenants, API keys, job owners and each tenant's jobs: common/tenants.py
+- `tenant:{name}`, `tenants`, `apikey:{key id}`, `tenant-keys:{name}`, `owner:{job}`,
+  `tenant-jobs:{name}`: tenants, their API keys, job owners and each tenant's jobs
+  (common/tenants.py)
 - `flow:{job}`      hash of the flow-control counters (common/flow.py)
 - `claims:{job}`    hash of claimed group indices not yet fully sent (common/flow.py)
 - `ledger:{job}`    stream: the job's audit ledger (issued, sent, trained, dropped groups)
@@ -22,57 +24,54 @@ docs/architecture.md, "Redis keys").
   precision, why), expiring
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 
-Lua scripts name some keys without declaring them (the adapter pointer read by the issue
-script, a tenant's job records read by the register script): their prefixes here and there
-must agree, and tests/unit/test_keyspace.py checks that they do.
+Each family is a `Key`: `flow_key("j")` is `flow:j`, `flow_key.prefix` is `flow:`. Lua
+scripts name some keys without declaring them (the adapter pointer read by the issue
+script, a tenant's job records read by the quota rule): tests/unit/test_keyspace.py checks
+that their prefixes agree with these.
 """
 
 from __future__ import annotations
 
-ADAPTER_PREFIX = "adapter:"
-JOB_PREFIX = "job:"
+
+class Key:
+    """A family of Redis keys: a prefix, then the ids joined by ':'."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, *ids: str | int) -> str:
+        return self.prefix + ":".join(str(i) for i in ids)
+
+
+adapter_key = Key("adapter:")
+versions_key = Key("adapter-versions:")
+fence_key = Key("fence:")
+job_key = Key("job:")
 JOBS = "jobs"
+rejection_key = Key("rejected:")
+flow_key = Key("flow:")
+claims_key = Key("claims:")
+"""Hash of the job's claimed group indices whose first requests are not all sent yet,
+index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
+ledger_key = Key("ledger:")
+"""The job's audit ledger: a Redis stream with one entry per effect on a group, each written
+by the same Lua script as the effect (console/audit.py reads it)."""
+dedup_key = Key("dedup:")
+"""(scope, job)"""
+evals_key = Key("evals:")
+eval_resends_key = Key("evalresends:")
+eval_seen_key = Key("evalseen:")
+"""(job, version)"""
+eval_tally_key = Key("eval:")
+"""(job, version)"""
+tenant_key = Key("tenant:")
+TENANTS = "tenants"
+api_key_key = Key("apikey:")
+tenant_keys_key = Key("tenant-keys:")
+owner_key = Key("owner:")
+tenant_jobs_key = Key("tenant-jobs:")
+stats_key = Key("stats:rollout:")
+stats_history_key = Key("stats-history:rollout:")
+runtime_key = Key("runtime:")
+"""(service, replica)"""
 RESTARTS = "stack:restarts"
-STATS_PREFIX = "stats:rollout:"
-STATS_HISTORY_PREFIX = "stats-history:rollout:"
-RUNTIME_PREFIX = "runtime:"
-
-
-def adapter_key(job_id: str) -> str:
-    return f"{ADAPTER_PREFIX}{job_id}"
-
-
-def versions_key(job_id: str) -> str:
-    return f"adapter-versions:{job_id}"
-
-
-def fence_key(job_id: str) -> str:
-    return f"fence:{job_id}"
-
-
-def job_key(job_id: str) -> str:
-    return f"{JOB_PREFIX}{job_id}"
-
-
-def rejection_key(job_id: str) -> str:
-    return f"rejected:{job_id}"
-
-
-def flow_key(job_id: str) -> str:
-    return f"flow:{job_id}"
-
-
-def claims_key(job_id: str) -> str:
-    """Hash of the job's claimed group indices whose first requests are not all sent yet,
-    index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
-    return f"claims:{job_id}"
-
-
-def ledger_key(job_id: str) -> str:
-    """The job's audit ledger: a Redis stream with one entry per effect on a group, each
-    written by the same Lua script as the effect (console/audit.py reads it)."""
-    return f"ledger:{job_id}"
-
-
-def dedup_key(scope: str, job_id: str) -> str:
-    return f"dedup:{scope}:{job_id}"

@@ -234,8 +234,9 @@ class JobCommand(_Wire, tag="job_command"):
 # --- marlaas.prompts / marlaas.rollouts -----------------------------------------------
 
 
-class GenerationRequest(_Wire, tag="generation_request"):
-    """env_svc -> rollout_svc: sample one turn of one episode. De-duplicated on `request_id`."""
+class _Turn(_Wire):
+    """What names one turn of one episode: a generation request's ids and context, which its
+    result echoes. De-duplicated on `request_id`, keyed by episode."""
 
     request_id: str
     job_id: str
@@ -245,6 +246,14 @@ class GenerationRequest(_Wire, tag="generation_request"):
     turn: int
     context_token_ids: list[int]
     """The whole context so far (prompt + earlier turns + tool results), never re-tokenized."""
+
+    DEDUP_FIELD = "request_id"
+    KEY_FIELD = "episode_id"
+
+
+class GenerationRequest(_Turn, tag="generation_request"):
+    """env_svc -> rollout_svc: sample one turn of one episode."""
+
     sampling: SamplingSettings
     env_state: bytes = b""
     """The episode's state, opaque to rollout_svc, echoed back in the result."""
@@ -259,23 +268,13 @@ class GenerationRequest(_Wire, tag="generation_request"):
     admission need not read the job record back; "" from writers before schema 4 (rollout_svc
     then looks it up)."""
 
-    DEDUP_FIELD = "request_id"
-    KEY_FIELD = "episode_id"
-
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class GenerationResult(_Wire, tag="generation_result"):
-    """rollout_svc -> env_svc: one sampled turn. De-duplicated on `request_id`."""
+class GenerationResult(_Turn, tag="generation_result"):
+    """rollout_svc -> env_svc: one sampled turn."""
 
-    request_id: str
-    job_id: str
-    episode_id: str
-    group_id: str
-    sample_index: int
-    turn: int
-    context_token_ids: list[int]
     completion_token_ids: list[int]
     logprobs: list[float]
     """Sampler logprob of each completion token (same length as completion_token_ids)."""
@@ -286,8 +285,10 @@ class GenerationResult(_Wire, tag="generation_result"):
     queue_s: float = 0.0
     generate_s: float = 0.0
 
-    DEDUP_FIELD = "request_id"
-    KEY_FIELD = "episode_id"
+
+_ECHOED = (*(name for name in _Turn.__struct_fields__ if name != "schema"), "env_state")
+"""What a result echoes of its request: the turn's ids and context (not `schema`), and the
+episode's state."""
 
 
 def result_for(
@@ -301,15 +302,9 @@ def result_for(
     generate_s: float = 0.0,
 ) -> GenerationResult:
     """The answer to `request`: its ids and context echoed, with what was sampled."""
+    echoed = {name: getattr(request, name) for name in _ECHOED}
     return GenerationResult(
-        request_id=request.request_id,
-        job_id=request.job_id,
-        episode_id=request.episode_id,
-        group_id=request.group_id,
-        sample_index=request.sample_index,
-        turn=request.turn,
-        context_token_ids=request.context_token_ids,
-        env_state=request.env_state,
+        **echoed,
         completion_token_ids=completion_token_ids,
         logprobs=logprobs,
         adapter_version=adapter_version,

@@ -10,14 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
-
-from redis.commands.core import AsyncScript
 
 from common.dedup import TRAINED
 from common.keyspace import (
-    ADAPTER_PREFIX,
     adapter_key,
     dedup_key,
     fence_key,
@@ -25,7 +21,7 @@ from common.keyspace import (
     ledger_key,
     versions_key,
 )
-from common.redis_part import RedisPart, text, texts
+from common.redis_part import Lua, RedisPart, text, texts
 
 # KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key, KEYS[4] fence
 # key, KEYS[5] the job's published versions (version -> uri), KEYS[6] the job's ledger; ARGV
@@ -34,7 +30,7 @@ from common.redis_part import RedisPart, text, texts
 # together: a crash cannot leave a version published with its groups unmarked. Only the owner
 # of the job's current fencing epoch may publish (epoch 0: unfenced). A trained step also ends
 # a run of failed groups.
-SET_ADAPTER = """
+_SET_ADAPTER = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local epoch = tonumber(ARGV[5])
 if epoch > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') ~= epoch then
@@ -88,9 +84,7 @@ class AdapterPointer:
 
 
 class AdapterPointers(RedisPart):
-    @cached_property
-    def _set_adapter(self) -> AsyncScript:
-        return self._redis.register_script(SET_ADAPTER)
+    _set_adapter = Lua(_SET_ADAPTER)
 
     async def publish_adapter(
         self,
@@ -141,8 +135,8 @@ class AdapterPointers(RedisPart):
     async def adapters(self) -> dict[str, AdapterPointer]:
         """Every job's adapter pointer (rollout replicas read this at start-up)."""
         pointers: dict[str, AdapterPointer] = {}
-        async for key in self._redis.scan_iter(match=f"{ADAPTER_PREFIX}*", count=500):
-            job_id = text(key).removeprefix(ADAPTER_PREFIX)
+        async for key in self._redis.scan_iter(match=f"{adapter_key.prefix}*", count=500):
+            job_id = text(key).removeprefix(adapter_key.prefix)
             if fields := await self._redis.hgetall(key):
                 pointers[job_id] = AdapterPointer.of(job_id, fields)
         return pointers

@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
 
-from redis.commands.core import AsyncScript
-
-from common.keyspace import JOB_PREFIX, JOBS, job_key, rejection_key
+from common.keyspace import JOBS, job_key, owner_key, rejection_key, tenant_jobs_key
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
 from common.messages import JobSpec, Topic
-from common.redis_part import RedisPart, text
-from common.tenants import (
-    QuotaError,
-    TenantLimits,
-    owner_key,
-    quota_problem,
-    samples_in_flight,
-    tenant_jobs_key,
-)
+from common.redis_part import Lua, RedisPart, text
+from common.tenants import QuotaError, TenantLimits, quota_problem, samples_in_flight
 from common.wire import decode, encode
 
 REJECTION_TTL_S = 7 * 24 * 3600
@@ -40,7 +30,7 @@ _QUOTA_RULE = f"""
 local function quota(tenant_jobs, samples, max_jobs, max_samples, terminal_from)
   local jobs, busy = 0, 0
   for _, member in ipairs(redis.call('SMEMBERS', tenant_jobs)) do
-    local fields = redis.call('HMGET', '{JOB_PREFIX}' .. member, 'status', 'samples')
+    local fields = redis.call('HMGET', '{job_key.prefix}' .. member, 'status', 'samples')
     local live = fields[1] ~= false
     for i = terminal_from, #ARGV do
       if fields[1] == ARGV[i] then live = false end
@@ -126,22 +116,19 @@ class JobRecord:
     updated_at: float
 
 
+Job = str | JobRecord
+"""A job named by its id, or its record already read (so that nobody reads it again)."""
+
+
+def job_id_of(job: Job) -> str:
+    return job.spec.job_id if isinstance(job, JobRecord) else job
+
+
 class JobRegistry(RedisPart):
-    @cached_property
-    def _register_job(self) -> AsyncScript:
-        return self._redis.register_script(_REGISTER_JOB)
-
-    @cached_property
-    def _check_quota(self) -> AsyncScript:
-        return self._redis.register_script(_CHECK_QUOTA)
-
-    @cached_property
-    def _bind_owner(self) -> AsyncScript:
-        return self._redis.register_script(_BIND_OWNER)
-
-    @cached_property
-    def _set_status(self) -> AsyncScript:
-        return self._redis.register_script(_SET_STATUS)
+    _register_job = Lua(_REGISTER_JOB)
+    _check_quota = Lua(_CHECK_QUOTA)
+    _bind_owner = Lua(_BIND_OWNER)
+    _set_status = Lua(_SET_STATUS)
 
     async def register_job(
         self,

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from common.keyspace import RESTARTS, RUNTIME_PREFIX, STATS_HISTORY_PREFIX, STATS_PREFIX
+from common.keyspace import RESTARTS, runtime_key, stats_history_key, stats_key
 from common.lifecycle import RolloutReplicaStats
 from common.redis_part import RedisPart, text, texts
 
@@ -26,35 +26,35 @@ class ReplicaBoard(RedisPart):
         Each call also appends a timestamped sample to the replica's history (a capped Redis
         stream) for reports of utilisation and throughput over time.
         """
-        key = f"{STATS_PREFIX}{replica}"
+        key = stats_key(replica)
         # redis-py's mapping types are invariant; every value here is a float.
         numbers: dict[Any, Any] = stats.as_map()
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=numbers)
             pipe.expire(key, ttl_s)
             pipe.xadd(
-                f"{STATS_HISTORY_PREFIX}{replica}",
+                stats_history_key(replica),
                 {**numbers, "at": time.time()},
                 maxlen=STATS_HISTORY_SAMPLES,
                 approximate=True,
             )
-            pipe.expire(f"{STATS_HISTORY_PREFIX}{replica}", STATS_HISTORY_TTL_S)
+            pipe.expire(stats_history_key(replica), STATS_HISTORY_TTL_S)
             await pipe.execute()
 
     async def replica_stats(self) -> dict[str, RolloutReplicaStats]:
         """The numbers of every live rollout replica, by replica name."""
         found: dict[str, RolloutReplicaStats] = {}
-        async for key in self._redis.scan_iter(match=f"{STATS_PREFIX}*", count=500):
+        async for key in self._redis.scan_iter(match=f"{stats_key.prefix}*", count=500):
             fields = await self._redis.hgetall(key)
-            found[text(key).removeprefix(STATS_PREFIX)] = _stats(fields)
+            found[text(key).removeprefix(stats_key.prefix)] = _stats(fields)
         return found
 
     async def replica_stats_history(self) -> dict[str, list[RolloutReplicaStats]]:
         """Time-ordered samples (each with `at`) of every rollout replica, by replica name."""
         found: dict[str, list[RolloutReplicaStats]] = {}
-        async for key in self._redis.scan_iter(match=f"{STATS_HISTORY_PREFIX}*", count=500):
+        async for key in self._redis.scan_iter(match=f"{stats_history_key.prefix}*", count=500):
             entries = await self._redis.xrange(key) or []
-            found[text(key).removeprefix(STATS_HISTORY_PREFIX)] = [
+            found[text(key).removeprefix(stats_history_key.prefix)] = [
                 _stats(fields or {}) for _, fields in entries
             ]
         return found
@@ -64,7 +64,7 @@ class ReplicaBoard(RedisPart):
     ) -> None:
         """Publish what a replica computes on and in (common/hardware.py); it vanishes
         `ttl_s` after the replica stops refreshing it."""
-        key = f"{RUNTIME_PREFIX}{service}:{replica}"
+        key = runtime_key(service, replica)
         values: dict[Any, Any] = dict(fields)  # redis-py's mapping types are invariant
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=values)
@@ -74,8 +74,8 @@ class ReplicaBoard(RedisPart):
     async def runtimes(self) -> dict[tuple[str, str], dict[str, str]]:
         """Every live replica's runtime fields, by (service, replica)."""
         found: dict[tuple[str, str], dict[str, str]] = {}
-        async for key in self._redis.scan_iter(match=f"{RUNTIME_PREFIX}*", count=500):
-            service, _, replica = text(key).removeprefix(RUNTIME_PREFIX).partition(":")
+        async for key in self._redis.scan_iter(match=f"{runtime_key.prefix}*", count=500):
+            service, _, replica = text(key).removeprefix(runtime_key.prefix).partition(":")
             found[service, replica] = texts(await self._redis.hgetall(key))
         return found
 

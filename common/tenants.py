@@ -30,14 +30,18 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
-from redis import asyncio as aioredis
 
+from common.keyspace import (
+    TENANTS,
+    api_key_key,
+    tenant_key,
+    tenant_keys_key,
+)
 from common.messages import JobSpec
+from common.redis_part import RedisPart, text, texts
 
-TENANTS = "tenants"
 KEY_PREFIX = "mlk_"
 _KEY_ID_BYTES = 6
 _SECRET_BYTES = 32
@@ -60,26 +64,6 @@ class TenantLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 LIMIT_NAMES = tuple(TenantLimits.__struct_fields__)
-
-
-def tenant_key(tenant: str) -> str:
-    return f"tenant:{tenant}"
-
-
-def tenant_jobs_key(tenant: str) -> str:
-    return f"tenant-jobs:{tenant}"
-
-
-def owner_key(job_id: str) -> str:
-    return f"owner:{job_id}"
-
-
-def api_key_key(key_id: str) -> str:
-    return f"apikey:{key_id}"
-
-
-def tenant_keys_key(tenant: str) -> str:
-    return f"tenant-keys:{tenant}"
 
 
 class QuotaError(ValueError):
@@ -203,12 +187,9 @@ class KeyRecord:
     revoked_at: float
 
 
-class TenantRegistry:
+class TenantRegistry(RedisPart):
     """Tenants, their limits and API keys in Redis (the operator's CLI writes them; the tenant
     API and env_svc read them)."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._redis = client
 
     async def add(self, tenant: str, limits: TenantLimits) -> TenantRecord:
         """Create the tenant, or set its limits and re-activate it."""
@@ -223,10 +204,10 @@ class TenantRegistry:
         return await self.require(tenant)
 
     async def get(self, tenant: str) -> TenantRecord | None:
-        fields = _texts(await self._redis.hgetall(tenant_key(tenant)))
+        fields = texts(await self._redis.hgetall(tenant_key(tenant)))
         if not fields:
             return None
-        key_ids = [_text(m) for m in await self._redis.smembers(tenant_keys_key(tenant))]
+        key_ids = [text(m) for m in await self._redis.smembers(tenant_keys_key(tenant))]
         return TenantRecord(
             name=tenant,
             limits=decode_limits(fields["limits"]),
@@ -241,7 +222,7 @@ class TenantRegistry:
         return record
 
     async def names(self) -> list[str]:
-        return sorted(_text(m) for m in await self._redis.smembers(TENANTS))
+        return sorted(text(m) for m in await self._redis.smembers(TENANTS))
 
     async def limits(self, tenant: str) -> TenantLimits | None:
         """The tenant's limits; None for a tenant with no record (only the operator's own
@@ -293,7 +274,7 @@ class TenantRegistry:
         key = parse_api_key(token)
         if key is None:
             return None
-        fields = _texts(await self._redis.hgetall(api_key_key(key.key_id)))
+        fields = texts(await self._redis.hgetall(api_key_key(key.key_id)))
         if not fields or float(fields.get("revoked_at", 0)):
             return None
         if not secret_matches(key.secret, fields.get("secret_sha256", "")):
@@ -305,7 +286,7 @@ class TenantRegistry:
         return tenant
 
     async def _key(self, key_id: str) -> KeyRecord | None:
-        fields = _texts(await self._redis.hgetall(api_key_key(key_id)))
+        fields = texts(await self._redis.hgetall(api_key_key(key_id)))
         if not fields:
             return None
         return KeyRecord(
@@ -314,11 +295,3 @@ class TenantRegistry:
             created_at=float(fields["created_at"]),
             revoked_at=float(fields["revoked_at"]),
         )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _texts(fields: dict[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in fields.items()}

@@ -191,30 +191,28 @@ def key_bytes(message: Message) -> bytes | None:
 
 # --- schema 1 ------------------------------------------------------------------------------
 
+# A generation request's ids and context, which its result echoes first.
+_V1_TURN = (
+    "request_id",
+    "job_id",
+    "episode_id",
+    "group_id",
+    "sample_index",
+    "turn",
+    "context_token_ids",
+)
 _V1_FIELDS: dict[str, tuple[str, ...]] = {
     "job_spec": ("job_id", "tenant", "base_model", "env", "lora", "rl", "submitted_at"),
     "job_command": ("command_id", "job_id", "action", "issued_at"),
     "generation_request": (
-        "request_id",
-        "job_id",
-        "episode_id",
-        "group_id",
-        "sample_index",
-        "turn",
-        "context_token_ids",
+        *_V1_TURN,
         "sampling",
         "env_state",
         "issued_at",
         "min_adapter_version",
     ),
     "generation_result": (
-        "request_id",
-        "job_id",
-        "episode_id",
-        "group_id",
-        "sample_index",
-        "turn",
-        "context_token_ids",
+        *_V1_TURN,
         "completion_token_ids",
         "logprobs",
         "adapter_version",

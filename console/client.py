@@ -21,7 +21,7 @@ from common.config import (
 )
 from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from common.registry import JobRecord, UnknownJobError
+from common.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.store import RedisStore
 from console.audit import Audit, audit
 from console.eventfeed import AdapterFeed, EventFeed
@@ -70,15 +70,18 @@ class MarlaasClient:
                 )
         await self._send(*specs)
 
-    async def job(self, job_id: str) -> JobRecord:
-        record = await self.store.job(job_id)
-        if record is None:
-            raise UnknownJobError(job_id)
+    async def job(self, job: Job) -> JobRecord:
+        """The job's record (UnknownJobError: never registered); a record is its own."""
+        if isinstance(job, JobRecord):
+            return job
+        if (record := await self.store.job(job)) is None:
+            raise UnknownJobError(job)
         return record
 
-    async def command(self, job_id: str, action: JobAction, *, wait_s: float = 30.0) -> str:
+    async def command(self, job: Job, action: JobAction, *, wait_s: float = 30.0) -> str:
         """Send pause/resume/cancel and wait until env_svc has applied it; returns the state."""
-        record = await self.job(job_id)
+        record = await self.job(job)
+        job_id = record.spec.job_id
         target = STATE_AFTER[COMMAND_EVENT[action]]
         if record.status in TERMINAL_STATES:
             raise JobStateError(f"job {job_id!r} is already {record.status}; nothing to {action}")
@@ -101,19 +104,19 @@ class MarlaasClient:
 
     # --- events -----------------------------------------------------------------------
 
-    async def events(self, job_id: str) -> list[Event]:
+    async def events(self, job: Job) -> list[Event]:
         """Every event of the job so far, oldest first."""
-        async with self._feed({job_id}) as feed:
+        async with self._feed({job_id_of(job)}) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
-        if not events and await self.store.job(job_id) is None:
-            raise UnknownJobError(job_id)
+        if not events:
+            await self.job(job)  # UnknownJobError unless it is registered
         return events
 
-    async def follow(self, job_id: str) -> AsyncIterator[Event]:
+    async def follow(self, job: Job) -> AsyncIterator[Event]:
         """The job's events so far, then each new one until the job has ended."""
-        if await self.store.job(job_id) is None:
-            await self.events(job_id)  # raises UnknownJobError unless it has events
-        async with self._feed({job_id}) as feed:
+        if isinstance(job, str) and await self.store.job(job) is None:
+            await self.events(job)  # raises UnknownJobError unless it has events
+        async with self._feed({job_id_of(job)}) as feed:
             ended = False
             while not (ended and feed.caught_up):
                 for event in await feed.poll(0.5):
@@ -132,16 +135,16 @@ class MarlaasClient:
     # --- results ----------------------------------------------------------------------
 
     async def export(
-        self, job_id: str, out_dir: Path, *, version: int | None = None
+        self, job: Job, out_dir: Path, *, version: int | None = None
     ) -> ExportedAdapter:
-        await self.job(job_id)
+        record = await self.job(job)
         from common.models import resolve_base_model
 
         base_model_dir = await asyncio.to_thread(
             resolve_base_model, self.settings.base_model, self.settings.cache_dir
         )
         return await export_adapter(
-            self.store, job_id, out_dir, base_model_path=str(base_model_dir), version=version
+            self.store, record, out_dir, base_model_path=str(base_model_dir), version=version
         )
 
     async def audit(self, job_id: str) -> Audit:
@@ -180,18 +183,20 @@ class MarlaasClient:
             )
         return audits
 
-    async def report(self, job_ids: Collection[str], out_dir: Path) -> Path:
+    async def report(self, jobs: Collection[Job], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
         from console.report.numbers import build_report
         from console.report.page import write_report
 
-        async with self._feed(set(job_ids) or None) as feed:
+        job_ids = {job_id_of(job) for job in jobs}
+        async with self._feed(job_ids or None) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
-        for job_id in set(job_ids) - {e.job_id for e in events}:
-            await self.job(job_id)  # no events yet: it must at least be registered
-        specs = {}
-        for job_id in set(job_ids) or {e.job_id for e in events} | set(await self.store.job_ids()):
-            if (record := await self.store.job(job_id)) is not None:
+        specs = {job.spec.job_id: job.spec for job in jobs if isinstance(job, JobRecord)}
+        for job in jobs:
+            if isinstance(job, str) and job not in {e.job_id for e in events}:
+                await self.job(job)  # no events yet: it must at least be registered
+        for job_id in job_ids or {e.job_id for e in events} | set(await self.store.job_ids()):
+            if job_id not in specs and (record := await self.store.job(job_id)) is not None:
                 specs[job_id] = record.spec
         report = build_report(events, await self.store.replica_stats_history(), specs=specs)
         return write_report(report, out_dir)

@@ -14,8 +14,7 @@ from typing import Generic, TypeVar
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import start_client
-from common.config import kafka_client_options
+from common.bus import start_reader
 from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
 from common.signing import RecordSigner
 from common.wire import decode
@@ -54,23 +53,13 @@ class TopicFeed(Generic[M]):
         self._seen: set[str] = set()
 
     async def start(self) -> None:
-        consumer = await start_client(
-            lambda: AIOKafkaConsumer(
-                bootstrap_servers=self.bootstrap,
-                client_id=f"marlaas-{self.topic.value}-reader",
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                **kafka_client_options(),
-            ),
+        consumer, assigned = await start_reader(
             self.bootstrap,
-            self.connect_timeout_s,
+            self.topic.value,
+            client_id=f"marlaas-{self.topic.value}-reader",
+            start_at="earliest",
+            timeout_s=self.connect_timeout_s,
         )
-        partitions = consumer.partitions_for_topic(self.topic.value)
-        if not partitions:
-            await consumer.topics()  # refresh metadata once
-            partitions = consumer.partitions_for_topic(self.topic.value) or set()
-        assigned = [TopicPartition(self.topic.value, p) for p in sorted(partitions)]
-        consumer.assign(assigned)
         if assigned:
             await consumer.seek_to_beginning(*assigned)
             self._ends = dict(await consumer.end_offsets(assigned))

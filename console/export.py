@@ -20,6 +20,7 @@ import msgspec
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
 from common.models import public_model_id
+from common.registry import Job, JobRecord, job_id_of
 from common.store import RedisStore
 
 EXPORT_INFO = "marlaas_export.json"
@@ -75,7 +76,7 @@ def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
 
 async def export_adapter(
     store: RedisStore,
-    job_id: str,
+    job: Job,
     out_dir: Path,
     *,
     base_model_path: str | None = None,
@@ -87,7 +88,8 @@ async def export_adapter(
     else `base_model_path` when given (where the base model lies on the exporting machine).
     `out_dir` must not exist or be empty; it appears whole or not at all.
     """
-    record = await store.job(job_id)
+    job_id = job_id_of(job)
+    record = job if isinstance(job, JobRecord) else await store.job(job_id)
     if record is None:
         raise ExportError(f"unknown job {job_id!r}")
     pointer = await store.adapter(job_id)

@@ -20,11 +20,12 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVar
 
 import msgspec
 
 from common.imports import load_object
+from common.jobspec import bound_problems
 from common.messages import EnvSettings
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,12 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
 
 class EnvParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of every environment's params; subclasses add fields with defaults."""
+
+
+Weight = Annotated[float, msgspec.Meta(ge=0, le=100)]
+"""A reward component's weight: 0 turns it off."""
+Operand = Annotated[int, msgspec.Meta(ge=-(10**6), le=10**6)]
+"""A number a procedural task draws: within +-1e6, so every question stays short."""
 
 
 T = TypeVar("T", bound=Task)
@@ -183,6 +190,8 @@ class Environment(ABC, Generic[T]):
     task_type: ClassVar[type[Task]] = Task
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        for param, reason in bound_problems(dict(params or {}), self.params_type):
+            raise EnvParamsError(self.name, param, reason)  # the first, in words
         try:
             self.params = msgspec.convert(dict(params or {}), self.params_type)
         except msgspec.ValidationError as exc:

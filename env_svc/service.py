@@ -7,6 +7,7 @@ counters and the job registry live in Redis, so any replica can handle any recor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Coroutine
 from functools import partial
@@ -128,13 +129,17 @@ class EnvService(Service):
             case GenerationResult():
                 await self.on_result(message)
             case AdapterUpdate():
-                await self.issue_groups(message.job_id)  # a trained version widens the window
                 store = self.io.require_store()
+                if (record := await store.job(message.job_id)) is None:
+                    return
+                await self.issue_groups(record)  # a trained version widens the window
                 if (untrusted := await unpublished(store, message)) is not None:
                     raise ValueError(f"adapter update not evaluated: {untrusted}")
-                await self.evaluate(message.job_id, message.version)
+                await self.evaluate(record, message.version)
             case GroupDropped():
-                await self.issue_groups(message.job_id)  # a dropped group frees a slot
+                # A dropped group frees a slot.
+                if (record := await self.io.require_store().job(message.job_id)) is not None:
+                    await self.issue_groups(record)
 
     async def on_undecodable(
         self, topic: str, raw: bytes | None, error: MessageDecodeError
@@ -200,8 +205,10 @@ class EnvService(Service):
         if registered:
             job_log.info("job accepted: env %s", spec.env.name)
             await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
-        await self.issue_groups(spec.job_id)  # also resumes issuing after a redelivery
-        await self.evaluate(spec.job_id, 0)  # the base model, to compare the adapters with
+        # Its status as registered (a redelivered spec of a paused job stays paused).
+        if (record := await store.job(spec.job_id)) is not None:
+            await self.issue_groups(record)  # also resumes issuing after a redelivery
+            await self.evaluate(record, 0)  # the base model, to compare the adapters with
 
     async def _engine_context(self) -> int | None:
         """The shortest `max_model_len` of the live rollout replicas (None: none reports)."""
@@ -233,15 +240,14 @@ class EnvService(Service):
         await self.io.send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))
         job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)
         if command.action == "resume":
-            await self.issue_groups(command.job_id)
+            await self.issue_groups(dataclasses.replace(record, status=STATE_AFTER[kind]))
 
-    async def issue_groups(self, job_id: str) -> None:
+    async def issue_groups(self, record: JobRecord) -> None:
         """Issue every group the staleness bound allows now: G requests each."""
-        store = self.io.require_store()
-        record = await store.job(job_id)
-        if record is None or record.status != "running":
+        if record.status != "running":
             return
-        spec = record.spec
+        store, spec = self.io.require_store(), record.spec
+        job_id = spec.job_id
         rl = spec.rl
         while (
             group := await store.try_issue_group(
@@ -273,13 +279,11 @@ class EnvService(Service):
 
     # --- evaluation (common/evals.py) ----------------------------------------------
 
-    async def evaluate(self, job_id: str, version: int) -> None:
+    async def evaluate(self, record: JobRecord, version: int) -> None:
         """Send the evaluation of adapter `version` when the job evaluates it, once."""
-        store = self.io.require_store()
-        record = await store.job(job_id)
-        if record is None or record.status in _NOT_EVALUATED or not evaluated(record.spec, version):
+        if record.status in _NOT_EVALUATED or not evaluated(record.spec, version):
             return
-        if await store.claim_eval(job_id, version):
+        if await self.io.require_store().claim_eval(record.spec.job_id, version):
             await self._send_eval(record.spec, version)
 
     async def _send_eval(self, spec: JobSpec, version: int) -> None:
@@ -377,8 +381,7 @@ class EnvService(Service):
             record = await store.job(job_id)
             if record is None:
                 continue
-            if record.status == "running":
-                await self.issue_groups(job_id)
+            await self.issue_groups(record)
             await self._sweep_evals(record)
             for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):
                 if record.status in TERMINAL_STATES:

@@ -275,15 +275,7 @@ class TrainerService(Service):
             if not await self._publish_pointer(job, version, uri, checkpoint.group_ids):
                 return
         if pointer is None or pointer.version <= version:
-            await self.io.send(
-                AdapterUpdate(
-                    job_id=job_id,
-                    version=version,
-                    uri=uri,
-                    step=version,
-                    published_at=time.time(),
-                )
-            )
+            await self._announce(job_id, version, uri)
         if version >= job.spec.rl.max_steps:
             await self._complete(job)
 
@@ -622,19 +614,26 @@ class TrainerService(Service):
         fault_point("trainer.after_pointer")
         job.version = version
         fault_point("trainer.before_update")
+        await self._announce(job_id, version, uri, metrics)
+        for group in groups:
+            group.release()
+        return True
+
+    async def _announce(
+        self, job_id: str, version: int, uri: str, metrics: StepMetrics | None = None
+    ) -> None:
+        """Tell rollout_svc and env_svc that `version` is published (with the step's
+        metrics; none when a restart announces it again)."""
         await self.io.send(
             AdapterUpdate(
                 job_id=job_id,
                 version=version,
                 uri=uri,
                 step=version,
-                metrics=metrics.as_map(),
+                metrics=metrics.as_map() if metrics else {},
                 published_at=time.time(),
             )
         )
-        for group in groups:
-            group.release()
-        return True
 
     async def _publish_pointer(
         self, job: OwnedJob, version: int, uri: str, group_ids: Sequence[str]

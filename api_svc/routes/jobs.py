@@ -71,8 +71,8 @@ async def job(job_id: str, tenant: Tenant, client: Client) -> JobView:
 
 @router.post("/{job_id}/{action}", response_model=CommandDone)
 async def command(job_id: str, action: JobAction, tenant: Tenant, client: Client) -> CommandDone:
-    await registered(client, job_id, tenant)
-    status = await conflict_on(client.command(job_id, action, wait_s=30.0))
+    record = await registered(client, job_id, tenant)
+    status = await conflict_on(client.command(record, action, wait_s=30.0))
     return CommandDone(job_id=job_id, status=status)
 
 

@@ -22,13 +22,13 @@ router = APIRouter(prefix="/v1")
 
 @router.get("/jobs/{job_id}/events", response_model=None)
 async def events(job_id: str, tenant: Tenant, client: Client, follow: bool = False) -> Response:
-    await owned(client, job_id, tenant)
+    job = await owned(client, job_id, tenant) or job_id  # bound, not registered yet: its id
     if not follow:
-        found = [e for e in await client.events(job_id) if e.tenant == tenant]
+        found = [e for e in await client.events(job) if e.tenant == tenant]
         return Response(msgspec.json.encode(found), media_type="application/json")
 
     async def lines() -> AsyncIterator[bytes]:
-        async for event in client.follow(job_id):
+        async for event in client.follow(job):
             if event.tenant == tenant:
                 yield msgspec.json.encode(event) + b"\n"
 
@@ -39,10 +39,10 @@ async def events(job_id: str, tenant: Tenant, client: Client, follow: bool = Fal
 async def export(
     job_id: str, tenant: Tenant, client: Client, version: int | None = None
 ) -> Response:
-    await registered(client, job_id, tenant)
+    record = await registered(client, job_id, tenant)
     with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
         out = Path(scratch) / job_id
-        exported = await conflict_on(client.export(job_id, out, version=version))
+        exported = await conflict_on(client.export(record, out, version=version))
         name = f"{job_id}-v{exported.version}"
         body = await asyncio.to_thread(_tar_gz, out, name)
     return Response(
@@ -61,13 +61,12 @@ async def report(
 ) -> Response:
     """The HTML report (+ CSV, JSON) of the named jobs, or of all the tenant's, as .tar.gz."""
     job_ids = job or await client.store.tenant_job_ids(tenant)
-    for job_id in job_ids:
-        await registered(client, job_id, tenant)
-    if not job_ids:
+    records = [await registered(client, job_id, tenant) for job_id in job_ids]
+    if not records:
         raise HTTPException(404, f"tenant {tenant!r} has no jobs to report on")
     with tempfile.TemporaryDirectory(prefix="marlaas-report-") as scratch:
         out = Path(scratch) / "report"
-        await client.report(job_ids, out)
+        await client.report(records, out)
         body = await asyncio.to_thread(_tar_gz, out, "report")
     return Response(body, media_type="application/gzip")
 

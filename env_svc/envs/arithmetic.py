@@ -12,14 +12,18 @@ import random
 import re
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from env_svc.protocol import (
     ChatMessage,
     Environment,
     EnvParams,
+    Operand,
     Reward,
     Task,
+    Weight,
     last_assistant_text,
 )
 
@@ -49,11 +53,11 @@ def is_just_a_number(text: str) -> bool:
 
 
 class ArithmeticParams(EnvParams, frozen=True):
-    operations: tuple[Operation, ...] = ("+",)
+    operations: Annotated[tuple[Operation, ...], Meta(min_length=1)] = ("+",)
     """Operators to draw from; `/` always divides exactly."""
-    min_operand: int = 1
-    max_operand: int = 9
-    format_weight: float = 0.1
+    min_operand: Operand = 1
+    max_operand: Operand = 9
+    format_weight: Weight = 0.1
     """Weight of the "reply is just the number" component; 0 turns it off."""
 
 
@@ -71,14 +75,10 @@ class ArithmeticEnv(Environment[ArithmeticTask]):
     params: ArithmeticParams
 
     def check_params(self) -> None:
-        if not self.params.operations:
-            raise self.bad_param("operations", "needs at least one operation")
         if self.params.min_operand > self.params.max_operand:
             raise self.bad_param("min_operand", "must not exceed max_operand")
         if "/" in self.params.operations and self.params.max_operand < 1:
             raise self.bad_param("max_operand", "division needs a positive operand to divide by")
-        if self.params.format_weight < 0:
-            raise self.bad_param("format_weight", "must be >= 0")
 
     def make_rewards(self) -> list[Reward[ArithmeticTask]]:
         rewards = [Reward("correct", correct, 1.0)]

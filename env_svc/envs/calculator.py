@@ -20,7 +20,9 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
 
 from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import (
@@ -28,8 +30,10 @@ from env_svc.protocol import (
     Environment,
     EnvParams,
     EpisodeState,
+    Operand,
     Reward,
     Task,
+    Weight,
     last_assistant_text,
 )
 from env_svc.safe_eval import SafeEvalError, format_number, safe_eval
@@ -112,16 +116,16 @@ def run_tool(call: ToolCall) -> str:
 
 
 class CalculatorParams(EnvParams, frozen=True):
-    operations: tuple[Operation, ...] = ("*",)
-    num_operands: int = 2
+    operations: Annotated[tuple[Operation, ...], Meta(min_length=1)] = ("*",)
+    num_operands: Annotated[int, Meta(ge=2, le=6)] = 2
     """Operands per expression; more means more steps (e.g. `47 * 86 + 13`)."""
-    min_operand: int = 10
-    max_operand: int = 99
-    max_turns: int = 3
+    min_operand: Operand = 10
+    max_operand: Operand = 99
+    max_turns: Annotated[int, Meta(ge=1, le=16)] = 3
     """Model turns per episode, tool calls and final answer together."""
-    tool_format_weight: float = 0.1
+    tool_format_weight: Weight = 0.1
     """Weight of the share of tool calls that are well-formed."""
-    tool_use_weight: float = 0.1
+    tool_use_weight: Weight = 0.1
     """Weight of "a tool call returned a value"."""
     demonstration: bool = True
     """Show one worked exchange (a tool call, its result, the answer) before the task."""
@@ -143,20 +147,8 @@ class CalculatorEnv(Environment[CalculatorTask]):
         return self.params.max_turns
 
     def check_params(self) -> None:
-        p = self.params
-        if not p.operations:
-            raise self.bad_param("operations", "needs at least one operation")
-        if not 2 <= p.num_operands <= 6:
-            raise self.bad_param("num_operands", "must be between 2 and 6")
-        if p.min_operand > p.max_operand:
+        if self.params.min_operand > self.params.max_operand:
             raise self.bad_param("min_operand", "must not exceed max_operand")
-        if max(abs(p.min_operand), abs(p.max_operand)) > 10**6:
-            raise self.bad_param("max_operand", "operands must be within +-1e6")
-        if p.max_turns < 1:
-            raise self.bad_param("max_turns", "must be >= 1")
-        for weight in ("tool_format_weight", "tool_use_weight"):
-            if getattr(p, weight) < 0:
-                raise self.bad_param(weight, "must be >= 0")
 
     def make_rewards(self) -> list[Reward[CalculatorTask]]:
         return [

@@ -14,7 +14,9 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from env_svc.protocol import (
     ChatMessage,
@@ -22,6 +24,7 @@ from env_svc.protocol import (
     EnvParams,
     Reward,
     Task,
+    Weight,
     last_assistant_text,
 )
 from env_svc.safe_eval import Evaluation, Number, SafeEvalError, evaluate
@@ -37,14 +40,14 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 class CountdownParams(EnvParams, frozen=True):
-    num_numbers: int = 3
-    min_number: int = 1
-    max_number: int = 10
-    max_target: int = 100
+    num_numbers: Annotated[int, Meta(ge=2, le=6)] = 3
+    min_number: Annotated[int, Meta(ge=1, le=1000)] = 1
+    max_number: Annotated[int, Meta(ge=1, le=1000)] = 10
+    max_target: Annotated[int, Meta(ge=1, le=10**6)] = 100
     """Targets lie in 1..max_target."""
-    operations: tuple[Operation, ...] = ("+", "-", "*", "/")
+    operations: Annotated[tuple[Operation, ...], Meta(min_length=1)] = ("+", "-", "*", "/")
     """Operators the generated solution may use (answers may always use all four)."""
-    format_weight: float = 0.1
+    format_weight: Weight = 0.1
     """Weight of "an expression that parses, inside <answer> tags"; 0 turns it off."""
 
 
@@ -62,17 +65,8 @@ class CountdownEnv(Environment[CountdownTask]):
     params: CountdownParams
 
     def check_params(self) -> None:
-        p = self.params
-        if not 2 <= p.num_numbers <= 6:
-            raise self.bad_param("num_numbers", "must be between 2 and 6")
-        if not 1 <= p.min_number <= p.max_number <= 1000:
-            raise self.bad_param("min_number", "need 1 <= min_number <= max_number <= 1000")
-        if p.max_target < 1:
-            raise self.bad_param("max_target", "must be >= 1")
-        if not p.operations:
-            raise self.bad_param("operations", "needs at least one operation")
-        if p.format_weight < 0:
-            raise self.bad_param("format_weight", "must be >= 0")
+        if self.params.min_number > self.params.max_number:
+            raise self.bad_param("min_number", "must not exceed max_number")
 
     def make_rewards(self) -> list[Reward[CountdownTask]]:
         rewards = [Reward("correct", correct, 1.0)]
