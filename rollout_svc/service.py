@@ -124,8 +124,6 @@ class RolloutService(Service):
         producer: Sender | None = None,
         store: RedisStore | None = None,
     ) -> None:
-        """`producer` / `store`: given (tests), they are used as they are; else `start()`
-        connects to Kafka and Redis."""
         self.shared = shared
         self.settings = settings
         self.engine = engine
