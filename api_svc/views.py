@@ -10,7 +10,7 @@ from common.tenants import samples_in_flight
 
 class TenantView(BaseModel):
     tenant: str
-    limits: dict[str, int]
+    limits: dict[str, int | list[str]]
     jobs: list[str]
 
 

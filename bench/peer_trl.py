@@ -29,12 +29,11 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.messages import EnvSettings
-    from env_svc.protocol import ChatMessage, environment_for, score
+    from env_svc.protocol import ChatMessage, get_environment, score
 
     config: dict[str, Any] = json.loads(sys.argv[1])
     torch.manual_seed(config["seed"])
-    env = environment_for(EnvSettings(name=config["env"], params=config["env_params"]))
+    env = get_environment(config["env"], config["env_params"])
     groups = config["steps"] * config["completions_per_step"] // config["group_size"]
     tasks = [env.task_for(config["seed"], index) for index in range(groups)]
     by_question = {task.question: task for task in tasks}

@@ -61,6 +61,8 @@ class TenantLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`rl.sampling.max_new_tokens` of any one job."""
     max_lora_rank: int = 16
     """`lora.rank` of any one job (the rollout engine's own maximum applies as well)."""
+    environments: tuple[str, ...] = ()
+    """The environments its jobs may use; empty: any the deployment has."""
 
 
 LIMIT_NAMES = tuple(TenantLimits.__struct_fields__)
@@ -85,12 +87,18 @@ def job_limit_problems(spec: JobSpec, limits: TenantLimits) -> list[str]:
         ("max_lora_rank", spec.lora.rank, "lora.rank"),
         ("max_samples_in_flight", samples_in_flight(spec), "G x B x (S + 1)"),
     ]
-    return [
+    problems = [
         f"quota {name}: {field} {value} exceeds the limit {getattr(limits, name)} of tenant "
         f"{spec.tenant!r}"
         for name, value, field in checks
         if value > getattr(limits, name)
     ]
+    if limits.environments and spec.env.name not in limits.environments:
+        problems.append(
+            f"quota environments: tenant {spec.tenant!r} may use "
+            f"{', '.join(limits.environments)}; not {spec.env.name!r}"
+        )
+    return problems
 
 
 def quota_problem(

@@ -137,7 +137,7 @@ def _check_env_params(spec: JobSpec) -> None:
     from env_svc.protocol import EnvSpecError, UnknownEnvironmentError, environment_for
 
     try:
-        environment_for(spec.env)
+        environment_for(spec)
     except UnknownEnvironmentError:
         return
     except EnvSpecError as exc:

@@ -20,13 +20,15 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVar
 
 import msgspec
 
 from common.imports import load_object
 from common.jobspec import bound_problems
-from common.messages import EnvSettings
+from common.messages import JobSpec
+from env_svc import datafiles
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,12 @@ class Environment(ABC, Generic[T]):
     params_type: ClassVar[type[EnvParams]] = EnvParams
     task_type: ClassVar[type[Task]] = Task
 
-    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, params: Mapping[str, Any] | None = None, *, data_dir: Path | None = None
+    ) -> None:
+        """`data_dir`: the folder the job's files are found in (its tenant's folder of the
+        data directory, env_svc/datafiles.py); None: the data directory itself."""
+        self.data_dir = data_dir if data_dir is not None else datafiles.data_dir()
         for param, reason in bound_problems(dict(params or {}), self.params_type):
             raise EnvParamsError(self.name, param, reason)  # the first, in words
         try:
@@ -354,10 +361,16 @@ def environment_class(name: str) -> type[Environment[Any]]:
     return found
 
 
-def get_environment(name: str, params: Mapping[str, Any] | None = None) -> Environment[Any]:
-    return environment_class(name)(params)
+def get_environment(
+    name: str, params: Mapping[str, Any] | None = None, *, data_dir: Path | None = None
+) -> Environment[Any]:
+    return environment_class(name)(params, data_dir=data_dir)
 
 
-def environment_for(settings: EnvSettings) -> Environment[Any]:
-    """The environment a job asked for; raises `EnvSpecError` subclasses for bad settings."""
-    return get_environment(settings.name, settings.params)
+def environment_for(spec: JobSpec) -> Environment[Any]:
+    """The environment a job asked for, reading files from its tenant's data folder only;
+    raises `EnvSpecError` subclasses for bad settings."""
+    settings = spec.env
+    return get_environment(
+        settings.name, settings.params, data_dir=datafiles.tenant_data_dir(spec.tenant)
+    )

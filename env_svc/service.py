@@ -186,7 +186,9 @@ class EnvService(Service):
                 limits=limits,
             )
             # A first episode proves the environment, its params and the prompt length.
-            await self.calls.run(f"job {spec.job_id}: first episode", partial(self._probe, spec))
+            probed = await self.calls.run(
+                f"job {spec.job_id}: first episode", partial(self._probe, spec)
+            )
             registered = await store.register_job(
                 spec, status=STATE_AFTER["accepted"], limits=limits
             )
@@ -201,6 +203,7 @@ class EnvService(Service):
             )
             return
         if registered:
+            self._envs[spec.job_id] = probed  # the registered spec's environment
             job_log.info("job accepted: env %s", spec.env.name)
             await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         # Its status as registered (a redelivered spec of a paused job stays paused).
@@ -214,15 +217,18 @@ class EnvService(Service):
         limits = [int(s.max_model_len) for s in stats.values() if s.max_model_len]
         return min(limits, default=None)
 
-    def _probe(self, spec: JobSpec) -> None:
+    def _probe(self, spec: JobSpec) -> Environment[Any]:
+        """The job's environment, proven by starting a first episode."""
+        env = environment_for(spec)
         start_episode(
-            environment_for(spec.env),
+            env,
             self.tokenizer,
             spec,
             group_id="probe",
             group_index=0,
             sample_index=0,
         )
+        return env
 
     async def on_command(self, command: JobCommand) -> None:
         store = self.io.require_store()
@@ -289,15 +295,15 @@ class EnvService(Service):
         counted at once as unsolved."""
         firsts: list[Message] = []
         for index in range(spec.eval.tasks):
-            start = partial(
-                start_eval_episode,
-                self._env(spec),
-                self.tokenizer,
-                spec,
-                version=version,
-                index=index,
-            )
             try:
+                start = partial(
+                    start_eval_episode,
+                    await self._env(spec),
+                    self.tokenizer,
+                    spec,
+                    version=version,
+                    index=index,
+                )
                 firsts.append(await self.calls.run(f"{spec.job_id}: eval {index}", start))
             except Exception as exc:
                 if is_transient(exc):
@@ -319,7 +325,7 @@ class EnvService(Service):
         error: str,
     ) -> None:
         """Tally one finished evaluation episode; the last one sends the `eval` event."""
-        solved = not error and self._env(spec).solved(
+        solved = not error and (await self._env(spec)).solved(
             RewardResult(total=reward, components=components)
         )
         counted = await self.io.require_store().record_eval(
@@ -409,7 +415,7 @@ class EnvService(Service):
         """An episode's first request, or, when the environment raises, its failed end."""
         group_id = f"{spec.job_id}/g{group_index}"
         try:
-            env = self._env(spec)
+            env = await self._env(spec)
             return await self.calls.run(
                 f"{spec.job_id}: start of group {group_index}",
                 partial(
@@ -450,7 +456,7 @@ class EnvService(Service):
         spec = record.spec
         follow_up: GenerationRequest | Trajectory
         try:
-            env = self._env(spec)
+            env = await self._env(spec)
             follow_up = await self.calls.run(
                 f"episode {result.episode_id} turn {result.turn}",
                 partial(advance_episode, env, self.tokenizer, spec, result),
@@ -482,11 +488,15 @@ class EnvService(Service):
 
     # --- helpers --------------------------------------------------------------------
 
-    def _env(self, spec: JobSpec) -> Environment[Any]:
-        """The job's environment (stateless after construction, so built once per job)."""
-        if spec.job_id not in self._envs:
-            self._envs[spec.job_id] = environment_for(spec.env)
-        return self._envs[spec.job_id]
+    async def _env(self, spec: JobSpec) -> Environment[Any]:
+        """The job's environment (stateless after construction, so built once per job), built
+        in a worker: its params are the tenant's, its code may read files or hang."""
+        if (env := self._envs.get(spec.job_id)) is None:
+            env = await self.calls.run(
+                f"job {spec.job_id}: environment", partial(environment_for, spec)
+            )
+            self._envs[spec.job_id] = env
+        return env
 
 
 class ForeignJobError(ValueError):

@@ -19,6 +19,17 @@ from console.stack.children import ChildServer
 from console.stack.local import LocalStack
 from tests.readme_env import install_readme_environment
 
+EXAMPLE_DATA = Path(__file__).parents[1] / "examples" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def example_data_dir() -> Iterator[Path]:
+    """The data directory the README's example uses (examples/data: tenant acme's folder
+    holds the dataset example's file), for the tests that load every example job."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MARLAAS_DATA_DIR", str(EXAMPLE_DATA))
+        yield EXAMPLE_DATA
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

@@ -41,7 +41,10 @@ def _with_store(work: Callable[[RedisStore], Awaitable[T]]) -> T:
 
 
 def _limits_line(limits: TenantLimits) -> str:
-    return " ".join(f"{name}={getattr(limits, name)}" for name in LIMIT_NAMES)
+    def shown(value: object) -> str:
+        return (",".join(value) or "any") if isinstance(value, tuple) else str(value)
+
+    return " ".join(f"{name}={shown(getattr(limits, name))}" for name in LIMIT_NAMES)
 
 
 def _record_line(record: TenantRecord) -> str:
@@ -61,6 +64,10 @@ def add(
     max_steps: Annotated[int | None, typer.Option(min=1)] = None,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     max_lora_rank: Annotated[int | None, typer.Option(min=1)] = None,
+    envs: Annotated[
+        str | None,
+        typer.Option(help="The environments its jobs may use, comma-separated ('any': all)."),
+    ] = None,
     key: Annotated[
         bool, typer.Option("--key/--no-key", help="Issue an API key (shown once).")
     ] = True,
@@ -78,6 +85,7 @@ def add(
         "max_steps": max_steps,
         "max_new_tokens": max_new_tokens,
         "max_lora_rank": max_lora_rank,
+        "environments": None if envs is None else _environments(envs),
     }
 
     async def go(store: RedisStore) -> tuple[TenantRecord, str | None]:
@@ -91,6 +99,11 @@ def add(
     say(f"tenant {record.name}: {_limits_line(record.limits)}")
     if token is not None:
         say(f"API key (shown once; give it to the tenant): {token}")
+
+
+def _environments(text: str) -> tuple[str, ...]:
+    names = tuple(sorted({name.strip() for name in text.split(",") if name.strip()}))
+    return () if names in ((), ("any",)) else names
 
 
 @app.command("key")

@@ -2,10 +2,12 @@
 line (field names are params), checked against the reference answer.
 
 The file is read where the environment is built: by env_svc, and by `marlaas submit`,
-which checks a job's params when the environment is installed on its machine; a relative
-path is found under `$MARLAAS_DATA_DIR` (default: the working directory) on both. A missing
-file, a line that is not a JSON object with both fields, or an empty split is a bad param,
-named with its line, so the job is refused before it runs.
+which checks a job's params when the environment is installed on its machine. A path is
+relative to the job's tenant's folder of the data directory, `$MARLAAS_DATA_DIR/<tenant>/`,
+and is confined there (env_svc/datafiles.py: no absolute path, no `..`, no link out, regular
+files of bounded size only). A missing or refused file, a line that is not a JSON object
+with both fields, or an empty split is a bad param, named with its line and never quoting
+the file, so the job is refused before it runs.
 
 Held-out evaluation (`eval_task_for`) draws from `eval_path` when given; otherwise a share
 `eval_fraction` of the rows, chosen by a hash of each question (so the same question is
@@ -17,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import random
 import re
 from collections.abc import Sequence
@@ -25,12 +26,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
+from env_svc.datafiles import DataFile, confine, read_lines
 from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import ChatMessage, Environment, EnvParams, Reward, Task, last_assistant_text
 
-DATA_DIR_VAR = "MARLAAS_DATA_DIR"
-"""Where relative `path` and `eval_path` are found (default: the working directory): the
-same files mounted at the same place for env_svc and the CLI."""
 Match = Literal["auto", "number", "exact", "contains"]
 _NUMERIC = re.compile(r"\s*-?\d+(?:\.\d+)?(?:/\d+)?\s*")
 _EDGE_PUNCTUATION = " \t\n.!?\"'`*"
@@ -38,8 +37,8 @@ _EDGE_PUNCTUATION = " \t\n.!?\"'`*"
 
 class DatasetParams(EnvParams, frozen=True):
     path: str
-    """The JSONL file of training tasks: absolute, or relative to `$MARLAAS_DATA_DIR` (default:
-    the working directory)."""
+    """The JSONL file of training tasks, relative to the tenant's data folder
+    (`$MARLAAS_DATA_DIR/<tenant>/`)."""
     eval_path: str = ""
     """A JSONL file of held-out tasks; empty: hold out `eval_fraction` of `path`'s rows."""
     eval_fraction: float = 0.1
@@ -73,8 +72,12 @@ class DatasetEnv(Environment[DatasetTask]):
             raise self.bad_param("eval_fraction", "must be in (0, 0.5] without an eval_path")
         fields = (params.question_field, params.answer_field)
         try:
-            rows = _read_rows("path", params.path, *fields)
-            given = _read_rows("eval_path", params.eval_path, *fields) if params.eval_path else ()
+            rows = _read_rows(self.data_dir, "path", params.path, *fields)
+            given = (
+                _read_rows(self.data_dir, "eval_path", params.eval_path, *fields)
+                if params.eval_path
+                else ()
+            )
         except DatasetError as exc:
             raise self.bad_param(exc.param, str(exc)) from None
         self.train: list[tuple[str, str]] = []
@@ -89,10 +92,11 @@ class DatasetEnv(Environment[DatasetTask]):
         self._eval_orders: dict[int, list[int]] = {}
         """The held-out rows' order per evaluation seed, drawn once."""
         if params.match == "number":
-            for question, answer in [*self.train, *self.held_out]:
-                if not _NUMERIC.fullmatch(answer):
-                    reason = f"answer {answer!r} of {question!r} is not a number"
-                    raise self.bad_param("match", reason)
+            for name, given_rows in (("path", rows), ("eval_path", given)):
+                for number, (_, answer) in enumerate(given_rows, start=1):
+                    if not _NUMERIC.fullmatch(answer):
+                        reason = f"row {number} of {name}: the answer is not a number"
+                        raise self.bad_param("match", reason)
         if not self.train:
             raise self.bad_param("path", "no training rows left after the held-out split")
         if not self.held_out:
@@ -144,50 +148,42 @@ def _held_out(question: str, fraction: float) -> bool:
 
 
 def _read_rows(
-    param: str, path: str, question_field: str, answer_field: str
+    folder: Path, param: str, path: str, question_field: str, answer_field: str
 ) -> tuple[tuple[str, str], ...]:
-    """The rows of the file that `param` names; a problem is a `DatasetError` of `param`."""
-    file = Path(path)
-    if not file.is_absolute():
-        file = Path(os.environ.get(DATA_DIR_VAR) or ".") / file
+    """The rows of the file that `param` names, inside `folder` only; a problem is a
+    `DatasetError` of `param`."""
     try:
-        stat = file.stat()
-    except OSError as exc:
-        raise DatasetError(param, f"{path}: {exc.strerror or exc}") from None
-    try:
-        return _rows(
-            str(file.resolve()), stat.st_mtime_ns, stat.st_size, question_field, answer_field
-        )
-    except (OSError, ValueError) as exc:  # unreadable, or a line that is not a task
+        return _rows(confine(folder, path), path, question_field, answer_field)
+    except ValueError as exc:  # refused, unreadable, or a line that is not a task
         raise DatasetError(param, str(exc)) from None
 
 
 @functools.lru_cache(maxsize=16)
 def _rows(
-    path: str, _mtime_ns: int, _size: int, question_field: str, answer_field: str
+    file: DataFile, path: str, question_field: str, answer_field: str
 ) -> tuple[tuple[str, str], ...]:
     """The file's (question, answer) rows, read once per version of the file (every job of
-    a dataset builds an environment; env_svc builds one per job)."""
+    a dataset builds an environment; env_svc builds one per job). Messages name the job's
+    own `path` and a line number, never the file's text."""
     rows: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: not a JSON object")
-            fields = []
-            for name in (question_field, answer_field):
-                value = row.get(name)
-                if isinstance(value, bool) or not isinstance(value, str | int | float):
-                    raise ValueError(f"{path}:{number}: field {name!r} missing or not text/number")
-                fields.append(str(value))
-            if not fields[0].strip():
-                raise ValueError(f"{path}:{number}: empty {question_field!r}")
-            rows.append((fields[0], fields[1]))
+    for number, line in enumerate(read_lines(file, path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        fields = []
+        for name in (question_field, answer_field):
+            value = row.get(name)
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise ValueError(f"{path}:{number}: field {name!r} missing or not text/number")
+            fields.append(str(value))
+        if not fields[0].strip():
+            raise ValueError(f"{path}:{number}: empty {question_field!r}")
+        rows.append((fields[0], fields[1]))
     if not rows:
         raise ValueError(f"{path}: no rows")
     return tuple(rows)

@@ -13,7 +13,7 @@ from env_svc.checker import check_environment
 from env_svc.envs.dataset import DatasetEnv
 from env_svc.protocol import EnvParamsError, get_environment
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "data" / "capitals.jsonl"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "data" / "acme" / "capitals.jsonl"
 
 
 def write_rows(path: Path, rows: list[Any]) -> Path:
@@ -21,8 +21,8 @@ def write_rows(path: Path, rows: list[Any]) -> Path:
     return path
 
 
-def env(**params: Any) -> DatasetEnv:
-    built = get_environment("dataset", params)
+def env(data_dir: Path = EXAMPLE.parent, **params: Any) -> DatasetEnv:
+    built = get_environment("dataset", params, data_dir=data_dir)
     assert isinstance(built, DatasetEnv)
     return built
 
@@ -36,7 +36,7 @@ def reward(environment: DatasetEnv, question: str, answer: str, reply: str) -> f
 
 
 def test_the_held_out_split_is_disjoint_stable_and_drawn_without_repeats() -> None:
-    example = env(path=str(EXAMPLE), eval_fraction=0.25)
+    example = env(path=EXAMPLE.name, eval_fraction=0.25)
     train = {question for question, _ in example.train}
     held_out = [question for question, _ in example.held_out]
     assert train.isdisjoint(held_out) and len(train) + len(held_out) == 80
@@ -44,7 +44,7 @@ def test_the_held_out_split_is_disjoint_stable_and_drawn_without_repeats() -> No
     asked = [example.eval_task_for(0, i).question for i in range(len(held_out))]
     assert sorted(asked) == sorted(held_out)
     assert {example.task_for(1, i).question for i in range(200)} <= train
-    again = env(path=str(EXAMPLE), eval_fraction=0.25)
+    again = env(path=EXAMPLE.name, eval_fraction=0.25)
     assert again.held_out == example.held_out
     assert example.eval_task_for(0, 3) == again.eval_task_for(0, 3)
 
@@ -53,7 +53,7 @@ def test_an_eval_file_is_the_held_out_split(tmp_path: Path) -> None:
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
     train = write_rows(tmp_path / "train.jsonl", rows)
     held = write_rows(tmp_path / "test.jsonl", [*rows[:2], {"question": "q99", "answer": 99}])
-    split = env(path=str(train), eval_path=str(held))
+    split = env(tmp_path, path=train.name, eval_path=held.name)
     assert [q for q, _ in split.held_out] == ["q0", "q1", "q99"]
     assert [q for q, _ in split.train] == [f"q{i}" for i in range(2, 10)]  # never both
 
@@ -76,19 +76,19 @@ def test_replies_are_matched_as_the_match_param_says(
 ) -> None:
     path = write_rows(tmp_path / "d.jsonl", [{"question": "q", "answer": answer}])
     held = write_rows(tmp_path / "e.jsonl", [{"question": "e", "answer": answer}])
-    environment = env(path=str(path), eval_path=str(held), match=match)
+    environment = env(tmp_path, path=path.name, eval_path=held.name, match=match)
     assert reward(environment, "q", answer, reply) == expected
 
 
 def test_questions_get_the_prompt_suffix() -> None:
-    example = env(path=str(EXAMPLE), prompt_suffix=" Answer with just the city.")
+    example = env(path=EXAMPLE.name, prompt_suffix=" Answer with just the city.")
     assert example.task_for(0, 0).question.endswith("? Answer with just the city.")
 
 
 @pytest.mark.parametrize(
     ("lines", "params", "param", "reason"),
     [
-        (None, {}, "path", "No such file"),
+        (None, {}, "path", "no such file"),
         ('{"question": "q", "answer": 1}\n{oops\n', {}, "path", "d.jsonl:2: not JSON"),
         ("[1, 2]\n", {}, "path", "d.jsonl:1: not a JSON object"),
         ('{"question": "q"}\n', {}, "path", "d.jsonl:1: field 'answer' missing"),
@@ -115,47 +115,41 @@ def test_a_bad_file_is_a_bad_param_naming_the_line(
     path = tmp_path / "d.jsonl"
     if lines is not None:
         path.write_text(lines)
-    params = {k: str(path) if v == "SELF" else v for k, v in params.items()}
+    params = {k: path.name if v == "SELF" else v for k, v in params.items()}
     with pytest.raises(EnvParamsError) as raised:
-        env(path=str(path), **params)
+        env(tmp_path, path=path.name, **params)
     assert raised.value.param == param and reason in raised.value.reason
 
 
 def test_a_bad_eval_file_is_a_bad_eval_path(tmp_path: Path) -> None:
     train = write_rows(tmp_path / "train.jsonl", [{"question": "q", "answer": 1}])
-    for bad in (tmp_path / "missing.jsonl", tmp_path, tmp_path / "broken.jsonl"):
-        (tmp_path / "broken.jsonl").write_text("{oops\n")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "broken.jsonl").write_text("{oops\n")
+    for bad in ("missing.jsonl", "a-folder", "broken.jsonl"):
         with pytest.raises(EnvParamsError) as raised:
-            env(path=str(train), eval_path=str(bad))
-        assert raised.value.param == "eval_path" and str(bad) in raised.value.reason
+            env(tmp_path, path=train.name, eval_path=bad)
+        assert raised.value.param == "eval_path" and bad in raised.value.reason
 
 
 def test_a_split_with_no_held_out_question_is_refused(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "d.jsonl", [{"question": "only one", "answer": 1}])
     with pytest.raises(EnvParamsError, match=r"no (held-out|training) rows"):
-        env(path=str(path), eval_fraction=0.01)
+        env(tmp_path, path=path.name, eval_fraction=0.01)
 
 
 def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
     rows = [{"question": f"q{i}", "answer": i} for i in range(40)]
     path = write_rows(tmp_path / "d.jsonl", rows)
-    assert len(env(path=str(path)).train) + len(env(path=str(path)).held_out) == 40
+    assert (
+        len(env(tmp_path, path=path.name).train) + len(env(tmp_path, path=path.name).held_out) == 40
+    )
     write_rows(path, [*rows, {"question": "q40", "answer": 40}])
     os.utime(path, ns=(1, 10**18))  # a later mtime even on a coarse clock
-    assert len(env(path=str(path)).train) + len(env(path=str(path)).held_out) == 41
+    assert (
+        len(env(tmp_path, path=path.name).train) + len(env(tmp_path, path=path.name).held_out) == 41
+    )
 
 
 def test_the_example_passes_the_environment_checker() -> None:
-    report = check_environment("dataset", {"path": str(EXAMPLE), "match": "contains"})
+    report = check_environment("dataset", {"path": "acme/capitals.jsonl", "match": "contains"})
     assert report.ok, [f for f in report.findings if not f.ok]
-
-
-def test_a_relative_path_is_found_under_the_data_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_rows(tmp_path / "d.jsonl", [{"question": f"q{i}", "answer": i} for i in range(20)])
-    monkeypatch.chdir(tmp_path.parent)
-    with pytest.raises(EnvParamsError, match="No such file"):
-        env(path="d.jsonl")
-    monkeypatch.setenv("MARLAAS_DATA_DIR", str(tmp_path))
-    assert len(env(path="d.jsonl").train) + len(env(path="d.jsonl").held_out) == 20

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from common.messages import EnvSettings
+from common.messages import EnvSettings, JobSpec
 from env_svc.envs.arithmetic import ArithmeticEnv, ArithmeticTask
 from env_svc.envs.calculator import (
     DEMONSTRATION,
@@ -439,7 +439,10 @@ def test_builtins_are_registered() -> None:
     for name, cls in zip(BUILTINS, (ArithmeticEnv, CalculatorEnv, CountdownEnv), strict=True):
         env = get_environment(name)
         assert type(env) is cls and env.name == name
-    env = environment_for(EnvSettings(name="calculator", params={"max_turns": 5}, seed=1))
+    job = JobSpec(
+        job_id="j", tenant="t", env=EnvSettings(name="calculator", params={"max_turns": 5})
+    )
+    env = environment_for(job)
     assert isinstance(env, CalculatorEnv) and env.max_turns == 5
 
 

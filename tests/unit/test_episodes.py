@@ -136,7 +136,7 @@ def test_arithmetic_single_turn(
     tokenizer: ChatTokenizer, hf: Any, reply: str, reward: float, components: dict[str, float]
 ) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
     task = env.task_for(7, 0)
     reply = str(task.answer) if reply == "right" else reply
     request = start(env, tokenizer, job)
@@ -170,7 +170,7 @@ def test_arithmetic_single_turn(
 
 def test_single_turn_cut_by_length_is_still_scored(tokenizer: ChatTokenizer) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
     answer = str(env.task_for(7, 0).answer)
     request = start(env, tokenizer, job)
     result = sample(tokenizer, request, f"The answer is {answer}", version=0, eos=False)
@@ -183,7 +183,7 @@ def test_single_turn_cut_by_length_is_still_scored(tokenizer: ChatTokenizer) -> 
 
 def test_group_samples_share_the_task_with_distinct_ids(tokenizer: ChatTokenizer) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
     requests = [
         start_episode(env, tokenizer, job, group_id="g", group_index=3, sample_index=i)
         for i in range(3)
@@ -196,7 +196,7 @@ def test_group_samples_share_the_task_with_distinct_ids(tokenizer: ChatTokenizer
 
 def test_calculator_multi_turn_is_token_in_token_out(tokenizer: ChatTokenizer, hf: Any) -> None:
     job = make_job("calculator", max_turns=3)
-    env = environment_for(job.env)
+    env = environment_for(job)
     task = env.task_for(7, 0)
     call = TOOL_CALL % task.expression
     first = start(env, tokenizer, job)
@@ -239,7 +239,7 @@ def test_calculator_multi_turn_is_token_in_token_out(tokenizer: ChatTokenizer, h
 
 def test_tool_turn_cut_by_length_gets_an_unscored_closing(tokenizer: ChatTokenizer) -> None:
     job = make_job("calculator", max_turns=3)
-    env = environment_for(job.env)
+    env = environment_for(job)
     call = TOOL_CALL % env.task_for(7, 0).expression
     first = start(env, tokenizer, job)
     result = sample(tokenizer, first, call, version=1, eos=False)
@@ -264,7 +264,7 @@ def test_turn_limit_ends_the_episode(
     tokenizer: ChatTokenizer, env_turns: int, job_turns: int
 ) -> None:
     job = make_job("calculator", {"max_turns": env_turns}, max_turns=job_turns)
-    env = environment_for(job.env)
+    env = environment_for(job)
     request: GenerationRequest | Trajectory = start(env, tokenizer, job)
     results: list[GenerationResult] = []
     for _ in range(2):
@@ -281,7 +281,7 @@ def test_turn_limit_ends_the_episode(
 
 def test_context_limit_ends_the_episode(tokenizer: ChatTokenizer) -> None:
     probe = make_job("calculator", max_turns=3)
-    env = environment_for(probe.env)
+    env = environment_for(probe)
     prompt_n = len(start(env, tokenizer, probe).context_token_ids)
     # Room for the first turn, not for a tool reply plus another 32 new tokens.
     job = make_job("calculator", max_turns=3, max_context_tokens=prompt_n + 40)
@@ -299,7 +299,7 @@ def test_context_limit_ends_the_episode(tokenizer: ChatTokenizer) -> None:
 
 def test_failed_reward_is_zero_only_with_its_error(tokenizer: ChatTokenizer) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
 
     def broken(task: Any, completion: Any) -> float:
         raise RuntimeError("grader offline")
@@ -315,7 +315,7 @@ def test_failed_reward_is_zero_only_with_its_error(tokenizer: ChatTokenizer) -> 
 
 def test_bad_carry_and_results_raise_clear_errors(tokenizer: ChatTokenizer) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
     request = start(env, tokenizer, job)
     result = sample(tokenizer, request, "5", version=0)
     assert decode_carry(request.env_state).prompt_len == len(request.context_token_ids)
@@ -338,7 +338,7 @@ def test_a_failed_episode_still_completes_its_group_with_an_error(
     tokenizer: ChatTokenizer,
 ) -> None:
     job = make_job("arithmetic")
-    env = environment_for(job.env)
+    env = environment_for(job)
     request = start(env, tokenizer, job)
     result = msgspec.structs.replace(
         sample(tokenizer, request, "5", version=0),

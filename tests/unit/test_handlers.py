@@ -203,7 +203,7 @@ async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     sent = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2 + 4)
     evals = [r for r in sent if isinstance(r, GenerationRequest) and "/eval0/" in r.episode_id]
-    env = environment_for(spec.env)
+    env = environment_for(spec)
     results = Inbox(Topic.ROLLOUTS)
     for request in evals:
         index = int(request.episode_id.rsplit("/", 1)[1])

@@ -47,7 +47,7 @@ def start(
         "MARLAAS_STATE_DIR": str(tmp_path),
         "TRAINER_DEVICE": "cpu",
         "PYTHONPATH": str(ROOT),
-        "MARLAAS_DATA_DIR": str(ROOT),  # the example dataset job's file, found from anywhere
+        "MARLAAS_DATA_DIR": str(ROOT / "examples" / "data"),  # the dataset example's file
     }
     return subprocess.run(
         [sys.executable, "-c", guarded(STARTS[target], allowed)],

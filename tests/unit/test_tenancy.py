@@ -3,6 +3,8 @@ enforced where a job is accepted, and an adapter update must be the trainer's ow
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -103,3 +105,45 @@ async def test_rollout_loads_only_the_adapters_the_trainer_published(backend: Ba
     await backend.store.publish_adapter(job.job_id, 1, adapter_uri(job.job_id, 1), 1)
     await service.on_adapter(adapter_update(job.job_id, 1))  # the trainer's own
     assert [(a.job_id, a.version) for a in engine.loaded] == [(job.job_id, 1)]
+
+
+async def test_the_operator_restricts_a_tenants_environments(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    tenant = f"narrow-{id(backend)}"
+    await backend.store.tenants.add(tenant, TenantLimits(environments=("calculator",)))
+    spec = msgspec.structs.replace(
+        job_spec("arith", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1),
+        tenant=tenant,
+    )
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
+    assert rejected.reason == (
+        f"quota environments: tenant {tenant!r} may use calculator; not 'arithmetic'"
+    )
+
+
+@pytest.mark.parametrize(
+    "path", ["/proc/self/environ", "/etc/passwd", "/dev/zero", "../globex/secret.jsonl"]
+)
+async def test_env_svc_rejects_a_dataset_path_out_of_the_tenants_folder(
+    backend: Backend,
+    tokenizer: ChatTokenizer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+) -> None:
+    (tmp_path / "globex").mkdir()
+    (tmp_path / "globex" / "secret.jsonl").write_text('{"question": "q", "answer": "s3cr3t"}\n')
+    monkeypatch.setenv("MARLAAS_DATA_DIR", str(tmp_path))
+    service = env_service(backend, tokenizer)
+    made = job_spec("data", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
+    spec = msgspec.structs.replace(
+        made, env=EnvSettings(name="dataset", params={"path": path, "match": "number"})
+    )
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
+    assert rejected.reason.startswith("environment 'dataset': bad param 'path': ")
+    assert "s3cr3t" not in rejected.reason and str(tmp_path) not in rejected.reason
+    assert await backend.store.job(spec.job_id) is None
