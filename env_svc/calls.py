@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from common.backoff import is_transient
 from env_svc.episodes import EpisodeError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,12 @@ T = TypeVar("T")
 
 class EnvCallTimeout(EpisodeError):
     """An environment or reward call did not return within the time limit."""
+
+
+class EnvCodeError(EpisodeError):
+    """What environment code raised that would read as a dependency briefly away (e.g. a
+    plugin tool's own `ConnectionError`): the episode's error, never retried as env_svc's
+    own Kafka or Redis would be (a record retried forever stops its shared partition)."""
 
 
 class WorkersExhausted(BaseException):
@@ -55,13 +62,20 @@ class EnvCalls:
         future: Future[T] = self._pool.submit(fn)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except TimeoutError:
-            if not future.cancel():  # it started: it keeps its worker until it returns
-                with self._lock:
-                    self._abandoned += 1
-                future.add_done_callback(self._returned)
-            log.error("%s: no answer after %.0fs; abandoned", what, self.timeout_s)
-            raise EnvCallTimeout(f"{what}: no answer after {self.timeout_s:g}s") from None
+        except Exception as exc:
+            if future.done() and not future.cancelled():  # `fn` raised it
+                raised = future.exception() or exc
+                if is_transient(raised):  # the code's own, not env_svc's Kafka or Redis
+                    raise EnvCodeError(f"{what}: {type(raised).__name__}: {raised}") from raised
+                raise
+            if not isinstance(exc, TimeoutError):
+                raise
+        if not future.cancel():  # it started: it keeps its worker until it returns
+            with self._lock:
+                self._abandoned += 1
+            future.add_done_callback(self._returned)
+        log.error("%s: no answer after %.0fs; abandoned", what, self.timeout_s)
+        raise EnvCallTimeout(f"{what}: no answer after {self.timeout_s:g}s")
 
     def _returned(self, _: Future[T]) -> None:
         with self._lock:

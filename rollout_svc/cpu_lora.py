@@ -73,6 +73,8 @@ def stacked_lora_linear(
     `lora_a[i]`: slots x 1 x r x I; `lora_b[i]`: slots x 1 x O_i x r (vLLM's stacked layout).
     Rows whose slot is not in `active_U` (the "no adapter" ones) get nothing.
     """
+    import torch
+
     n_tokens, n_active = onehot_TU.shape
     if n_active == 0:
         return
@@ -83,14 +85,31 @@ def stacked_lora_linear(
         hidden_TUR = (x_TI.to(a_URI.dtype) @ a_URI.reshape(n_active_ * rank, n_in).T).view(
             n_tokens, n_active, rank
         )
-        hidden_TUR = hidden_TUR * onehot_TU.to(hidden_TUR.dtype).unsqueeze(2)
+        # where, not a product with the mask: another job's NaN times 0 is NaN.
+        hidden_TUR = torch.where(onehot_TU.unsqueeze(2) > 0, hidden_TUR, 0.0)
         if scale != 1.0:
             hidden_TUR = hidden_TUR * scale
         b_UOR = b_stacked.index_select(0, active_U).squeeze(1)[:, :width]
         b_O_UR = b_UOR.permute(1, 0, 2).reshape(width, n_active * rank)
         delta_TO = hidden_TUR.reshape(n_tokens, n_active * rank) @ b_O_UR.T
+        if not bool(torch.isfinite(delta_TO).all()):
+            delta_TO = _each_adapter_alone(hidden_TUR, b_UOR, onehot_TU)
         y_TO[:, offset : offset + width] += delta_TO.to(y_TO.dtype)
         offset += width
+
+
+def _each_adapter_alone(
+    hidden_TUR: torch.Tensor, b_UOR: torch.Tensor, onehot_TU: torch.Tensor
+) -> torch.Tensor:
+    """The LoRA output with each adapter's B applied to its own tokens only: the one GEMM
+    over all adapters adds 0 x B of every other adapter, which is NaN where B is not finite
+    (an adapter that diverged must spoil no other job's tokens)."""
+
+    delta_TO = hidden_TUR.new_zeros(hidden_TUR.shape[0], b_UOR.shape[1])
+    for slot in range(b_UOR.shape[0]):
+        own_T = onehot_TU[:, slot] > 0
+        delta_TO[own_T] = hidden_TUR[own_T, slot] @ b_UOR[slot].T
+    return delta_TO
 
 
 def _wrapper_class() -> type:

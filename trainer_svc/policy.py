@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,17 @@ class _Tally:
         for key in _TOKEN_MEAN_METRICS:
             of = self.tokens if key == "loss" else self.computed_tokens
             self.sums[key] += metrics[key] * metrics["tokens"] / max(of, 1)
+
+
+class NonFiniteGradientError(ArithmeticError):
+    """A job's gradient is NaN or infinite (its adapter diverged, or a reward was not
+    finite): no optimizer stepped, so no non-finite weight is ever saved or published."""
+
+    def __init__(self, job_ids: Sequence[str]) -> None:
+        super().__init__(
+            f"non-finite gradient in job(s) {', '.join(job_ids)}: the step was not taken"
+        )
+        self.job_ids = list(job_ids)
 
 
 def _adapter_name(job_id: str) -> str:
@@ -322,22 +334,30 @@ class MultiAdapterPolicy:
         """Each job clips its own gradient and steps its own optimizer."""
         import torch
 
-        results: dict[str, dict[str, float]] = {}
+        norms: dict[str, float] = {}
         for job_id, job in jobs.items():
-            tally = tallies[job_id]
             # A param no micro-batch reached (all masked) has grad None; clip and step skip it.
             # A skipped row would have reached it with a zero gradient, which still moves
             # Adam's state: give it that zero.
-            if tally.zero_rows and self.skip_zero_advantages:
+            if tallies[job_id].zero_rows and self.skip_zero_advantages:
                 for param in job.params:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
-            grad_norm = torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM)
+            norms[job_id] = float(torch.nn.utils.clip_grad_norm_(job.params, MAX_GRAD_NORM))
+        if diverged := sorted(job_id for job_id, norm in norms.items() if not math.isfinite(norm)):
+            # No optimizer has stepped: the weights stay finite, and the caller can train the
+            # other jobs again without this one (trainer_svc/service.py, `_untrainable`).
+            for job in jobs.values():
+                job.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradientError(diverged)
+        results: dict[str, dict[str, float]] = {}
+        for job_id, job in jobs.items():
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
+            tally = tallies[job_id]
             results[job_id] = {
                 **tally.sums,
-                "grad_norm": float(grad_norm),
+                "grad_norm": norms[job_id],
                 "tokens": float(tally.tokens),
                 "zero_advantage_share": tally.zero_rows / tally.rows,
             }

@@ -11,7 +11,7 @@ from aiokafka import errors as kafka
 from redis import exceptions as redis
 
 from common.backoff import Backoff, RetryableError, is_transient, retry_transient
-from env_svc.calls import EnvCalls, EnvCallTimeout, WorkersExhausted
+from env_svc.calls import EnvCalls, EnvCallTimeout, EnvCodeError, WorkersExhausted
 
 
 @pytest.mark.parametrize(
@@ -108,4 +108,25 @@ async def test_env_calls_answer_raise_time_out_and_give_up_when_every_worker_han
         assert await calls.run("add", lambda: 2 + 2) == 4
     finally:
         release.set()
+        calls.close()
+
+
+async def test_what_environment_code_raises_is_never_retried_as_a_dependency_away() -> None:
+    """A plugin tool's own ConnectionError or TimeoutError is its episode's error (issue 24):
+    classed transient, the record would be retried forever and its partition would stop."""
+    calls = EnvCalls(timeout_s=5.0, workers=1)
+
+    def tool_call() -> None:
+        raise ConnectionError("the tool's own API is down")
+
+    def slow_tool() -> None:
+        raise TimeoutError("the tool's own deadline")
+
+    try:
+        for code, name in ((tool_call, "ConnectionError"), (slow_tool, "TimeoutError")):
+            with pytest.raises(EnvCodeError) as raised:
+                await calls.run("reward", code)
+            assert not is_transient(raised.value) and f"reward: {name}: " in str(raised.value)
+        assert calls.abandoned == 0  # the code's TimeoutError is not the call's time limit
+    finally:
         calls.close()

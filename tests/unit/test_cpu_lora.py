@@ -50,6 +50,26 @@ def test_stacked_path_matches_the_per_token_reference(dtype: torch.dtype) -> Non
     assert torch.equal(y[0].double(), expected[0]) and torch.equal(y[4].double(), expected[4])
 
 
+@pytest.mark.parametrize("broken", ["a", "b"])
+def test_one_jobs_non_finite_adapter_spoils_no_other_jobs_tokens(broken: str) -> None:
+    """A diverged adapter (NaN in A or in B) beside healthy ones: the other jobs' rows and the
+    base-model rows get exactly what they would get without it (issue 24)."""
+    generator = torch.Generator().manual_seed(3)
+    lora_a, lora_b = _stacked(generator, torch.float32)
+    slots = torch.tensor([0, 3, -1, 3, 0, 2])
+    x = torch.randn(len(slots), N_IN, generator=generator)
+    y = torch.randn(len(slots), sum(OUTPUT_SLICES), generator=generator)
+    expected = _reference(y, x, lora_a, lora_b, slots, scale=1.0)
+    for tensors in lora_a if broken == "a" else lora_b:
+        tensors[3].fill_(float("nan"))
+    active, onehot = slot_mask(slots, torch.float32)
+    stacked_lora_linear(y, x, lora_a, lora_b, OUTPUT_SLICES, active, onehot)
+    healthy = slots != 3
+    assert torch.isfinite(y[healthy]).all()
+    assert (y[healthy].double() - expected[healthy]).abs().max().item() <= 1e-4 * 100
+    assert torch.isnan(y[~healthy]).all()
+
+
 def test_a_batch_without_adapters_is_untouched() -> None:
     generator = torch.Generator().manual_seed(1)
     lora_a, lora_b = _stacked(generator, torch.float32)

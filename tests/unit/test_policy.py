@@ -15,7 +15,7 @@ from common.messages import LoraSettings, RLSettings, Trajectory
 from common.models import tiny_model
 from trainer_svc.grpo import token_logprobs
 from trainer_svc.packing import PackRow, plan_packs
-from trainer_svc.policy import MultiAdapterPolicy, _pad
+from trainer_svc.policy import MultiAdapterPolicy, NonFiniteGradientError, _pad
 
 LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 RL = RLSettings(learning_rate=1e-2)
@@ -391,3 +391,24 @@ def test_a_shared_prompt_run_once_gives_the_plain_batch_update(
     }
     assert moved[False].norm() > 0
     assert (moved[True] - moved[False]).norm() <= 1e-3 * moved[False].norm()
+
+
+def test_a_non_finite_gradient_takes_no_step_for_any_job(base_dir: Path) -> None:
+    """One job's advantage is inf (or its adapter diverged): no optimizer steps, every
+    adapter stays as it was and finite, and the other job trains alone afterwards (issue 24)."""
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL)
+    policy.add_job("b", LORA, RL)
+    policy.train_step("a", [_batch()[0]], [1.0])  # a has moved off the identity
+    before = {job: policy.adapter_state(job) for job in ("a", "b")}
+    batch = _batch()
+    with pytest.raises(
+        NonFiniteGradientError, match=r"job\(s\) b: the step was not taken"
+    ) as caught:
+        policy.train_steps({"a": (batch[:2], [1.0, -1.0]), "b": (batch[2:], [float("inf"), 1.0])})
+    assert caught.value.job_ids == ["b"]
+    for job, state in before.items():
+        _assert_same_state(policy.adapter_state(job), state, atol=0)
+        assert all(torch.isfinite(t).all() for t in policy.adapter_state(job).values())
+    metrics = policy.train_steps({"a": (batch[:2], [1.0, -1.0])})["a"]
+    assert metrics["grad_norm"] > 0
