@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
             f"tenant API start-up check passed: uvicorn {uvicorn.__version__}, {len(paths)} paths"
         )
         return 0
+    settings.require_bus_key()
     try:
         asyncio.run(serve(settings, api))
     except KeyboardInterrupt:

@@ -84,7 +84,7 @@ GRANTS: Mapping[Principal, Grant] = {
     "env_svc": Grant(
         # register_job (job, jobs, tenant-jobs; reads the tenant's other job keys inside the
         # script, undeclared), set_job_status, bind_owner; the issue and claim scripts; the
-        # evaluation claims, re-sends and tallies; its de-dup of generation results.
+        # evaluation claims, re-sends and tallies; its de-dup of generation results and commands.
         read_write=(
             "job:*",
             "jobs",
@@ -98,6 +98,7 @@ GRANTS: Mapping[Principal, Grant] = {
             "evalseen:*",
             "eval:*",
             "dedup:results:*",
+            "dedup:commands:*",
             "rejected:*",
         ),
         # The trained version (the issue script); the tenant's limits; which URI the trainer

@@ -111,6 +111,10 @@ class SharedSettings(BaseSettings):
     """The deployment's bus key: every record produced is signed with it and every service
     drops records not signed with it (common/signing.py). Empty: nothing is signed or checked
     (only where nothing untrusted reaches the broker). `marlaas up` makes one per stack."""
+    insecure_bus: bool = False
+    """Run a service with no bus key (`MARLAAS_INSECURE_BUS=1`): records go unsigned and
+    every record is trusted. Only where nothing untrusted can reach the broker; without it a
+    service refuses to start with an empty `MARLAAS_BUS_KEY`."""
     chat_url: str = ""
     """A rollout replica's chat completions (`http://host:ROLLOUT_API_PORT/v1`), where
     `marlaas sample` asks; the embedded stack serves one and writes it to stack.env."""
@@ -123,6 +127,16 @@ class SharedSettings(BaseSettings):
     def signer(self) -> RecordSigner | None:
         """Signs and checks records with the bus key (None: no key, nothing signed)."""
         return signer(self.bus_key.get_secret_value())
+
+    def require_bus_key(self) -> None:
+        """Raises SettingsError unless the bus is signed or explicitly left open: a service
+        with no key trusts whoever reaches the broker."""
+        if not self.bus_key.get_secret_value() and not self.insecure_bus:
+            raise SettingsError(
+                "MARLAAS_BUS_KEY is empty: every record on the bus would be trusted and none "
+                "signed; set the deployment's bus key (deploy/env.example), or "
+                "MARLAAS_INSECURE_BUS=1 where nothing untrusted can reach the broker"
+            )
 
 
 class KafkaAuthSettings(BaseSettings):

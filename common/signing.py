@@ -22,6 +22,7 @@ import hmac
 from collections.abc import Sequence
 
 HEADER = "marlaas-sig"
+NUL = b"\0"
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -35,8 +36,12 @@ class RecordSigner:
         self._key = key.encode()
 
     def signature(self, topic: str, key: bytes | None, value: bytes) -> bytes:
-        # NUL-separated: no topic or key of MARLaaS holds a NUL (ids: common/jobspec.py), and
-        # a shell can make the same bytes (`printf 'topic\0key\0%s' "$value"`).
+        # NUL-separated, and a shell can make the same bytes (`printf 'topic\0key\0%s'
+        # "$value"`). The split is unambiguous because neither topic nor key may hold a NUL
+        # (Kafka's topic names cannot; `problem` refuses such a key): else a record re-split
+        # across key and value (key + NUL + the value's head) would keep its signature.
+        if NUL in topic.encode() or NUL in (key or b""):
+            raise ValueError("a topic or key holding a NUL byte cannot be signed unambiguously")
         message = b"\0".join((topic.encode(), key or b"", value))
         return hmac.new(self._key, message, hashlib.sha256).hexdigest().encode()
 
@@ -47,6 +52,8 @@ class RecordSigner:
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers | None
     ) -> str | None:
         """Why the record is not to be trusted (None: signed with this key)."""
+        if NUL in (key or b""):
+            return "a key holding a NUL byte: its signature could belong to another record"
         given = [v for name, v in headers or () if name == HEADER]
         if not given:
             return f"unsigned record (no {HEADER} header): not produced by a holder of the bus key"

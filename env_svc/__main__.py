@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     imports, tokenizer, environments) and exit 0: what an image must be able to do."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = load(SharedSettings), load(EnvServiceSettings)
+    if not check:
+        shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     from common.models import resolve_tokenizer

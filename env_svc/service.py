@@ -19,6 +19,7 @@ from common.artifacts import unpublished
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
+from common.dedup import COMMANDS
 from common.evals import MAX_RESENDS, eval_group_id, eval_version_of, evaluated
 from common.faults import fault_point
 from common.flow import IssuedGroup
@@ -238,8 +239,13 @@ class EnvService(Service):
                 "command %s for an unknown job ignored", command.action
             )
             return
+        if await store.seen(COMMANDS, command.job_id, command.command_id):
+            return  # applied before: a redelivered or replayed command changes nothing
         kind = COMMAND_EVENT[command.action]
-        if not await store.set_job_status(command.job_id, STATE_AFTER[kind]):
+        changed = await store.set_job_status(command.job_id, STATE_AFTER[kind])
+        # Marked once applied: a crash before this applies it again, which changes nothing.
+        await store.mark_seen(COMMANDS, command.job_id, command.command_id)
+        if not changed:
             return  # already finished: a late command changes nothing
         await self.io.send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))
         job_logger(log, command.job_id, record.spec.tenant).info("job %s", kind)

@@ -15,6 +15,7 @@ from common.service import exit_code, log_settings, run_service
 
 def main() -> int:
     shared, settings = load(SharedSettings), load(RolloutSettings)
+    shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     if settings.cpu_cores:  # before vLLM starts its threads and engine process: they inherit it

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     do."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = load(SharedSettings), load(TrainerSettings)
+    if not check:
+        shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
     setup_logging(shared.log_level, shared.log_format)
     log_settings(shared, settings)
     threads = pin_to_cores(settings.cpu_cores, settings.torch_threads)

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.messages import EnvSettings, JobSpec, MessageDecodeError, Topic
+from common.messages import EnvSettings, JobCommand, JobSpec, MessageDecodeError, Topic, new_id
 from common.tenants import TenantLimits
 from common.wire import encode
 from env_svc.episodes import ChatTokenizer
@@ -147,3 +147,22 @@ async def test_env_svc_rejects_a_dataset_path_out_of_the_tenants_folder(
     assert rejected.reason.startswith("environment 'dataset': bad param 'path': ")
     assert "s3cr3t" not in rejected.reason and str(tmp_path) not in rejected.reason
     assert await backend.store.job(spec.job_id) is None
+
+
+async def test_a_replayed_command_changes_nothing(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """pause, resume, then the pause record again (a replay of a signed record, or a
+    redelivery): the job stays running (issue 24)."""
+    service = env_service(backend, tokenizer)
+    jobs = Inbox(Topic.JOBS)
+    spec = job_spec("replay", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    await jobs.hand(service.handle, spec)
+    pause = JobCommand(command_id=new_id(), job_id=spec.job_id, action="pause")
+    resume = JobCommand(command_id=new_id(), job_id=spec.job_id, action="resume")
+    for command in (pause, resume, pause):
+        await jobs.hand(service.handle, command)
+    record = await backend.store.job(spec.job_id)
+    assert record is not None and record.status == "running"
+    kinds = [e.event for e in await backend.sent(Topic.EVENTS, spec.job_id, expect=3)]
+    assert kinds == ["accepted", "paused", "resumed"]
