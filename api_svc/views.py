@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from common.chat import MAX_PROMPT_CHARS, MAX_TOKENS
 from common.registry import JobRecord
 from common.tenants import samples_in_flight
 
@@ -56,9 +57,9 @@ class CommandDone(BaseModel):
 
 
 class SampleRequest(BaseModel):
-    prompt: str
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     version: int | None = None
-    max_tokens: int = Field(default=64, ge=1, le=1024)
+    max_tokens: int = Field(default=64, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=0.0, ge=0.0)
 
 

@@ -128,6 +128,11 @@ class SharedSettings(BaseSettings):
         """Signs and checks records with the bus key (None: no key, nothing signed)."""
         return signer(self.bus_key.get_secret_value())
 
+    def internal_token(self, purpose: str) -> str | None:
+        """The credential for `purpose` derived from the bus key (None: an open bus)."""
+        signing = self.signer
+        return None if signing is None else signing.token(purpose)
+
     def require_bus_key(self) -> None:
         """Raises SettingsError unless the bus is signed or explicitly left open: a service
         with no key trusts whoever reaches the broker."""

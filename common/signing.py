@@ -45,6 +45,11 @@ class RecordSigner:
         message = b"\0".join((topic.encode(), key or b"", value))
         return hmac.new(self._key, message, hashlib.sha256).hexdigest().encode()
 
+    def token(self, purpose: str) -> str:
+        """A credential for `purpose` (e.g. the rollout replicas' chat endpoint) that every
+        holder of the bus key can derive and nobody else can."""
+        return hmac.new(self._key, f"marlaas-token:{purpose}".encode(), hashlib.sha256).hexdigest()
+
     def headers(self, topic: str, key: bytes | None, value: bytes) -> list[tuple[str, bytes]]:
         return [(HEADER, self.signature(topic, key, value))]
 

@@ -17,9 +17,16 @@ class ChatFailed(Exception):
 
 
 def chat_completion(
-    base_url: str, model: str, prompt: str, *, max_tokens: int, temperature: float
+    base_url: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    temperature: float,
+    token: str | None,
 ) -> tuple[str, str]:
-    """(the model that answered, its answer) to one user message."""
+    """(the model that answered, its answer) to one user message; `token`: the replicas'
+    internal credential (`SharedSettings.internal_token(CHAT)`; None on an open bus)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -29,7 +36,10 @@ def chat_completion(
     request = urllib.request.Request(
         f"{base_url.rstrip('/')}/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        },
         method="POST",
     )
     try:

@@ -11,6 +11,7 @@ Not authenticated: tenant keys belong to the tenant API (issue 14), not to this 
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -20,14 +21,16 @@ from typing import Any
 
 from aiohttp import web
 
+from common.chat import MAX_PROMPT_CHARS, MAX_TOKENS
 from common.messages import GenerationRequest, GenerationResult, SamplingSettings, new_id
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS_LIMIT = 1024
+MAX_BODY_BYTES = 256 * 1024
 _MODEL = re.compile(r"^(?P<job>[^@]+?)(?:@v(?P<version>\d+))?$")
 
 Generate = Callable[[GenerationRequest, str, int | None], Awaitable[GenerationResult]]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 """(request, job id, adapter version or None for the latest) -> the sampled turn."""
 
 
@@ -58,8 +61,8 @@ def sampling_of(body: dict[str, Any]) -> SamplingSettings:
         raise ChatError(400, f"bad sampling parameter: {exc}") from None
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise ChatError(400, f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {max_tokens}")
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        raise ChatError(400, f"max_tokens must be in [1, {MAX_TOKENS}], got {max_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ChatError(400, "temperature must be >= 0 and top_p in (0, 1]")
     if not all(isinstance(s, str) for s in stop):
@@ -80,14 +83,18 @@ class ChatAPI:
         *,
         host: str,
         port: int,
+        token: str | None,
     ) -> None:
+        """`token`: the credential every request must bear (`Authorization: Bearer`), derived
+        from the bus key (common/signing.py); None only on an open bus."""
         self._tokenizer, self._generate, self._models = tokenizer, generate, models
         self._host, self._port = host, port
+        self._token = token
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._authorized])
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._list_models)
         self._runner = web.AppRunner(app, access_log=None)
@@ -102,6 +109,17 @@ class ChatAPI:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _authorized(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Only holders of the internal credential (the tenant API, the operator) are served:
+        a tenant reaches a job's adapter through the API, which checks that the job is its."""
+        if self._token is not None:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
+                error = {"message": "the internal credential is required", "code": 401}
+                return web.json_response({"error": error}, status=401)
+        return await handler(request)
 
     async def _list_models(self, _: web.Request) -> web.Response:
         models = ["base", *sorted(self._models())]
@@ -136,6 +154,8 @@ class ChatAPI:
             or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
         ):
             raise ChatError(400, "messages: a non-empty list of {role, content}")
+        if (chars := sum(len(m["content"]) for m in messages)) > MAX_PROMPT_CHARS:
+            raise ChatError(413, f"messages: {chars} characters; at most {MAX_PROMPT_CHARS}")
         job_id, version = parse_model(model)
         sampling = sampling_of(body)
         text = self._tokenizer.apply_chat_template(

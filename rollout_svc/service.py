@@ -20,6 +20,7 @@ from common.artifacts import adapter_path, unpublished
 from common.backoff import is_transient, retry_transient
 from common.broadcast import BroadcastReader
 from common.bus import ConsumerLoop, Delivery
+from common.chat import CHAT
 from common.config import RolloutSettings, SharedSettings
 from common.faults import fault_point
 from common.hardware import detect
@@ -198,6 +199,7 @@ class RolloutService(Service):
             lambda: list(self.latest),
             host=self.shared.metrics_host,
             port=port,
+            token=self.shared.internal_token(CHAT),
         )
         await chat.start()
         return chat

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException
 
 from api_svc.access import Client, Settings, Tenant, registered
 from api_svc.views import SampleAnswer, SampleRequest
+from common.chat import CHAT
 from console.chat_client import ChatFailed, chat_completion
 
 router = APIRouter(prefix="/v1/jobs")
@@ -22,13 +23,19 @@ async def sample(
     if not settings.chat_url:
         raise HTTPException(503, "no rollout chat endpoint configured (MARLAAS_CHAT_URL)")
     model = job_id if ask.version is None else f"{job_id}@v{ask.version}"
-    return await asyncio.to_thread(_chat, settings.chat_url, model, ask)
+    token = settings.internal_token(CHAT)
+    return await asyncio.to_thread(_chat, settings.chat_url, model, ask, token)
 
 
-def _chat(base_url: str, model: str, ask: SampleRequest) -> SampleAnswer:
+def _chat(base_url: str, model: str, ask: SampleRequest, token: str | None) -> SampleAnswer:
     try:
         answered, content = chat_completion(
-            base_url, model, ask.prompt, max_tokens=ask.max_tokens, temperature=ask.temperature
+            base_url,
+            model,
+            ask.prompt,
+            max_tokens=ask.max_tokens,
+            temperature=ask.temperature,
+            token=token,
         )
     except ChatFailed as exc:
         raise HTTPException(exc.status or 502, str(exc)) from None

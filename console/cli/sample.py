@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from common.chat import CHAT
 from common.config import SharedSettings, load
 from console.api_client import TenantClient
 from console.chat_client import ChatFailed, chat_completion
@@ -29,7 +30,8 @@ def sample(
         answer = run(_sample_via_api(api, job, prompt, version, max_tokens, temperature))
         say(f"[{answer['model']}] {answer['content']}")
         return
-    base = (url or load(SharedSettings).chat_url).rstrip("/")
+    settings = load(SharedSettings)
+    base = (url or settings.chat_url).rstrip("/")
     if not base:
         raise ValueError(
             "no chat completions URL: start the stack with `marlaas up`, or give --url "
@@ -38,7 +40,12 @@ def sample(
     model = job if version is None else f"{job}@v{version}"
     try:
         answered, content = chat_completion(
-            base, model, prompt, max_tokens=max_tokens, temperature=temperature
+            base,
+            model,
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            token=settings.internal_token(CHAT),
         )
     except ChatFailed as exc:
         raise ValueError(str(exc)) from None

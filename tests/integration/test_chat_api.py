@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from pydantic import SecretStr
 from typer.testing import CliRunner
 
+from common.chat import CHAT
 from common.config import RolloutSettings, SharedSettings
 from common.messages import EnvSettings, JobSpec, new_id
 from common.models import tiny_model
@@ -21,15 +23,16 @@ from rollout_svc.service import RolloutService
 from tests.integration.test_rollout_engine import make_adapter
 
 pytestmark = [pytest.mark.kafka, pytest.mark.asyncio(loop_scope="module")]
+BUS_KEY = SecretStr("chat-test-bus-key")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(
     local_stack,
     tmp_path_factory: pytest.TempPathFactory,  # type: ignore[no-untyped-def]
-) -> AsyncIterator[tuple[str, str]]:
+) -> AsyncIterator[tuple[str, str, str]]:
     """A rollout service's engine and chat endpoint (no Kafka consumer: only chat), with a
-    job whose v1 is a random adapter."""
+    job whose v1 is a random adapter; also the endpoint's credential."""
     base = tiny_model()
     store = await RedisStore.connect(local_stack.redis_url)
     job_id = f"chat-{new_id()[:8]}"
@@ -43,26 +46,34 @@ async def served(
     await store.publish_adapter(job_id, 1, adapter.resolve().as_uri(), 1)
     engine = RolloutEngine(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
     await engine.start()
+    shared = SharedSettings(base_model=str(base), metrics_host="127.0.0.1", bus_key=BUS_KEY)
     service = RolloutService(
-        SharedSettings(base_model=str(base), metrics_host="127.0.0.1"),
+        shared,
         RolloutSettings(),
         engine,
         store=store,
     )
     chat = await service._start_chat(0)
     try:
-        yield chat.url, job_id
+        token = shared.internal_token(CHAT)
+        assert token is not None
+        yield chat.url, job_id, token
     finally:
         await chat.stop()
         await engine.stop()
         await store.close()
 
 
-async def test_an_openai_client_talks_to_a_jobs_adapter(served: tuple[str, str]) -> None:
-    from openai import AsyncOpenAI, NotFoundError
+async def test_an_openai_client_talks_to_a_jobs_adapter(
+    served: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openai import AsyncOpenAI, AuthenticationError, NotFoundError
 
-    url, job_id = served
-    client = AsyncOpenAI(base_url=url, api_key="unused")
+    url, job_id, token = served
+    for wrong in ("unused", token[:-1]):  # only holders of the internal credential are served
+        with pytest.raises(AuthenticationError, match="internal credential"):
+            await AsyncOpenAI(base_url=url, api_key=wrong).models.list()
+    client = AsyncOpenAI(base_url=url, api_key=token)  # OpenAI's key is the bearer token
     question: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
 
     async def ask(model: str) -> tuple[str, str]:
@@ -85,6 +96,8 @@ async def test_an_openai_client_talks_to_a_jobs_adapter(served: tuple[str, str])
         await ask(f"{job_id}@v7")
     listed = await client.models.list()
     assert "base" in [m.id for m in listed.data]
+
+    monkeypatch.setenv("MARLAAS_BUS_KEY", BUS_KEY.get_secret_value())  # the operator's
 
     def sample(*args: str) -> str:
         result = CliRunner().invoke(app, ["sample", *args, "--url", url, "--max-tokens", "12"])

@@ -46,6 +46,7 @@ def test_defaults_decode_greedily() -> None:
         ({"model": "j", "messages": [{"role": "user"}]}, "messages:"),
         ({"model": "j", "messages": [{"content": "hi"}], "stream": True}, "stream"),
         ({"model": "j", "messages": [{"content": "hi"}], "n": 2}, "n: only 1"),
+        ({"model": "j", "messages": [{"content": "x" * 40_000}]}, "at most 32768"),
     ],
 )
 async def test_bad_requests_are_refused_before_generation(
@@ -54,6 +55,6 @@ async def test_bad_requests_are_refused_before_generation(
     async def never(*_: Any) -> Any:
         raise AssertionError("generated")
 
-    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0)
+    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
     with pytest.raises(ChatError, match=message):
         await api.complete(body)
