@@ -12,6 +12,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 
+from api_svc.limits import TenantGate
 from api_svc.views import JobView
 from common.config import SharedSettings
 from common.registry import JobRecord
@@ -43,7 +44,19 @@ async def _tenant_of(request: Request) -> str:
     tenant = await _client(request).store.tenants.authenticate(token.strip())
     if tenant is None:
         raise unauthorized("API key not valid (unknown, revoked, or its tenant revoked)")
+    gate(request).admit(tenant)
     return tenant
+
+
+def gate(request: Request) -> TenantGate:
+    """The app's per-tenant request rate and open streams (api_svc/limits.py)."""
+    held: TenantGate = request.app.state.gate
+    return held
+
+
+def api_key(request: Request) -> str:
+    """The request's API key (already checked by `Tenant`)."""
+    return request.headers.get("authorization", "").partition(" ")[2].strip()
 
 
 Tenant = Annotated[str, Depends(_tenant_of)]

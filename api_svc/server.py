@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api_svc.limits import BodyLimit, TenantGate
 from api_svc.routes import jobs, outputs, sample, tenant
 from common.config import SharedSettings
 from console.client import MarlaasClient
@@ -28,10 +29,25 @@ class ApiSettings(BaseSettings):
     """Address to listen on (compose: 0.0.0.0 inside the network)."""
     port: int = Field(default=8080, ge=0, le=65535)
     """Port; 0 picks a free one (logged, and written to stack.env by `marlaas up`)."""
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """A request's body at most (a job spec is a few KiB); more is refused with 413."""
+    requests_per_s: float = Field(default=20.0, gt=0)
+    """Each tenant's sustained request rate, per API replica; more gets 429 + Retry-After."""
+    burst: int = Field(default=40, ge=1)
+    """Requests a tenant may make at once before the rate applies."""
+    max_streams: int = Field(default=4, ge=1)
+    """Event streams (`?follow=true`) a tenant may hold open at once, per API replica."""
 
 
-def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> FastAPI:
-    """The API over one operator-side client (opened for the app's lifetime)."""
+def create_app(
+    settings: SharedSettings,
+    *,
+    connect_timeout_s: float = 10.0,
+    limits: ApiSettings | None = None,
+) -> FastAPI:
+    """The API over one operator-side client (opened for the app's lifetime), with the
+    per-tenant limits of `limits` (api_svc/limits.py)."""
+    limits = limits or ApiSettings()
     client = MarlaasClient(settings, connect_timeout_s=connect_timeout_s)
 
     @asynccontextmanager
@@ -46,6 +62,8 @@ def create_app(settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> 
         lifespan=lifespan,
     )
     app.state.client, app.state.settings = client, settings
+    app.state.gate = TenantGate(limits.requests_per_s, limits.burst, limits.max_streams)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     # `sample` before `jobs`, whose `/{job_id}/{action}` would take "sample" for an action.
     for module in (tenant, sample, jobs, outputs):
         app.include_router(module.router)
@@ -68,7 +86,7 @@ async def serve(
     import uvicorn
 
     config = uvicorn.Config(
-        create_app(settings, connect_timeout_s=settings.connect_timeout_s),
+        create_app(settings, connect_timeout_s=settings.connect_timeout_s, limits=api),
         host=api.host,
         port=api.port,
         log_level="warning",

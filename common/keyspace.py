@@ -6,7 +6,7 @@ docs/architecture.md, "Redis keys").
 - `adapter-versions:{job}` hash version -> uri of every published version
 - `fence:{job}`     the job's fencing epoch: incremented by each trainer taking it over
 - `job:{job}`       hash spec (wire-encoded JobSpec), tenant, status, reason, created_at,
-                    updated_at, samples (its G x B x (S + 1), for its tenant's quota)
+                    updated_at, samples (its G x B x (S + 1) + eval.tasks, for its tenant's quota)
 - `jobs`            set of every registered job id
 - `rejected:{job}`  why a job was rejected (never registered), for a week
 - `tenant:{name}`, `tenants`, `apikey:{key id}`, `tenant-keys:{name}`, `owner:{job}`,

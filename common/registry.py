@@ -174,8 +174,12 @@ class JobRegistry(RedisPart):
         return None if owner is None else text(owner)
 
     async def record_rejection(self, job_id: str, reason: str) -> None:
-        """Why a job was rejected (it is never registered), kept a week for its sender."""
-        await self._redis.set(rejection_key(job_id), reason, ex=REJECTION_TTL_S)
+        """Why a job was rejected (it is never registered), kept a week for its sender; the
+        id's binding to its tenant ends with it (a rejected job leaves no key forever)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(rejection_key(job_id), reason, ex=REJECTION_TTL_S)
+            pipe.expire(owner_key(job_id), REJECTION_TTL_S)
+            await pipe.execute()
 
     async def rejection(self, job_id: str) -> str | None:
         reason = await self._redis.get(rejection_key(job_id))

@@ -53,8 +53,9 @@ class TenantLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_concurrent_jobs: int = 4
     """Jobs registered and not ended (pending, running, paused)."""
     max_samples_in_flight: int = 1024
-    """Sum over those jobs of G x B x (S + 1): the episodes each may have issued and not yet
-    trained (common/flow.py), i.e. its share of the rollout engine's queue."""
+    """Sum over those jobs of G x B x (S + 1) + eval.tasks: the episodes each may have open
+    (issued and not yet trained, common/flow.py, and one evaluation), i.e. its share of the
+    rollout engine's queue."""
     max_steps: int = 1000
     """`rl.max_steps` of any one job."""
     max_new_tokens: int = 512
@@ -73,9 +74,10 @@ class QuotaError(ValueError):
 
 
 def samples_in_flight(spec: JobSpec) -> int:
-    """The episodes a job may have issued and not yet trained: G x B x (S + 1)."""
+    """The episodes a job may have open at once: G x B x (S + 1) issued and not yet trained,
+    and one evaluation's `eval.tasks` (sent all at once, beside training)."""
     rl = spec.rl
-    return rl.group_size * rl.groups_per_step * (rl.max_staleness + 1)
+    return rl.group_size * rl.groups_per_step * (rl.max_staleness + 1) + spec.eval.tasks
 
 
 def job_limit_problems(spec: JobSpec, limits: TenantLimits) -> list[str]:
@@ -85,7 +87,7 @@ def job_limit_problems(spec: JobSpec, limits: TenantLimits) -> list[str]:
         ("max_steps", spec.rl.max_steps, "rl.max_steps"),
         ("max_new_tokens", spec.rl.sampling.max_new_tokens, "rl.sampling.max_new_tokens"),
         ("max_lora_rank", spec.lora.rank, "lora.rank"),
-        ("max_samples_in_flight", samples_in_flight(spec), "G x B x (S + 1)"),
+        ("max_samples_in_flight", samples_in_flight(spec), "G x B x (S + 1) + eval.tasks"),
     ]
     problems = [
         f"quota {name}: {field} {value} exceeds the limit {getattr(limits, name)} of tenant "
@@ -114,8 +116,8 @@ def quota_problem(
         )
     return (
         f"quota max_samples_in_flight: tenant {spec.tenant!r}'s jobs have {live_samples} "
-        f"samples in flight and this one adds {samples_in_flight(spec)} (G x B x (S + 1)); "
-        f"its limit is {limits.max_samples_in_flight}"
+        f"samples in flight and this one adds {samples_in_flight(spec)} "
+        f"(G x B x (S + 1) + eval.tasks); its limit is {limits.max_samples_in_flight}"
     )
 
 

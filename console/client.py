@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 
 from common.artifacts import latest_checkpoint_version
@@ -112,13 +112,25 @@ class MarlaasClient:
             await self.job(job)  # UnknownJobError unless it is registered
         return events
 
-    async def follow(self, job: Job) -> AsyncIterator[Event]:
-        """The job's events so far, then each new one until the job has ended."""
+    async def follow(
+        self,
+        job: Job,
+        *,
+        allowed: Callable[[], Awaitable[bool]] | None = None,
+        check_every_s: float = 5.0,
+    ) -> AsyncIterator[Event]:
+        """The job's events so far, then each new one until the job has ended; or until
+        `allowed()`, asked every `check_every_s` even while no event comes, says no (the
+        tenant API: the key was revoked)."""
         if isinstance(job, str) and await self.store.job(job) is None:
             await self.events(job)  # raises UnknownJobError unless it has events
         async with self._feed({job_id_of(job)}) as feed:
-            ended = False
+            ended, checked = False, time.monotonic()
             while not (ended and feed.caught_up):
+                if allowed is not None and time.monotonic() - checked >= check_every_s:
+                    if not await allowed():
+                        return
+                    checked = time.monotonic()
                 for event in await feed.poll(0.5):
                     yield event
                     ended = ended or STATE_AFTER.get(event.event) in TERMINAL_STATES

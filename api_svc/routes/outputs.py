@@ -12,25 +12,37 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from api_svc.access import Client, Tenant, conflict_on, owned, registered
+from api_svc.access import Client, Tenant, api_key, conflict_on, gate, owned, registered
 
 router = APIRouter(prefix="/v1")
+KEY_RECHECK_S = 5.0
+"""How often an open event stream checks that its key is still valid."""
 
 
 @router.get("/jobs/{job_id}/events", response_model=None)
-async def events(job_id: str, tenant: Tenant, client: Client, follow: bool = False) -> Response:
+async def events(
+    job_id: str, tenant: Tenant, client: Client, request: Request, follow: bool = False
+) -> Response:
     job = await owned(client, job_id, tenant) or job_id  # bound, not registered yet: its id
     if not follow:
         found = [e for e in await client.events(job) if e.tenant == tenant]
         return Response(msgspec.json.encode(found), media_type="application/json")
+    close = gate(request).open_stream(tenant)
+    key = api_key(request)
+
+    async def still_valid() -> bool:  # a revoked key's stream ends
+        return await client.store.tenants.authenticate(key) == tenant
 
     async def lines() -> AsyncIterator[bytes]:
-        async for event in client.follow(job):
-            if event.tenant == tenant:
-                yield msgspec.json.encode(event) + b"\n"
+        try:
+            async for event in client.follow(job, allowed=still_valid, check_every_s=KEY_RECHECK_S):
+                if event.tenant == tenant:
+                    yield msgspec.json.encode(event) + b"\n"
+        finally:
+            close()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -59,7 +59,8 @@ def add(
     name: Annotated[str, typer.Argument(help="The tenant's name (as job specs carry it).")],
     max_concurrent_jobs: Annotated[int | None, typer.Option(min=1)] = None,
     max_samples_in_flight: Annotated[
-        int | None, typer.Option(min=1, help="Sum of G x B x (S + 1) over its live jobs.")
+        int | None,
+        typer.Option(min=1, help="Sum of G x B x (S + 1) + eval.tasks over its live jobs."),
     ] = None,
     max_steps: Annotated[int | None, typer.Option(min=1)] = None,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,

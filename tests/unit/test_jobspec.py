@@ -121,7 +121,9 @@ def test_a_tenants_per_job_limits_are_named_when_exceeded() -> None:
     assert "quota max_new_tokens: rl.sampling.max_new_tokens 65 exceeds" in text
     assert "quota max_lora_rank: lora.rank 16 exceeds the limit 8 of tenant 'acme'" in text
     wide = spec(rl=RLSettings(group_size=8, groups_per_step=4, max_staleness=3))
-    with pytest.raises(JobSpecError, match=r"quota max_samples_in_flight: G x B x \(S \+ 1\) 128"):
+    with pytest.raises(
+        JobSpecError, match=r"quota max_samples_in_flight: G x B x \(S \+ 1\) \+ eval\.tasks 160"
+    ):
         validate_job(wide, limits=TenantLimits(max_samples_in_flight=127))
 
 

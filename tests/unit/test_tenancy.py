@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from common.keyspace import owner_key
 from common.messages import (
     EnvSettings,
     Event,
@@ -17,6 +18,7 @@ from common.messages import (
     Topic,
     new_id,
 )
+from common.registry import REJECTION_TTL_S
 from common.tenants import TenantLimits
 from common.wire import encode
 from env_svc.episodes import ChatTokenizer
@@ -88,7 +90,7 @@ async def test_a_tenants_limits_are_enforced_where_jobs_are_accepted(
     assert "its limit is 1" in reasons[second.job_id]
     assert "quota max_steps: rl.max_steps 6 exceeds the limit 5" in reasons[long.job_id]
     assert (
-        "quota max_samples_in_flight: G x B x (S + 1) 16 exceeds the limit 8"
+        "quota max_samples_in_flight: G x B x (S + 1) + eval.tasks 16 exceeds the limit 8"
         in (reasons[wide.job_id])
     )
     assert events(await backend.sent(Topic.EVENTS, first.job_id, expect=1), "accepted")
@@ -155,6 +157,8 @@ async def test_env_svc_rejects_a_dataset_path_out_of_the_tenants_folder(
     assert rejected.reason.startswith("environment 'dataset': bad param 'path': ")
     assert "s3cr3t" not in rejected.reason and str(tmp_path) not in rejected.reason
     assert await backend.store.job(spec.job_id) is None
+    # The id's binding to its tenant ends with the rejection's record: no key left forever.
+    assert 0 < await backend.store.client.ttl(owner_key(spec.job_id)) <= REJECTION_TTL_S
 
 
 async def test_a_replayed_command_changes_nothing(
