@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import TopicPartition
 
 from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
@@ -56,6 +57,8 @@ _CONNECT_ERRORS = (KafkaConnectionError, OSError, asyncio.TimeoutError)
 
 
 C = TypeVar("C", AIOKafkaProducer, AIOKafkaConsumer, AIOKafkaAdminClient)
+_PARTITIONER = DefaultPartitioner()
+"""The partition of a keyed record, as every `Producer` here (aiokafka's default) picks it."""
 
 
 async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) -> C:
@@ -76,9 +79,16 @@ async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) 
 
 
 async def start_reader(
-    bootstrap: str, topic: str, *, client_id: str, start_at: str, timeout_s: float
+    bootstrap: str,
+    topic: str,
+    *,
+    client_id: str,
+    start_at: str,
+    timeout_s: float,
+    keys: Collection[str] | None = None,
 ) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
-    """A started consumer in no group, assigned every partition of `topic`: it reads from
+    """A started consumer in no group, assigned every partition of `topic` (with `keys`: only
+    those that records with these keys go to, by the producers' partitioner): it reads from
     `start_at` (`earliest` or `latest`) and never commits. Also its partitions."""
     consumer = await start_client(
         lambda: AIOKafkaConsumer(
@@ -95,7 +105,10 @@ async def start_reader(
     if not partitions:
         await consumer.topics()  # refresh metadata once
         partitions = consumer.partitions_for_topic(topic) or set()
-    assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+    every = sorted(partitions)
+    if keys is not None and every:
+        every = sorted({_PARTITIONER(key.encode(), every, every) for key in keys})
+    assigned = [TopicPartition(topic, p) for p in every]
     consumer.assign(assigned)
     return consumer, assigned
 

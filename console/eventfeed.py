@@ -59,6 +59,7 @@ class TopicFeed(Generic[M]):
             client_id=f"marlaas-{self.topic.value}-reader",
             start_at="earliest",
             timeout_s=self.connect_timeout_s,
+            keys=self.job_ids,  # a job's records are keyed by its id: only their partitions
         )
         if assigned:
             await consumer.seek_to_beginning(*assigned)

@@ -282,9 +282,29 @@ class EnvService(Service):
             if isinstance(first, GenerationRequest):
                 first = msgspec.structs.replace(first, min_adapter_version=group.trained_version)
             firsts.append(first)
-        await self.io.send(firsts[0])
-        fault_point("env.mid_group")
-        await self.io.send_all(firsts[1:])  # one round trip, not G - 1
+        try:
+            await self.io.send(firsts[0])
+            fault_point("env.mid_group")
+            await self.io.send_all(firsts[1:])  # one round trip, not G - 1
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            # Refused for good (e.g. a record over the broker's size limit): the group ends
+            # as failed with the reason, instead of a claim every sweep re-sends forever.
+            error = f"group {group.index} could not be sent: {type(exc).__name__}: {exc}"
+            job_logger(log, spec.job_id, spec.tenant).error("%s", error)
+            await self.io.send_all(
+                [
+                    unstarted_trajectory(
+                        spec,
+                        group_id=f"{spec.job_id}/g{group.index}",
+                        group_index=group.index,
+                        sample_index=sample_index,
+                        error=error,
+                    )
+                    for sample_index in range(spec.rl.group_size)
+                ]
+            )
         await self.io.require_store().finish_claim(spec.job_id, group.index)
 
     # --- evaluation (common/evals.py) ----------------------------------------------
@@ -391,6 +411,8 @@ class EnvService(Service):
             record = await store.job(job_id)
             if record is None:
                 continue
+            if record.status in TERMINAL_STATES:
+                self._envs.pop(job_id, None)  # a cache: rebuilt should a late result need it
             await self.issue_groups(record)
             await self._sweep_evals(record)
             for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):

@@ -12,8 +12,9 @@ from common.config import SharedSettings
 
 
 @contextmanager
-def api_server(settings: SharedSettings) -> Iterator[str]:
-    """Serve the API for `settings` (its Kafka, Redis and bus key); yields its base URL."""
+def api_server(settings: SharedSettings, limits: ApiSettings | None = None) -> Iterator[str]:
+    """Serve the API for `settings` (its Kafka, Redis and bus key) with `limits` (host and
+    port are its own); yields its base URL."""
     started = threading.Event()
     port: list[int] = []
     loop = asyncio.new_event_loop()
@@ -30,7 +31,7 @@ def api_server(settings: SharedSettings) -> Iterator[str]:
             loop.run_until_complete(
                 serve(
                     settings,
-                    ApiSettings(host="127.0.0.1", port=0),
+                    (limits or ApiSettings()).model_copy(update={"host": "127.0.0.1", "port": 0}),
                     ready=ready,
                     stop=stop,
                 )

@@ -74,6 +74,10 @@ async def durably(what: str, call: Callable[[], Awaitable[T]]) -> T:
     return await retry_transient(what, call, logger=log)
 
 
+UNSAVED_RETRY_S = 10.0
+"""How long a job whose step could not be saved waits before it is trained again."""
+
+
 @dataclass
 class OwnedJob:
     """A job this replica trains: its spec, the adapter version it has reached, its groups."""
@@ -89,6 +93,8 @@ class OwnedJob:
     closed: set[str] = field(default_factory=set)
     """Groups that left `filling` here (ready, trained or dropped): late copies of their
     trajectories are not held, so they cannot pin the partition's commits."""
+    not_before: float = 0.0
+    """Monotonic time before which the job is not stepped (after a step it could not save)."""
 
 
 class TrainerService(Service):
@@ -397,7 +403,7 @@ class TrainerService(Service):
         ready: list[OwnedJob] = []
         for job in candidates[start:] + candidates[:start]:
             await self._drop_unusable(job)
-            if len(job.ready) >= job.spec.rl.groups_per_step:
+            if len(job.ready) >= job.spec.rl.groups_per_step and job.not_before <= time.monotonic():
                 ready.append(job)
                 if len(ready) == self.settings.max_jobs_per_step:
                     break
@@ -542,17 +548,39 @@ class TrainerService(Service):
         for job in live:
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
-            uri = await self.compute.run(
-                self.checkpoints.save,
-                self.policy,
-                job_id,
-                version,
-                [g.group_id for g in groups],
-                job.epoch,
-            )
+            try:
+                uri = await self.compute.run(
+                    self.checkpoints.save,
+                    self.policy,
+                    job_id,
+                    version,
+                    [g.group_id for g in groups],
+                    job.epoch,
+                )
+            except OSError as exc:  # a full disk: this job's step is lost, not the trainer
+                await self._unsaved(job, groups, exc)
+                continue
             metrics[job_id].wall_step_s = time.monotonic() - started
             if await self._publish(job, version, uri, groups, metrics[job_id]):
                 await self._report(job, metrics[job_id], [g.group_id for g in groups])
+
+    async def _unsaved(self, job: OwnedJob, groups: list[Group], exc: OSError) -> None:
+        """A step whose checkpoint could not be written (a full disk, a volume gone): the
+        job's adapter goes back to its last saved version and its groups wait to be trained
+        again, after `UNSAVED_RETRY_S`; the trainer and the other jobs' steps go on."""
+        spec = job.spec
+        job_logger(log, spec.job_id, spec.tenant).error(
+            "v%d could not be saved (%s: %s); its groups are trained again in %.0fs",
+            job.version + 1,
+            type(exc).__name__,
+            exc,
+            UNSAVED_RETRY_S,
+        )
+        self.policy.remove_job(spec.job_id)
+        self.policy.add_job(spec.job_id, spec.lora, spec.rl, seed=spec.env.seed)
+        await self.compute.run(self.checkpoints.resume, self.policy, spec.job_id)
+        job.ready.extendleft(reversed(groups))
+        job.not_before = time.monotonic() + UNSAVED_RETRY_S
 
     async def _untrainable(
         self, jobs: list[OwnedJob], taken: dict[str, list[Group]], exc: Exception

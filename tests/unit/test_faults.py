@@ -8,6 +8,7 @@ for a while, Redis that drops the connection in the middle of a trained step.
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -51,6 +53,7 @@ from tests.handler_kit import (
     rollout_service,
     trajectory,
 )
+from trainer_svc import service as trainer_service_module
 from trainer_svc.policy import MultiAdapterPolicy
 from trainer_svc.service import TrainerService
 
@@ -251,6 +254,32 @@ async def test_rollout_dead_letters_a_result_the_broker_refuses_and_ends_the_epi
     assert prompts.committable == 1
     (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
     assert isinstance(result, GenerationResult) and result.finish_reason == "abort"
+
+
+async def test_a_group_the_broker_refuses_for_good_ends_as_failed_not_resent_forever(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """Its first requests are over the broker's size limit (issue 24): the group ends as
+    failed with the reason (the trainer drops it, naming it), its claim is finished, and the
+    sweep has nothing to send again."""
+    sends = BrokenSends(backend.producer, GenerationRequest)
+    sends.error = MessageSizeTooLargeError("the message is 1048577 bytes")
+    service = EnvService(
+        SharedSettings(base_model=BASE_MODEL),
+        EnvServiceSettings(claim_timeout_s=0.001),
+        tokenizer,
+        producer=sends,
+        store=backend.store,
+    )
+    spec = job_spec("huge", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    failed = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=2)
+    assert {t.sample_index for t in failed} == {0, 1}  # type: ignore[union-attr]
+    for ended in failed:
+        assert isinstance(ended, Trajectory)
+        assert "group 0 could not be sent: MessageSizeTooLargeError" in ended.error
+    await asyncio.sleep(0.01)  # past the claim timeout: an unfinished claim would be re-sent
+    assert await service.sweep_claims() == 0
 
 
 class DyingEngine(GatedEngine):
@@ -652,6 +681,42 @@ async def test_a_step_that_raises_costs_only_its_own_job(
     assert await backend.store.adapter(bad.job_id) is None
     (dropped,) = await backend.sent(Topic.CONTROL, bad.job_id, expect=1)
     assert "training failed: RuntimeError: CPU out of memory" in dropped.reason  # type: ignore[union-attr]
+    assert inbox.committable == 4
+
+
+async def test_a_full_disk_costs_the_job_its_step_not_the_trainer(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving one job's checkpoint fails with ENOSPC (issue 24): the other job publishes, the
+    trainer goes on, and the full job trains the same groups again from its saved weights
+    once the disk has room, with the same result as a step that never failed."""
+    service = trainer_service(backend, tiny_dir, tmp_path, max_jobs_per_step=2)
+    await service.load_model()
+    good, full = await running_job(backend, "roomy"), await running_job(backend, "full")
+    save = service.checkpoints.save
+    failures = [OSError(errno.ENOSPC, "No space left on device")]
+
+    def saving(policy: Any, job_id: str, *args: Any) -> str:
+        if job_id == full.job_id and failures:
+            raise failures.pop()
+        return save(policy, job_id, *args)
+
+    monkeypatch.setattr(service.checkpoints, "save", saving)
+    monkeypatch.setattr(trainer_service_module, "UNSAVED_RETRY_S", 0.0)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for spec in (good, full):
+        for sample in range(2):
+            await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
+    before = service.policy.adapter_state(full.job_id)
+    assert await service.train_once()
+    pointer = await backend.store.adapter(good.job_id)
+    assert pointer is not None and pointer.version == 1
+    assert await backend.store.adapter(full.job_id) is None
+    for name, tensor in service.policy.adapter_state(full.job_id).items():
+        assert torch.equal(tensor, before[name]), name  # back to its saved (fresh) weights
+    assert await service.train_once()  # room again: the same groups, trained once
+    pointer = await backend.store.adapter(full.job_id)
+    assert pointer is not None and pointer.version == 1
     assert inbox.committable == 4
 
 

@@ -178,3 +178,18 @@ async def test_a_replayed_command_changes_nothing(
     assert record is not None and record.status == "running"
     sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=3)
     assert [e.event for e in sent if isinstance(e, Event)] == ["accepted", "paused", "resumed"]
+
+
+async def test_an_ended_jobs_environment_leaves_the_cache(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    jobs = Inbox(Topic.JOBS)
+    spec = job_spec("ends", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    await jobs.hand(service.handle, spec)
+    assert spec.job_id in service._envs
+    await jobs.hand(
+        service.handle, JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")
+    )
+    await service.sweep_claims()
+    assert spec.job_id not in service._envs

@@ -1,0 +1,160 @@
+"""A hostile tenant fuzzes the tenant API (issue 24): requests generated from the API's own
+OpenAPI schema (schemathesis), and job bodies of any JSON shape (hypothesis), all with a
+valid tenant key. No answer is a 5xx, and none names another tenant or its job."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import SecretStr
+
+from api_svc.server import ApiSettings, create_app
+from common.config import SharedSettings
+from common.messages import EnvSettings, JobSpec, new_id
+from common.store import RedisStore
+from common.tenants import TenantLimits
+from console.stack.local import LocalStack
+from tests.api_server import api_server
+from tests.conftest import with_store
+
+pytestmark = pytest.mark.kafka
+
+EXAMPLES = int(os.environ.get("MARLAAS_API_FUZZ_EXAMPLES", "1000"))
+"""Generated requests per endpoint (the issue asks for 1,000; less for a quick local run)."""
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+class Fuzzed:
+    def __init__(self, url: str, key: str, victim: str, victim_job: str) -> None:
+        self.url, self.key, self.victim, self.victim_job = url, key, victim, victim_job
+        self.session = requests.Session()
+        self.statuses: dict[str, dict[int, int]] = {}
+
+    def check(self, what: str, response: Any, *, asked_for_victims: bool = False) -> None:
+        """No 5xx; the victim tenant never named; its job named only back to a request that
+        named it, and refused (a 404 echoes the id it was asked about, nothing more)."""
+        counts = self.statuses.setdefault(what, {})
+        counts[response.status_code] = counts.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (what, response.status_code, response.text[:500])
+        assert self.victim not in response.text, (what, response.text[:500])
+        if asked_for_victims:
+            assert response.status_code >= 400, (what, response.status_code, response.text[:500])
+        else:
+            assert self.victim_job not in response.text, (what, response.text[:500])
+
+
+@pytest.fixture(scope="module")
+def fuzzed(local_stack: LocalStack) -> Iterator[Fuzzed]:
+    """The API over the stack (rate limits out of the way: they are tested on their own),
+    a fuzzing tenant with a key, and a victim tenant with a registered job."""
+    shared = SharedSettings(
+        kafka_bootstrap=local_stack.kafka_bootstrap,
+        redis_url=local_stack.redis_url,
+        bus_key=SecretStr(f"fuzz-bus-key-{secrets.token_hex(8)}"),
+        connect_timeout_s=5.0,
+    )
+    fuzzer, victim = f"fuzzer-{new_id()[:6]}", f"victim-{new_id()[:6]}"
+    victim_job = f"job-{new_id()[:12]}"
+
+    async def setup(store: RedisStore) -> str:
+        for tenant in (fuzzer, victim):
+            await store.tenants.add(tenant, TenantLimits())
+        spec = JobSpec(job_id=victim_job, tenant=victim, env=EnvSettings(name="arithmetic"))
+        await store.bind_owner(victim_job, victim)
+        await store.register_job(spec, status="running")
+        return (await store.tenants.issue_key(fuzzer)).token
+
+    key = with_store(local_stack.redis_url, setup)
+    unlimited = ApiSettings(requests_per_s=1e9, burst=10**9, max_streams=10**6)
+    with api_server(shared, unlimited) as url:
+        yield Fuzzed(url, key, victim, victim_job)
+
+
+def test_generated_requests_to_every_endpoint_get_no_5xx_and_no_other_tenants_data(
+    fuzzed: Fuzzed,
+) -> None:
+    schema = schemathesis.openapi.from_dict(create_app(SharedSettings()).openapi())
+    operations = [cast(Any, result).ok() for result in schema.get_all_operations()]
+    assert len(operations) == 10
+    for operation in operations:
+        fuzz_operation(fuzzed, operation)
+    assert set(fuzzed.statuses) >= {f"{o.method.upper()} {o.path}" for o in operations}
+
+
+def fuzz_operation(fuzzed: Fuzzed, operation: Any) -> None:
+    what = f"{operation.method.upper()} {operation.path}"
+
+    @FUZZ
+    @given(case=operation.as_strategy(), victims=st.booleans())
+    def call(case: Any, victims: bool) -> None:
+        victims = victims and "job_id" in (case.path_parameters or {})
+        if victims:
+            case.path_parameters["job_id"] = fuzzed.victim_job  # ownership must refuse it
+        response = case.call(
+            base_url=fuzzed.url,
+            session=fuzzed.session,
+            headers={"Authorization": f"Bearer {fuzzed.key}"},
+            timeout=30,
+        )
+        fuzzed.check(what, response, asked_for_victims=victims)
+
+    call()
+
+
+def json_values() -> st.SearchStrategy[Any]:
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40)
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner),
+        max_leaves=12,
+    )
+
+
+SPEC_KEYS = ["job_id", "tenant", "base_model", "env", "lora", "rl", "eval", "kind", "schema"]
+
+
+@st.composite
+def job_bodies(draw: st.DrawFn) -> Any:
+    """Mostly job-spec-shaped objects with wrong values, sometimes anything at all."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(json_values())
+    body = {key: draw(json_values()) for key in draw(st.lists(st.sampled_from(SPEC_KEYS)))}
+    body["env"] = draw(
+        st.fixed_dictionaries(
+            {"name": st.sampled_from(["arithmetic", "dataset", "", "x" * 300])},
+            optional={"params": st.dictionaries(st.text(max_size=12), json_values())},
+        )
+        | json_values()
+    )
+    return body
+
+
+def test_job_bodies_of_any_shape_get_no_5xx(fuzzed: Fuzzed) -> None:
+    @FUZZ
+    @given(body=job_bodies())
+    def submit(body: Any) -> None:
+        response = fuzzed.session.post(
+            f"{fuzzed.url}/v1/jobs",
+            data=json.dumps(body, allow_nan=True),
+            headers={"Authorization": f"Bearer {fuzzed.key}"},
+            timeout=30,
+        )
+        fuzzed.check("POST /v1/jobs (any JSON)", response)
+
+    submit()
+    counts = fuzzed.statuses["POST /v1/jobs (any JSON)"]
+    assert counts.get(422, 0) + counts.get(400, 0) > EXAMPLES // 2, counts
