@@ -105,8 +105,35 @@ def test_config_names_only_settings_the_services_read(docs: list[Doc]) -> None:
         prefix = settings.model_config["env_prefix"]
         for variable in container.get("env", []):
             name = variable["name"]
+            if "valueFrom" in variable:  # a secret: a shared setting
+                assert name.removeprefix("MARLAAS_").lower() in SharedSettings.model_fields
+                continue
             assert name.startswith(prefix), name
             assert name.removeprefix(prefix).lower() in settings.model_fields, name
+
+
+def test_secrets_come_from_the_secret_and_only_the_namespace_reaches_the_services(
+    docs: list[Doc],
+) -> None:
+    """The bus key (without it a service will not start) and each service's own Redis user
+    come from `marlaas-secrets`; a NetworkPolicy keeps ingress inside the namespace."""
+    for name, deployment in of_kind(docs, "Deployment").items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        secrets = {
+            v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"] if "valueFrom" in v
+        }
+        assert secrets["MARLAAS_BUS_KEY"] == {"name": "marlaas-secrets", "key": "bus-key"}
+        assert secrets["MARLAAS_REDIS_URL"] == {
+            "name": "marlaas-secrets",
+            "key": f"redis-url-{name}",
+        }
+    config = of_kind(docs, "ConfigMap")["marlaas-config"]["data"]
+    assert "MARLAAS_REDIS_URL" not in config and "MARLAAS_BUS_KEY" not in config
+    (policy,) = of_kind(docs, "NetworkPolicy").values()
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/part-of": "marlaas"}
+    }
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]
 
 
 def test_probes_ports_and_volumes_match_the_services(docs: list[Doc]) -> None:
@@ -116,7 +143,7 @@ def test_probes_ports_and_volumes_match_the_services(docs: list[Doc]) -> None:
         _, settings = SERVICES[name]
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        env = {v["name"]: v["value"] for v in container["env"]}
+        env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
         port = int(env[f"{settings.model_config['env_prefix']}METRICS_PORT"])
         assert port == settings.model_fields["metrics_port"].default
         assert container["ports"] == [{"name": "metrics", "containerPort": port}]
