@@ -12,6 +12,8 @@ TRAINED = "trained"
 """De-dup scope of the groups a published version trained."""
 DROPPED = "dropped"
 """De-dup scope of the groups counted as dropped."""
+RESULTS = "results"
+"""De-dup scope of the generation results env_svc answered (by request id)."""
 COMMANDS = "commands"
 """De-dup scope of the job commands env_svc applied (a replayed one changes nothing)."""
 

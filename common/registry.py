@@ -10,6 +10,7 @@ read-only script the tenant API asks before it accepts a job for the bus.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.keyspace import JOBS, job_key, owner_key, rejection_key, tenant_jobs_key
@@ -20,6 +21,10 @@ from common.tenants import QuotaError, TenantLimits, quota_problem, samples_in_f
 from common.wire import decode, encode
 
 REJECTION_TTL_S = 7 * 24 * 3600
+ENDED_TTL_S = 7 * 24 * 3600
+"""How long an ended job's working state (ledger, de-dup sets, claims, tallies) outlives
+it: audits and late redeliveries within a week still find it; then it goes. The job's
+record and its adapter pointers stay (exports)."""
 
 # quota(tenant's jobs set, the job's samples in flight, max_concurrent_jobs,
 # max_samples_in_flight (-1: unlimited), index in ARGV of the first terminal status) ->
@@ -163,6 +168,14 @@ class JobRegistry(RedisPart):
             keys=[], args=[tenant_jobs_key(spec.tenant), *_quota_args(spec, limits)]
         )
         _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
+
+    async def expire_after_end(self, keys: Sequence[str]) -> None:
+        """An ended job's working state, the `keys` this caller owns, goes `ENDED_TTL_S`
+        from now (each service expires its own: Redis users, common/access.py)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.expire(key, ENDED_TTL_S)
+            await pipe.execute()
 
     async def bind_owner(self, job_id: str, tenant: str) -> str:
         """Bind the job id to `tenant` unless it is bound already; returns its tenant."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from functools import partial
 from typing import Any
 
@@ -19,12 +19,22 @@ from common.artifacts import unpublished
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
-from common.dedup import COMMANDS
-from common.evals import MAX_RESENDS, eval_group_id, eval_version_of, evaluated
+from common.dedup import COMMANDS, RESULTS
+from common.evals import DONE, MAX_RESENDS, eval_group_id, eval_version_of, evaluated
 from common.faults import fault_point
 from common.flow import IssuedGroup
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
+from common.keyspace import (
+    claims_key,
+    dedup_key,
+    eval_resends_key,
+    eval_seen_key,
+    eval_tally_key,
+    evals_key,
+    flow_key,
+    ledger_key,
+)
 from common.lifecycle import (
     COMMAND_EVENT,
     STATE_AFTER,
@@ -89,6 +99,8 @@ class EnvService(Service):
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
+        self._ended: set[str] = set()
+        """Ended jobs whose state was set to expire: the sweeps skip them."""
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
 
     async def start(self) -> None:
@@ -408,11 +420,15 @@ class EnvService(Service):
         GroupDropped, never arrived); returns how many groups were sent again."""
         store, resent = self.io.require_store(), 0
         for job_id in await store.job_ids():
+            if job_id in self._ended:
+                continue
             record = await store.job(job_id)
             if record is None:
                 continue
             if record.status in TERMINAL_STATES:
                 self._envs.pop(job_id, None)  # a cache: rebuilt should a late result need it
+                if await self._expire_when_done(job_id):
+                    continue
             await self.issue_groups(record)
             await self._sweep_evals(record)
             for group in await store.take_stale_claims(job_id, self.settings.claim_timeout_s):
@@ -425,6 +441,17 @@ class EnvService(Service):
                 await self._send_group(record.spec, group)
                 resent += 1
         return resent
+
+    async def _expire_when_done(self, job_id: str) -> bool:
+        """An ended job whose evaluations are all done: its state here expires in a week and
+        the sweeps skip it from now on. False while something is left to finish."""
+        store = self.io.require_store()
+        evals = await store.evals(job_id)
+        if any(state != DONE for state in evals.values()):
+            return False
+        await store.expire_after_end(working_state_keys(job_id, evals))
+        self._ended.add(job_id)
+        return True
 
     async def _sweep_loop(self) -> None:
         interval = self.settings.claim_sweep_s
@@ -473,7 +500,7 @@ class EnvService(Service):
 
     async def on_result(self, result: GenerationResult) -> None:
         store = self.io.require_store()
-        if await store.seen("results", result.job_id, result.request_id):
+        if await store.seen(RESULTS, result.job_id, result.request_id):
             return  # redelivered: its successor was already sent
         record = await store.job(result.job_id)
         version = eval_version_of(result.job_id, result.group_id)
@@ -512,7 +539,7 @@ class EnvService(Service):
             else:
                 await self.io.send(failed_trajectory(spec, result, error))
         fault_point("env.after_send")
-        await store.mark_seen("results", result.job_id, result.request_id)
+        await store.mark_seen(RESULTS, result.job_id, result.request_id)
 
     # --- helpers --------------------------------------------------------------------
 
@@ -525,6 +552,23 @@ class EnvService(Service):
             )
             self._envs[spec.job_id] = env
         return env
+
+
+def working_state_keys(job_id: str, evaluated: Iterable[int]) -> list[str]:
+    """What env_svc keeps of a job while it runs (its Redis user's keys), to expire when it
+    has ended and its `evaluated` versions are done."""
+    versions = list(evaluated)
+    return [
+        claims_key(job_id),
+        flow_key(job_id),
+        ledger_key(job_id),
+        evals_key(job_id),
+        eval_resends_key(job_id),
+        dedup_key(RESULTS, job_id),
+        dedup_key(COMMANDS, job_id),
+        *(eval_seen_key(job_id, v) for v in versions),
+        *(eval_tally_key(job_id, v) for v in versions),
+    ]
 
 
 class ForeignJobError(ValueError):

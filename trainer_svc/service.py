@@ -28,6 +28,7 @@ from common.dedup import DROPPED, TRAINED
 from common.faults import fault_point
 from common.hardware import Precision, detect
 from common.health import redis_ready
+from common.keyspace import dedup_key, fence_key, flow_key, ledger_key
 from common.lifecycle import (
     STATE_AFTER,
     TERMINAL_STATES,
@@ -72,6 +73,18 @@ async def durably(what: str, call: Callable[[], Awaitable[T]]) -> T:
     """An effect of a trained step, retried while Redis or Kafka is briefly away: a step
     that was trained must be published, not lost to a restart of either."""
     return await retry_transient(what, call, logger=log)
+
+
+def working_state_keys(job_id: str) -> list[str]:
+    """What trainer_svc keeps of a job while it trains it (its Redis user's keys), to expire
+    when it has ended; the adapter pointers stay (exports)."""
+    return [
+        dedup_key(TRAINED, job_id),
+        dedup_key(DROPPED, job_id),
+        fence_key(job_id),
+        ledger_key(job_id),
+        flow_key(job_id),
+    ]
 
 
 UNSAVED_RETRY_S = 10.0
@@ -353,8 +366,7 @@ class TrainerService(Service):
         record = await self.io.require_store().job(job_id)
         if record is None or record.status in TERMINAL_STATES:
             async with self._stepping:  # an adapter is not removed under a resume
-                self._release_all(job)
-                self._disown(job_id)
+                await self._ended(job)
             job_logger(log, job_id, job.spec.tenant).info(
                 "job %s: its held groups released", record.status if record else "gone"
             )
@@ -517,8 +529,7 @@ class TrainerService(Service):
                 )
             )
             job_logger(log, spec.job_id, spec.tenant).error("job failed: %s", reason)
-        self._release_all(job)
-        self._disown(spec.job_id)
+        await self._ended(job)
 
     async def _step(self, jobs: list[OwnedJob]) -> None:
         """Train B groups of each job in one shared step; then save, publish and report each
@@ -529,8 +540,7 @@ class TrainerService(Service):
             job_id = job.spec.job_id
             record = await durably(f"reading job {job_id}", partial(store.job, job_id))
             if record is None or record.status in TERMINAL_STATES:
-                self._release_all(job)
-                self._disown(job.spec.job_id)
+                await self._ended(job)
             else:
                 live.append(job)
         if not live:
@@ -725,8 +735,17 @@ class TrainerService(Service):
                 job_event(spec.job_id, "completed", SERVICE, tenant=spec.tenant, step=job.version)
             )
             job_logger(log, spec.job_id, spec.tenant).info("completed after %d steps", job.version)
+        await self._ended(job)
+
+    async def _ended(self, job: OwnedJob) -> None:
+        """The job has ended: let go of it, and its working state here expires in a week."""
+        job_id = job.spec.job_id
         self._release_all(job)
-        self._disown(spec.job_id)
+        self._disown(job_id)
+        await durably(
+            f"expiring {job_id}'s state",
+            lambda: self.io.require_store().expire_after_end(working_state_keys(job_id)),
+        )
 
     def _release_all(self, job: OwnedJob) -> None:
         for group in [*job.ready, *job.filling.values()]:

@@ -21,7 +21,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from common.access import PRINCIPALS, Principal, new_passwords, redis_url_for, valkey_acl_lines
 from common.config import SharedSettings, stack_env_file
-from common.dedup import DROPPED, TRAINED
+from common.dedup import COMMANDS, DROPPED, TRAINED
 from common.lifecycle import SERVICES, RolloutReplicaStats
 from common.messages import EnvSettings, JobSpec, RLSettings, new_id
 from common.store import RedisStore
@@ -29,6 +29,8 @@ from common.tenants import QuotaError, TenantLimits
 from console.stack.children import ChildServer, free_port
 from console.stack.infra import start_valkey
 from console.stack.local import LocalStack
+from env_svc.service import working_state_keys as env_working_state
+from trainer_svc.service import working_state_keys as trainer_working_state
 
 pytestmark = pytest.mark.kafka
 
@@ -165,6 +167,8 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await env.mark_seen("results", job_id, "req-1")
         assert await env.seen("results", job_id, "req-1")
         assert await env.published_uri(job_id, 1) == "file:///a/v1"
+        assert await env.mark_seen(COMMANDS, job_id, "command-1")
+        await env.expire_after_end(env_working_state(job_id, [0]))  # its own keys only
         assert (await env.replica_stats())["r-env"].max_model_len == 512
         await env.ping()
 
@@ -181,6 +185,7 @@ async def test_trainer_svc_runs_its_store_operations(acl_valkey: AclValkey) -> N
         assert dropped.counted and dropped.failed_in_a_row == 1
         assert await trainer.dropped_among(job_id, ["g0", "g1"]) == {"g1"}
         assert await trainer.seen(TRAINED, job_id, "g0")
+        await trainer.expire_after_end(trainer_working_state(job_id))
         assert await trainer.seen(DROPPED, job_id, "g1")
         assert await trainer.live_groups(job_id) == []
         assert await trainer.last_activity(job_id) is not None

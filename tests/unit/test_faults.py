@@ -22,7 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.artifacts import latest_checkpoint_version
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
-from common.dedup import TRAINED
+from common.dedup import DROPPED, TRAINED
+from common.keyspace import dedup_key
 from common.lifecycle import RolloutReplicaStats
 from common.messages import (
     EnvSettings,
@@ -36,6 +37,7 @@ from common.messages import (
     new_id,
     result_for,
 )
+from common.registry import ENDED_TTL_S
 from common.wire import decode
 from console.audit import audit
 from env_svc import protocol
@@ -420,6 +422,9 @@ async def test_a_job_whose_groups_keep_failing_fails_with_the_reason(
     (failed_event,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=3), "failed")
     assert failed_event.reason == record.reason
     assert inbox.committable == 6  # nothing of the failed job stays held
+    # The trainer's working state of the ended job expires in a week (issue 24).
+    dropped = await backend.store.client.ttl(dedup_key(DROPPED, spec.job_id))
+    assert 0 < dropped <= ENDED_TTL_S
 
 
 async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.keyspace import owner_key
+from common.keyspace import flow_key, job_key, ledger_key, owner_key
 from common.messages import (
     EnvSettings,
     Event,
@@ -18,7 +18,7 @@ from common.messages import (
     Topic,
     new_id,
 )
-from common.registry import REJECTION_TTL_S
+from common.registry import ENDED_TTL_S, REJECTION_TTL_S
 from common.tenants import TenantLimits
 from common.wire import encode
 from env_svc.episodes import ChatTokenizer
@@ -193,3 +193,9 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     )
     await service.sweep_claims()
     assert spec.job_id not in service._envs
+    # Its working state expires in a week; its record stays (exports); later sweeps skip it.
+    client = backend.store.client
+    for key in (ledger_key(spec.job_id), flow_key(spec.job_id)):
+        assert 0 < await client.ttl(key) <= ENDED_TTL_S, key
+    assert await client.ttl(job_key(spec.job_id)) == -1
+    assert spec.job_id in service._ended
