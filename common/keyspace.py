@@ -24,6 +24,9 @@ docs/architecture.md, "Redis keys").
   precision, why), expiring
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 
+A job's working state (ledger, de-dup sets, flow, claims, evaluation keys) expires a week
+after the job ends (`registry.ENDED_TTL_S`); its record and adapter pointers stay.
+
 Each family is a `Key`: `flow_key("j")` is `flow:j`, `flow_key.prefix` is `flow:`. Lua
 scripts name some keys without declaring them (the adapter pointer read by the issue
 script, a tenant's job records read by the quota rule): tests/unit/test_keyspace.py checks
