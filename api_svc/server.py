@@ -36,7 +36,8 @@ class ApiSettings(BaseSettings):
     burst: int = Field(default=40, ge=1)
     """Requests a tenant may make at once before the rate applies."""
     max_streams: int = Field(default=4, ge=1)
-    """Event streams (`?follow=true`) a tenant may hold open at once, per API replica."""
+    """Long calls a tenant may have open at once, per API replica: event streams
+    (`?follow=true`) and `sample`s (each holds a worker thread while the model answers)."""
 
 
 def create_app(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 
-from api_svc.access import Client, Settings, Tenant, registered
+from api_svc.access import Client, Settings, Tenant, gate, registered
 from api_svc.views import SampleAnswer, SampleRequest
 from common.chat import CHAT
 from console.chat_client import ChatFailed, chat_completion
@@ -17,14 +17,23 @@ router = APIRouter(prefix="/v1/jobs")
 
 @router.post("/{job_id}/sample", response_model=SampleAnswer)
 async def sample(
-    job_id: str, ask: SampleRequest, tenant: Tenant, client: Client, settings: Settings
+    job_id: str,
+    ask: SampleRequest,
+    tenant: Tenant,
+    client: Client,
+    settings: Settings,
+    request: Request,
 ) -> SampleAnswer:
     await registered(client, job_id, tenant)
     if not settings.chat_url:
         raise HTTPException(503, "no rollout chat endpoint configured (MARLAAS_CHAT_URL)")
     model = job_id if ask.version is None else f"{job_id}@v{ask.version}"
     token = settings.internal_token(CHAT)
-    return await asyncio.to_thread(_chat, settings.chat_url, model, ask, token)
+    close = gate(request).open_stream(tenant)  # a long call: one of the tenant's few at once
+    try:
+        return await asyncio.to_thread(_chat, settings.chat_url, model, ask, token)
+    finally:
+        close()
 
 
 def _chat(base_url: str, model: str, ask: SampleRequest, token: str | None) -> SampleAnswer:
