@@ -680,7 +680,7 @@ class TrainerService(Service):
         left to the new owner) when another replica took the job over meanwhile."""
         store, job_id = self.io.require_store(), job.spec.job_id
         try:
-            await durably(
+            moved = await durably(
                 f"publishing {job_id} v{version}",
                 lambda: store.publish_adapter(
                     job_id, version, uri, version, group_ids, epoch=job.epoch
@@ -690,7 +690,20 @@ class TrainerService(Service):
             job_logger(log, job_id, job.spec.tenant).warning("%s; job given up", exc)
             self._disown(job_id)
             return False
-        return True
+        if moved:
+            return True
+        # Not newer: our own publish whose answer a Redis blip lost (the same version and
+        # URI), or someone else's; then this replica's version must not be announced.
+        pointer = await durably(f"reading {job_id}'s pointer", partial(store.adapter, job_id))
+        if pointer is not None and (pointer.version, pointer.uri) == (version, uri):
+            return True
+        job_logger(log, job_id, job.spec.tenant).warning(
+            "v%d not published: the pointer holds v%d from another writer; job given up",
+            version,
+            pointer.version if pointer else -1,
+        )
+        self._disown(job_id)
+        return False
 
     async def _report(self, job: OwnedJob, metrics: StepMetrics, group_ids: list[str]) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""

@@ -356,6 +356,26 @@ async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
     assert update.version == 1  # type: ignore[union-attr]
 
 
+async def test_a_version_another_writer_already_holds_is_never_announced(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The pointer answers "not newer" (issue 24): unless it holds this very version and
+    URI (our own publish, its answer lost), nothing is announced and the job is given up."""
+    spec = job_spec("raced", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    service = trainer_service(backend, tiny_dir, tmp_path)
+    await service.load_model()
+    await register_running(backend.store, spec)
+    await backend.store.publish_adapter(spec.job_id, 1, "file:///elsewhere/v1", 1)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample, reward in enumerate((0.0, 1.0)):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
+    await service.train_once()
+    assert await backend.sent(Topic.ADAPTERS, spec.job_id, expect=0) == []
+    assert spec.job_id not in service.jobs
+    pointer = await backend.store.adapter(spec.job_id)
+    assert pointer is not None and pointer.uri == "file:///elsewhere/v1"
+
+
 async def test_the_pointer_and_its_trained_groups_move_in_one_step(backend: Backend) -> None:
     job_id = f"atomic-{new_id()[:8]}"
     store = backend.store
