@@ -107,8 +107,12 @@ class TenantGate:
                 429, f"tenant {tenant!r} has {self.max_streams} streams open; close one first"
             )
         self._streams[tenant] = self._streams.get(tenant, 0) + 1
+        closed = False
 
-        def close() -> None:
-            self._streams[tenant] -= 1
+        def close() -> None:  # once, however often it is called
+            nonlocal closed
+            if not closed:
+                closed = True
+                self._streams[tenant] -= 1
 
         return close

@@ -7,6 +7,7 @@ import asyncio
 import io
 import tarfile
 import tempfile
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
@@ -44,7 +45,11 @@ async def events(
         finally:
             close()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    stream = lines()
+    # A client gone before the stream started never runs its `finally`: the slot is given
+    # back when the stream is collected.
+    weakref.finalize(stream, close)
+    return StreamingResponse(stream, media_type="application/x-ndjson")
 
 
 @router.get("/jobs/{job_id}/export", response_model=None)

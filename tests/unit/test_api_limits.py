@@ -41,7 +41,10 @@ def test_open_streams_are_counted_per_tenant_and_released() -> None:
     assert refused.value.status_code == 429
     gate.open_stream("globex")
     first()
+    first()  # closing twice gives back one slot, not two
     gate.open_stream("acme")
+    with pytest.raises(HTTPException):
+        gate.open_stream("acme")
     second()
 
 
