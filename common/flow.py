@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 
 from common.dedup import DROPPED, TRAINED
-from common.keyspace import adapter_key, claims_key, dedup_key, flow_key, ledger_key
+from common.keyspace import adapter_key, claims_key, dedup_key, fence_key, flow_key, ledger_key
+from common.pointers import FencedError
 from common.redis_part import Lua, RedisPart, text
 
 ISSUED_GROUPS = "issued_groups"
@@ -107,8 +108,14 @@ return taken
 
 _RECORD_DROP = """
 -- KEYS[1] flow:{job}, KEYS[2] the job's dropped-groups set, KEYS[3] ledger:{job}, KEYS[4]
--- the job's trained-groups set; ARGV group id, invalid 0/1, drop kind -> {counted 0/1,
--- dropped_groups, failed_in_a_row}. A group a published version trained is never dropped.
+-- the job's trained-groups set, KEYS[5] fence:{job}; ARGV group id, invalid 0/1, drop kind,
+-- epoch -> {counted 0/1 (-1: fenced), dropped_groups, failed_in_a_row}. A group a published
+-- version trained is never dropped; only the owner of the job's current fencing epoch may
+-- drop (epoch 0: unfenced), as only it may publish.
+local epoch = tonumber(ARGV[4])
+if epoch > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') ~= epoch then
+  return {-1, 0, 0}
+end
 local counted = 0
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then
   counted = redis.call('SADD', KEYS[2], ARGV[1])
@@ -164,19 +171,31 @@ class FlowWindow(RedisPart):
         return [IssuedGroup(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     async def record_dropped_group(
-        self, job_id: str, group_id: str, *, invalid: bool, kind: str = "dropped"
+        self,
+        job_id: str,
+        group_id: str,
+        *,
+        invalid: bool,
+        kind: str = "dropped",
+        epoch: int = 0,
     ) -> DroppedGroup:
         """Count a group out of the job's window (it is replaced), once per group id; an
-        `invalid` one (no usable rewards) also extends the job's run of failed groups."""
+        `invalid` one (no usable rewards) also extends the job's run of failed groups.
+
+        With an `epoch` (from `take_over`), raises FencedError unless it is still the job's
+        newest: a replica that lost the job cannot drop its groups."""
         counted, dropped, failed = await self._record_drop(
             keys=[
                 flow_key(job_id),
                 dedup_key(DROPPED, job_id),
                 ledger_key(job_id),
                 dedup_key(TRAINED, job_id),
+                fence_key(job_id),
             ],
-            args=[group_id, int(invalid), kind],
+            args=[group_id, int(invalid), kind, epoch],
         )
+        if int(counted) < 0:
+            raise FencedError(job_id, epoch)
         return DroppedGroup(bool(counted), int(dropped), int(failed))
 
     async def flow(self, job_id: str) -> FlowState:

@@ -472,12 +472,22 @@ class TrainerService(Service):
         """Count the group out of the job's window (it is replaced), have env_svc replace it,
         tell dashboards; fail the job after too many unusable groups in a row."""
         job_id, store = job.spec.job_id, self.io.require_store()
-        counted = await durably(
-            "counting a dropped group",
-            lambda: store.record_dropped_group(
-                job_id, group.group_id, invalid=kind == "dropped_invalid", kind=kind
-            ),
-        )
+        try:
+            counted = await durably(
+                "counting a dropped group",
+                lambda: store.record_dropped_group(
+                    job_id,
+                    group.group_id,
+                    invalid=kind == "dropped_invalid",
+                    kind=kind,
+                    epoch=job.epoch,
+                ),
+            )
+        except FencedError as exc:  # another replica owns the job now: its groups are its own
+            job_logger(log, job_id, job.spec.tenant).warning("%s; job given up", exc)
+            if job_id in self.jobs:
+                self._disown(job_id)
+            return
         await self.io.send(
             GroupDropped(
                 job_id=job_id,

@@ -512,6 +512,21 @@ async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replace
     assert not counted.counted  # dropped once
 
 
+async def test_a_replica_that_lost_the_job_cannot_drop_its_groups(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Drops are fenced as publishes are (issue 24): after another replica took the job over,
+    this one's sweep counts nothing, announces nothing and gives the job up."""
+    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.5)
+    await service.load_model()
+    spec = await quiet_half_group(backend, service, "fenced-drop")
+    await backend.store.take_over(spec.job_id)  # another replica's newer epoch
+    await service.sweep_finished()
+    assert await backend.sent(Topic.CONTROL, spec.job_id, expect=0) == []
+    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    assert spec.job_id not in service.jobs
+
+
 async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
