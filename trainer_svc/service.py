@@ -370,7 +370,7 @@ class TrainerService(Service):
             job_logger(log, job_id, job.spec.tenant).info(
                 "job %s: its held groups released", record.status if record else "gone"
             )
-        elif record.status == "running":
+        else:  # running, or paused: a paused job's lost groups must not pin the partition
             async with self._stepping:
                 await self._drop_lost(job)
 

@@ -512,6 +512,22 @@ async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replace
     assert not counted.counted  # dropped once
 
 
+async def test_a_paused_jobs_lost_groups_are_dropped_and_release_their_commits(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Paused, a job's half group (its other trajectory lost) held its partition's commits
+    for as long as the pause lasted, behind which every other job on the partition waited
+    (issue 24): the lost-group sweep drops it as for a running job."""
+    service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.5)
+    await service.load_model()
+    spec = await quiet_half_group(backend, service, "paused-lost")
+    assert await backend.store.set_job_status(spec.job_id, "paused")
+    await service.sweep_finished()
+    (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+    assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
+    assert await backend.store.live_groups(spec.job_id) == []
+
+
 async def test_a_replica_that_lost_the_job_cannot_drop_its_groups(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
