@@ -26,6 +26,7 @@ from common.messages import DeadLetter, Event, Topic, new_id
 from common.signing import RecordSigner
 from common.store import RedisStore
 from common.wire import decode, encode
+from console.eventfeed import EventFeed
 from console.stack.children import free_port
 from console.stack.infra import start_valkey
 from console.stack.topics import ensure_topics, group_lag
@@ -609,3 +610,23 @@ async def test_caught_up_once_every_record_of_the_partition_is_handled(
                 assert time.monotonic() < deadline, "never caught up"
                 await asyncio.sleep(0.1)
             assert not await loop.caught_up(Topic.EVENTS.value, 999)  # not ours
+
+
+async def test_a_feed_of_one_job_reads_only_its_partition(kafka_bootstrap: str) -> None:
+    """A tenant's event reads (the API's `events`) took the whole events topic of every
+    tenant (issue 24): a feed of some jobs is assigned only the partitions their keys go to,
+    and still finds every event of theirs."""
+    ours, theirs = f"ours-{new_id()[:8]}", f"theirs-{new_id()[:8]}"
+    async with producer(kafka_bootstrap) as prod:
+        for step in range(3):
+            await prod.send(event(ours, step))
+            await prod.send(event(theirs, step))
+    async with EventFeed(kafka_bootstrap, {ours}) as feed:
+        assert feed._consumer is not None
+        partitions = {tp.partition for tp in feed._consumer.assignment()}
+        assert len(partitions) == 1  # of the topic's 12
+        found = await feed.read_to_end(timeout_s=30)
+    assert sorted(e.step for e in found) == [0, 1, 2] and {e.job_id for e in found} == {ours}
+    async with EventFeed(kafka_bootstrap, None) as everything:
+        assert everything._consumer is not None
+        assert len(everything._consumer.assignment()) == 12
