@@ -58,7 +58,7 @@ claims_key = Key("claims:")
 index -> when claimed (or last re-sent); env_svc's sweeper re-sends the old ones."""
 ledger_key = Key("ledger:")
 """The job's audit ledger: a Redis stream with one entry per effect on a group, each written
-by the same Lua script as the effect (console/audit.py reads it)."""
+by the same Lua script as the effect (common/audit.py reads it)."""
 dedup_key = Key("dedup:")
 """(scope, job)"""
 evals_key = Key("evals:")

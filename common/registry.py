@@ -9,9 +9,11 @@ read-only script the tenant API asks before it accepts a job for the bus.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.keyspace import JOBS, job_key, owner_key, rejection_key, tenant_jobs_key
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
@@ -176,6 +178,15 @@ class JobRegistry(RedisPart):
             for key in keys:
                 pipe.expire(key, ENDED_TTL_S)
             await pipe.execute()
+
+    async def put_audit_summary(self, job_id: str, summary: Mapping[str, object]) -> None:
+        """An ended job's audit (`common/audit.py`), kept in its record for when its ledger
+        has expired (`ENDED_TTL_S`)."""
+        await self._redis.hset(job_key(job_id), "audit", json.dumps(summary))
+
+    async def audit_summary(self, job_id: str) -> dict[str, Any] | None:
+        raw = await self._redis.hget(job_key(job_id), "audit")
+        return None if raw is None else dict(json.loads(raw))
 
     async def bind_owner(self, job_id: str, tenant: str) -> str:
         """Bind the job id to `tenant` unless it is bound already; returns its tenant."""

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from pathlib import Path
 
 from common.artifacts import latest_checkpoint_version
+from common.audit import Audit, audit
 from common.config import (
     SERVICE_SETTINGS,
     SharedSettings,
@@ -23,7 +24,6 @@ from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STAT
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.store import RedisStore
-from console.audit import Audit, audit
 from console.eventfeed import AdapterFeed, EventFeed
 from console.export import ExportedAdapter, export_adapter
 from console.jobwatch import submit_jobs
@@ -160,7 +160,7 @@ class MarlaasClient:
         )
 
     async def audit(self, job_id: str) -> Audit:
-        """Account for every group of the job (console/audit.py): its ledger against the
+        """Account for every group of the job (common/audit.py): its ledger against the
         pointer, the latest checkpoint (when the artifact store is here) and the last
         AdapterUpdate on the broker."""
         return (await self.audits([job_id]))[job_id]
@@ -180,13 +180,17 @@ class MarlaasClient:
             announced[update.job_id] = max(announced.get(update.job_id, 0), update.version)
         audits = {}
         for job_id, record in records.items():
+            ledger = await self.store.ledger(job_id)
+            if not ledger and (summary := await self.store.audit_summary(job_id)) is not None:
+                audits[job_id] = Audit.from_json(summary)  # ended over a week ago: kept
+                continue
             pointer = await self.store.adapter(job_id)
             checkpoint: int | None = None
             if (self.settings.artifacts / "checkpoints").is_dir():
                 checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
             audits[job_id] = audit(
                 job_id,
-                await self.store.ledger(job_id),
+                ledger,
                 status=record.status,
                 groups_per_step=record.spec.rl.groups_per_step,
                 pointer_version=pointer.version if pointer else 0,

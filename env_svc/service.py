@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from common.artifacts import unpublished
+from common.audit import audit
 from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
@@ -427,7 +428,7 @@ class EnvService(Service):
                 continue
             if record.status in TERMINAL_STATES:
                 self._envs.pop(job_id, None)  # a cache: rebuilt should a late result need it
-                if await self._expire_when_done(job_id):
+                if await self._expire_when_done(record):
                     continue
             await self.issue_groups(record)
             await self._sweep_evals(record)
@@ -442,13 +443,23 @@ class EnvService(Service):
                 resent += 1
         return resent
 
-    async def _expire_when_done(self, job_id: str) -> bool:
-        """An ended job whose evaluations are all done: its state here expires in a week and
-        the sweeps skip it from now on. False while something is left to finish."""
-        store = self.io.require_store()
+    async def _expire_when_done(self, record: JobRecord) -> bool:
+        """An ended job whose evaluations are all done: its audit is kept in its record, its
+        state here expires in a week, and the sweeps skip it from now on. False while
+        something is left to finish."""
+        store, job_id = self.io.require_store(), record.spec.job_id
         evals = await store.evals(job_id)
         if any(state != DONE for state in evals.values()):
             return False
+        pointer = await store.adapter(job_id)
+        summary = audit(
+            job_id,
+            await store.ledger(job_id),
+            status=record.status,
+            groups_per_step=record.spec.rl.groups_per_step,
+            pointer_version=pointer.version if pointer else 0,
+        )
+        await store.put_audit_summary(job_id, summary.to_json())
         await store.expire_after_end(working_state_keys(job_id, evals))
         self._ended.add(job_id)
         return True

@@ -11,11 +11,11 @@ from typing import Annotated
 
 import typer
 
+from common.audit import Audit
 from common.config import SharedSettings, load
 from common.lifecycle import TERMINAL_STATES
 from common.messages import JobAction, JobSpec
 from console.api_client import TenantClient
-from console.audit import Audit
 from console.cli.support import (
     console,
     fail,

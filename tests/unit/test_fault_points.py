@@ -18,8 +18,8 @@ import pytest
 
 from common import faults
 from common.artifacts import latest_checkpoint_version
+from common.audit import audit
 from common.messages import GenerationRequest, Topic, result_for
-from console.audit import audit
 from env_svc.episodes import ChatTokenizer
 from tests.fakes import Backend, Inbox, memory_backend
 from tests.handler_kit import GatedEngine, job_spec, request_for, trajectory

@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.artifacts import latest_checkpoint_version
+from common.audit import audit
 from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
 from common.dedup import DROPPED, TRAINED
 from common.keyspace import dedup_key
@@ -39,7 +40,6 @@ from common.messages import (
 )
 from common.registry import ENDED_TTL_S
 from common.wire import decode
-from console.audit import audit
 from env_svc import protocol
 from env_svc.episodes import ChatTokenizer
 from env_svc.service import EnvService

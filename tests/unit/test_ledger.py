@@ -1,10 +1,10 @@
-"""console.audit: the accounting of a job's groups from its audit ledger."""
+"""common.audit: the accounting of a job's groups from its audit ledger."""
 
 from __future__ import annotations
 
 import pytest
 
-from console.audit import audit, group_index
+from common.audit import audit, group_index
 
 JOB = "acme-job"
 

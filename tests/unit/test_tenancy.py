@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from common.audit import Audit
 from common.keyspace import flow_key, job_key, ledger_key, owner_key
 from common.messages import (
     EnvSettings,
@@ -199,3 +200,9 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
         assert 0 < await client.ttl(key) <= ENDED_TTL_S, key
     assert await client.ttl(job_key(spec.job_id)) == -1
     assert spec.job_id in service._ended
+    # Its audit is kept in the record, for when the ledger has gone.
+    summary = await backend.store.audit_summary(spec.job_id)
+    assert summary is not None
+    kept = Audit.from_json(summary)
+    assert (kept.status, kept.issued, kept.ok) == ("cancelled", 1, True)
+    assert kept.to_json() == summary

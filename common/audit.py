@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -48,6 +49,11 @@ class Audit:
 
     def to_json(self) -> dict[str, object]:
         return {**self.__dict__, "ok": self.ok}
+
+    @classmethod
+    def from_json(cls, fields: Mapping[str, Any]) -> Audit:
+        """The audit `to_json` wrote (a job's summary, kept after its ledger expired)."""
+        return cls(**{name: value for name, value in fields.items() if name != "ok"})
 
 
 def group_index(job_id: str, group_id: str) -> int | None:
