@@ -33,7 +33,6 @@ import asyncio
 import hashlib
 import itertools
 import json
-import os
 import random
 import signal
 import sys
@@ -565,8 +564,12 @@ def main() -> None:
     run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"chaos-{run_id}"
     result = asyncio.run(Chaos(args).run())
-    machine = f"cpu{len(os.sched_getaffinity(0))}"
-    out = args.out or ROOT / "bench" / "results" / f"chaos-{run_id[:8]}-{machine}.json"
+    sys.path.insert(0, str(ROOT / "bench"))  # its scripts' own module of result names
+    from machine import machine_fields, result_path, trainer_dtype
+
+    # The engine is the scripted stand-in: only the trainer's precision depends on the CPU.
+    result["machine"] = machine_fields(trainer=trainer_dtype())
+    out = args.out or result_path("chaos", date=run_id[:8])
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "problems"}, indent=2))
     for problem in result["problems"][:30]:
