@@ -38,10 +38,9 @@ Settings = Annotated[SharedSettings, Depends(_settings)]
 
 async def _tenant_of(request: Request) -> str:
     """The tenant of the request's API key; 401 without a valid one."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    if not (token := api_key(request)):
         raise unauthorized("no API key: send `Authorization: Bearer <key>`")
-    tenant = await _client(request).store.tenants.authenticate(token.strip())
+    tenant = await _client(request).store.tenants.authenticate(token)
     if tenant is None:
         raise unauthorized("API key not valid (unknown, revoked, or its tenant revoked)")
     gate(request).admit(tenant)
@@ -55,8 +54,9 @@ def gate(request: Request) -> TenantGate:
 
 
 def api_key(request: Request) -> str:
-    """The request's API key (already checked by `Tenant`)."""
-    return request.headers.get("authorization", "").partition(" ")[2].strip()
+    """The request's API key (`Authorization: Bearer <key>`); "" without one."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 Tenant = Annotated[str, Depends(_tenant_of)]

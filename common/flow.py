@@ -33,6 +33,11 @@ FAILED_IN_A_ROW = "failed_in_a_row"
 that reaches the trainer's limit fails instead of being re-issued forever."""
 
 
+def group_id_of(job_id: str, index: int) -> str:
+    """The id of the job's group number `index` (its `index`-th task): `<job>/g<index>`."""
+    return f"{job_id}/g{index}"
+
+
 def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
     """How many live groups a job may have issued: `(trained_version + S + 1) * B`."""
     return (trained_version + max_staleness + 1) * groups_per_step
@@ -219,7 +224,7 @@ class FlowWindow(RedisPart):
             pipe.smembers(dedup_key(DROPPED, job_id))
             issued, trained, dropped = await pipe.execute()
         done = {text(g) for g in trained | dropped}
-        ids = (f"{job_id}/g{index}" for index in range(int(issued or 0)))
+        ids = (group_id_of(job_id, index) for index in range(int(issued or 0)))
         return [group_id for group_id in ids if group_id not in done]
 
     async def ledger(self, job_id: str) -> list[dict[str, str]]:

@@ -23,7 +23,7 @@ from common.config import EnvServiceSettings, SharedSettings
 from common.dedup import COMMANDS, RESULTS
 from common.evals import DONE, MAX_RESENDS, eval_group_id, eval_version_of, evaluated
 from common.faults import fault_point
-from common.flow import IssuedGroup
+from common.flow import IssuedGroup, group_id_of
 from common.health import redis_ready
 from common.jobspec import JobSpecError, validate_job
 from common.keyspace import (
@@ -310,7 +310,7 @@ class EnvService(Service):
                 [
                     unstarted_trajectory(
                         spec,
-                        group_id=f"{spec.job_id}/g{group.index}",
+                        group_id=group_id_of(spec.job_id, group.index),
                         group_index=group.index,
                         sample_index=sample_index,
                         error=error,
@@ -479,7 +479,7 @@ class EnvService(Service):
         self, spec: JobSpec, group_index: int, sample_index: int
     ) -> GenerationRequest | Trajectory:
         """An episode's first request, or, when the environment raises, its failed end."""
-        group_id = f"{spec.job_id}/g{group_index}"
+        group_id = group_id_of(spec.job_id, group_index)
         try:
             env = await self._env(spec)
             return await self.calls.run(

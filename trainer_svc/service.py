@@ -485,8 +485,7 @@ class TrainerService(Service):
             )
         except FencedError as exc:  # another replica owns the job now: its groups are its own
             job_logger(log, job_id, job.spec.tenant).warning("%s; job given up", exc)
-            if job_id in self.jobs:
-                self._disown(job_id)
+            self._disown(job_id)
             return
         await self.io.send(
             GroupDropped(
