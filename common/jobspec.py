@@ -113,7 +113,8 @@ def _problems(
         checks.append(
             (
                 "base_model",
-                spec.base_model == base_model,
+                # Empty: the one the deployment serves (env_svc fills it in).
+                spec.base_model in ("", base_model),
                 f"this deployment serves {base_model!r}, not {spec.base_model!r}",
             )
         )

