@@ -25,7 +25,7 @@ from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.store import RedisStore
 from console.eventfeed import AdapterFeed, EventFeed
-from console.export import ExportedAdapter, export_adapter
+from console.export import ExportedAdapter, export_adapter, local_base_model
 from console.jobwatch import submit_jobs
 from console.status.board import StatusBoard
 from console.tracking import Tracker
@@ -150,13 +150,11 @@ class MarlaasClient:
         self, job: Job, out_dir: Path, *, version: int | None = None
     ) -> ExportedAdapter:
         record = await self.job(job)
-        from common.models import resolve_base_model
-
-        base_model_dir = await asyncio.to_thread(
-            resolve_base_model, self.settings.base_model, self.settings.cache_dir
+        base_model_path = await asyncio.to_thread(
+            local_base_model, self.settings.base_model, self.settings.cache_dir
         )
         return await export_adapter(
-            self.store, record, out_dir, base_model_path=str(base_model_dir), version=version
+            self.store, record, out_dir, base_model_path=base_model_path, version=version
         )
 
     async def audit(self, job_id: str) -> Audit:

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
-from common.models import public_model_id
+from common.models import public_model_id, resolve_base_model
 from common.registry import Job, JobRecord, job_id_of
 from common.store import RedisStore
 
@@ -39,6 +39,15 @@ class ExportedAdapter:
     version: int
     out_dir: Path
     base_model_name_or_path: str
+
+
+def local_base_model(base_model: str, cache_dir: Path | None = None) -> str | None:
+    """Where the deployment's base model lies on this machine, for an export's config: only
+    for a model without a public id. A known model is named by its Hub id, so exporting one
+    needs no local copy (the api and cli images carry no model, nor what converts one)."""
+    if public_model_id(base_model) is not None:
+        return None
+    return str(resolve_base_model(base_model, cache_dir))
 
 
 def lora_tensor_names(adapter_dir: Path) -> list[str]:

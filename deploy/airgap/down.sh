@@ -9,6 +9,13 @@ source deploy/airgap/lib.sh
 
 if docker info >/dev/null 2>&1; then
     step "compose down"
+    if [ ! -f "$ENV_FILE" ]; then
+        # compose reads the secrets to parse its files even to take a stack down; without
+        # the stack's own file (lost, or never written), placeholders do.
+        ENV_FILE=$(mktemp)
+        trap 'rm -f "$ENV_FILE"' EXIT
+        grep -o '^MARLAAS_[A-Z_]*=' deploy/env.example | sed 's/$/placeholder/' >"$ENV_FILE"
+    fi
     if [ "${KEEP_VOLUMES:-0}" = 1 ]; then
         compose --profile cli down --remove-orphans
     else

@@ -19,6 +19,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 LIB = ROOT / "deploy" / "airgap" / "lib.sh"
+METRICS_PORTS = {"env_svc": 9101, "rollout_svc": 9102, "trainer_svc": 9103}
+"""Each service's /metrics port inside its container (compose.yaml)."""
 
 
 def free_port() -> int:
@@ -110,6 +112,15 @@ class Stack:
         """What the container wrote, stdout and stderr (the services log to stderr)."""
         return self._run(_sourced("docker", ("logs", container)), 120, stderr=True)
 
+    def processed(self, container: str, service: str, topic: str) -> int:
+        """Records of `topic` the replica has handled, from its /metrics (common/metrics.py)."""
+        port = METRICS_PORTS[service]
+        text = self.docker("exec", container, "python3", "-c",
+                           "import urllib.request as u; print(u.urlopen("
+                           f"'http://127.0.0.1:{port}/metrics').read().decode())")  # fmt: skip
+        sample = rf'marlaas_messages_processed_total{{[^}}]*topic="{re.escape(topic)}"[^}}]*}}'
+        return sum(int(float(m.group(1))) for m in re.finditer(sample + r" (\S+)", text))
+
     def all_healthy(self, services: Sequence[str], replicas: dict[str, int]) -> bool:
         for service in services:
             names = self.containers(service)
@@ -197,6 +208,27 @@ def partitions_in(logs: str) -> Iterator[str]:
     """The partition lists a service logged on assignment (common/bus.py)."""
     for match in re.finditer(r"partitions assigned: (.+)", logs):
         yield match.group(1)
+
+
+def assigned(logs: str, topic: str) -> set[int]:
+    """The partitions of `topic` in the last assignment a replica logged."""
+    found: set[int] = set()
+    for listed in partitions_in(logs):
+        if match := re.search(rf"{re.escape(topic)}\[([\d, ]*)\]", listed):
+            found = {int(n) for n in match.group(1).split(",") if n.strip()}
+    return found
+
+
+def key_in(partitions: set[int], prefix: str, count: int) -> str:
+    """A job id starting with `prefix` whose records (keyed by job id, the producers' default
+    partitioner: murmur2) land in one of `partitions` of a `count`-partition topic."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    partitioner, every = DefaultPartitioner(), list(range(count))
+    for n in range(10_000):
+        if partitioner(f"{prefix}-{n}".encode(), every, every) in partitions:
+            return f"{prefix}-{n}"
+    raise AssertionError(f"no {prefix}-N lands in partitions {sorted(partitions)}")
 
 
 def handled_in(logs: str, topic: str) -> int:

@@ -27,7 +27,16 @@ from typing import Any
 import pytest
 
 from bench.machine import machine_fields, result_path
-from tests.compose.stack import ROOT, Stack, Tenant, handled_in, partitions_in, wait_for
+from tests.compose.stack import (
+    ROOT,
+    Stack,
+    Tenant,
+    assigned,
+    handled_in,
+    key_in,
+    partitions_in,
+    wait_for,
+)
 
 # From nothing: engine, base images, builds (minutes), then the scenario (tens of minutes).
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
@@ -36,6 +45,17 @@ SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
 REPLICAS = {service: 2 for service in SERVICES}
 SCALE = [arg for s, n in REPLICAS.items() for arg in ("--scale", f"{s}={n}")]
 DONE = {"completed"}
+STEPS = 12
+PARTITIONS = 12
+"""compose.yaml's MARLAAS_TOPIC_PARTITIONS."""
+TRAJECTORIES = "marlaas.trajectories"
+"""Long enough that the kills land mid-run (a step takes seconds here)."""
+SERVED_TOPIC = {
+    "env_svc": "marlaas.rollouts",
+    "rollout_svc": "marlaas.prompts",
+    "trainer_svc": TRAJECTORIES,
+}
+"""What each service's replicas handle: results to score, prompts, episodes to train on."""
 
 
 def job(seed: int, max_steps: int, **fields: Any) -> dict[str, Any]:
@@ -106,9 +126,17 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
 
     # Two jobs through the API with the tenant's key; one produced as JSON by a plain client.
     t0 = time.monotonic()
-    api_jobs = [tenant.submit(job(seed, max_steps=4)) for seed in (1, 2)]
-    json_job = "acme-json-1"
-    stack.produce_json_job({"kind": "job_spec", "job_id": json_job, "tenant": "acme", **job(3, 4)})
+    # Job ids chosen so that each trainer replica owns one of them (a job's episodes go to
+    # the partition of its id, and the trainer holding that partition trains it).
+    owners = {n: assigned(stack.logs(n), TRAJECTORIES) for n in stack.containers("trainer_svc")}
+    assert all(owners.values()) and len(owners) == 2, owners
+    first, second = owners.values()
+    ids = [key_in(first, "acme-a", PARTITIONS), key_in(second, "acme-b", PARTITIONS)]
+    api_jobs = [tenant.submit(job(n + 1, STEPS, job_id=i)) for n, i in enumerate(ids)]
+    json_job = key_in(first, "acme-json", PARTITIONS)
+    stack.produce_json_job(
+        {"kind": "job_spec", "job_id": json_job, "tenant": "acme", **job(3, max_steps=STEPS)}
+    )
     jobs = [*api_jobs, json_job]
 
     def states() -> dict[str, dict[str, Any]]:
@@ -121,8 +149,13 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
         timeout_s=900,
     )
     stack.timings["first_versions_s"] = time.monotonic() - t0
-    killed = [stack.containers("trainer_svc")[0], stack.containers("rollout_svc")[0]]
-    served_before_kill = {name: stack.logs(name) for name in stack.containers("rollout_svc")}
+    # Both replicas of each scaled service took part (a replica's /metrics: the records it
+    # handled); the killed ones are read before they go.
+    for service, topic in SERVED_TOPIC.items():
+        served = {n: stack.processed(n, service, topic) for n in stack.containers(service)}
+        assert len(served) == 2 and all(served.values()), (service, topic, served)
+    killed = [next(iter(owners)), stack.containers("rollout_svc")[0]]
+    assert not any(s.get("state") in DONE for s in states().values()), "killed after the end"
     for name in killed:
         stack.docker("kill", name)
     wait_for(
@@ -137,20 +170,19 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
         audit = stack.cli("audit", job_id, check=False)
         assert "0 lost, 0 trained twice, 0 unexpected" in audit and "problem" not in audit, audit
 
-    # The scaled services split the work: each replica was assigned partitions and logged
-    # the records it handled (the killed ones up to their kill).
+    # Each replica's log shows its partitions; the survivors' also the records they handled
+    # (one activity line a minute, common/bus.py).
     logs = {n: stack.logs(n) for s in SERVICES for n in stack.containers(s, running=False)}
-    logs |= {name: text for name, text in served_before_kill.items() if name in killed}
     for name, text in logs.items():
         assert any("[" in p for p in partitions_in(text)), f"{name} was assigned no partition"
-    for service, topic in (("rollout_svc", "marlaas.prompts"), ("env_svc", "marlaas.rollouts")):
-        served = {n: handled_in(t, topic) for n, t in logs.items() if service in n}
-        assert len(served) == 2 and all(served.values()), (service, served)
+    for service, topic in SERVED_TOPIC.items():
+        for name in stack.containers(service):
+            assert handled_in(logs[name], topic) > 0, (name, topic)
 
     # Exports: the CLI writes one to the host; the API returns one as a tarball.
     exports = ROOT / "exports"
     shutil.rmtree(exports / json_job, ignore_errors=True)
-    stack.cli("export", json_job, f"/exports/{json_job}")
+    stack.cli("export", json_job, "--out", f"/exports/{json_job}")
     assert json.loads((exports / json_job / "adapter_config.json").read_text())["r"] > 0
     body, version = tenant.export(api_jobs[0])
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
