@@ -8,8 +8,8 @@
 #      locally (base-images.sh): Debian bookworm from debootstrap, python:3.11-slim, Redis,
 #      and a plain Kafka client;
 #   4. .env with a fresh random secret for every variable of deploy/env.example, if missing;
-#   5. `compose up --build -d` with compose.yaml and deploy/compose.airgap.yaml, and any
-#      arguments given (e.g. --scale env_svc=2).
+#   5. `compose build` (every image, the cli's too) and `compose up -d` with compose.yaml and
+#      deploy/compose.airgap.yaml, and any arguments given (e.g. --scale env_svc=2).
 # Stop it with `make compose-down` (deploy/airgap/down.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,8 +25,11 @@ mkdir -p exports data
 if [ "$(id -u)" = 0 ]; then
     chown 1000:1000 exports
 fi
-step "compose up --build -d $*"
+step "compose build; compose up -d $*"
 started=$SECONDS
-compose up --build -d "$@"
+# Every image, the cli's too: `up --build` skips services of profiles not started (cli), so
+# `compose run cli` would keep running an image of older code.
+compose --profile cli build
+compose up -d "$@"
 echo "stack up in $((SECONDS - started)) s: $(compose_cmd) ps"
 compose ps
