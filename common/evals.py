@@ -102,6 +102,22 @@ class EvalTally:
         }
 
 
+def below_base(tally: EvalTally, base: EvalTally) -> str:
+    """Why `tally` is worse than the base model's evaluation (version 0): its accuracy lower
+    by more than the standard error of the difference, sqrt(se^2 + se_base^2); "" when not
+    (or when either has no episodes)."""
+    if not tally.episodes or not base.episodes or tally.version == base.version:
+        return ""
+    stderr = math.hypot(tally.accuracy_stderr, base.accuracy_stderr)
+    if base.accuracy - tally.accuracy <= stderr:
+        return ""
+    return (
+        f"held-out accuracy {tally.accuracy:.3f} of v{tally.version} is below the base "
+        f"model's {base.accuracy:.3f} by more than the standard error of the difference "
+        f"({stderr:.3f}): its training reward may have risen on what does not generalise"
+    )
+
+
 def _record_args(
     episode_id: str, reward: float, solved: bool, components: dict[str, float]
 ) -> list[Any]:

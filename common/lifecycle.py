@@ -122,6 +122,9 @@ class StepMetrics(_Numbers):
     mean_ratio: float | None = None
     mean_is_weight: float | None = None
     approx_kl: float | None = None
+    """KL(sampling policy || trained policy), k3 estimate over the step's tokens."""
+    entropy: float | None = None
+    """The sampling policy's per-token entropy (nats), estimated from its samples."""
     grad_norm: float | None = None
     tokens: float | None = None
     """Trained (loss-masked) tokens."""

@@ -17,6 +17,11 @@ ETA_WINDOW = 5
 """Steps whose pace predicts the rest, once a job has trained more than that many."""
 
 
+LEARNING_SIGNALS = ("entropy", "approx_kl", "clip_fraction", "zero_advantage_share")
+"""Step metrics that say why a run goes wrong: a collapsing entropy, a policy drifting from
+the one that sampled (KL), updates the clip cuts off, groups with no learning signal."""
+
+
 @dataclass
 class JobProgress:
     """What the events of one job say so far."""
@@ -42,6 +47,10 @@ class JobProgress:
     """Metrics of each evaluated adapter version (`eval` events), by version."""
     final_eval_due: bool = False
     """The job evaluates its final adapter: a completed job reports once that is in."""
+    learning: dict[str, float] = field(default_factory=dict)
+    """The last step's learning signals (`LEARNING_SIGNALS`): why a run goes wrong, visible."""
+    below_base: str = ""
+    """Why the latest evaluation is worse than the base model's ("" when it is not)."""
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobProgress:
@@ -122,10 +131,13 @@ class JobProgress:
             self.step_at.append(event.at)
             self.last_staleness = int(metrics.staleness_max or 0)
             self.max_staleness_seen = max(self.max_staleness_seen, self.last_staleness)
+            self.learning = {k: v for k, v in metrics.as_map().items() if k in LEARNING_SIGNALS}
         elif event.event in DROPPED_EVENTS:
             self.dropped_groups += 1
         elif event.event == "eval":
             self.evals[event.step] = dict(event.metrics)
+            if event.step == max(self.evals):
+                self.below_base = event.reason
         elif event.event in ("accepted", "resumed"):
             self.started_at = self.started_at or event.at
         if self.done and self.finished_at is None:
@@ -155,6 +167,8 @@ class JobProgress:
             "dropped_groups": self.dropped_groups,
             "wall_s": round(self.wall_s, 1),
             "rewards": self.rewards,
+            "learning": self.learning,
+            "below_base": self.below_base,
             "eval_accuracy_base": self.eval_accuracy(0),
             "eval_accuracy_final": None if final is None else self.eval_accuracy(final),
             "eval_stderr": max(stderrs) if stderrs else None,

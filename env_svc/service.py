@@ -21,7 +21,14 @@ from common.backoff import is_transient
 from common.bus import ConsumerLoop, Delivery
 from common.config import EnvServiceSettings, SharedSettings
 from common.dedup import COMMANDS, RESULTS
-from common.evals import DONE, MAX_RESENDS, eval_group_id, eval_version_of, evaluated
+from common.evals import (
+    DONE,
+    MAX_RESENDS,
+    below_base,
+    eval_group_id,
+    eval_version_of,
+    evaluated,
+)
 from common.faults import fault_point
 from common.flow import IssuedGroup, group_id_of
 from common.health import redis_ready
@@ -376,6 +383,14 @@ class EnvService(Service):
     async def _finish_eval(self, spec: JobSpec, version: int) -> None:
         store = self.io.require_store()
         tally = await store.eval_tally(spec.job_id, version)
+        metrics = tally.metrics()
+        # Compared with the base model's (version 0): a job that learned the wrong thing
+        # says so in its events, where status, the report and the tracking sinks read it.
+        worse = ""
+        if version > 0 and (base := await store.eval_tally(spec.job_id, 0)).episodes:
+            metrics["eval_base_accuracy"] = base.accuracy
+            worse = below_base(tally, base)
+            metrics["eval_below_base"] = 1.0 if worse else 0.0
         await self.io.send(
             job_event(
                 spec.job_id,
@@ -383,11 +398,13 @@ class EnvService(Service):
                 SERVICE,
                 tenant=spec.tenant,
                 step=version,
-                metrics=tally.metrics(),
+                metrics=metrics,
+                reason=worse,
             )
         )
         await store.finish_eval(spec.job_id, version)
-        job_logger(log, spec.job_id, spec.tenant).info(
+        logger = job_logger(log, spec.job_id, spec.tenant)
+        logger.info(
             "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)",
             version,
             tally.accuracy,
@@ -395,6 +412,8 @@ class EnvService(Service):
             tally.reward_sum / max(tally.episodes, 1),
             tally.episodes,
         )
+        if worse:
+            logger.warning("eval v%d: %s", version, worse)
 
     async def _sweep_evals(self, record: JobRecord) -> None:
         """Finish evaluations whose episodes are all in (their event was not sent), or that

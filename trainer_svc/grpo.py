@@ -81,6 +81,9 @@ def policy_loss(
     - mean_ratio (r = pi/prox), mean_is_weight (w, after the cap),
     - approx_kl: k3 estimate of KL(mu || pi), mean of (rho - 1) - log rho with rho = pi/mu;
       unbiased because the tokens were sampled from mu, and never negative,
+    - entropy: mean -log mu(token), the sampling policy's per-token entropy estimated from
+      its own samples (unbiased, from the logprobs the rollouts carry: no vocabulary pass);
+      a collapse towards 0 is a policy that stopped exploring,
     - tokens: the number of masked tokens.
     """
     mask_BT = loss_mask_BT.bool()
@@ -121,6 +124,7 @@ def policy_loss(
             "mean_ratio": masked_mean(ratio_BT),
             "mean_is_weight": masked_mean(is_weight_BT),
             "approx_kl": masked_mean(k3_BT),
+            "entropy": masked_mean(torch.where(mask_BT, -behaviour_logprobs_BT, zero_BT)),
             "tokens": float(tokens),
         }
     return loss, metrics

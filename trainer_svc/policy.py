@@ -49,6 +49,7 @@ _TOKEN_MEAN_METRICS = (
     "mean_ratio",
     "mean_is_weight",
     "approx_kl",
+    "entropy",
 )
 
 

@@ -734,13 +734,17 @@ class TrainerService(Service):
             TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens_per_s)
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
-            "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% (%.1fs)",
+            "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% "
+            "entropy %.2f kl %.4f clip %.0f%% (%.1fs)",
             version,
             spec.rl.max_steps,
             metrics.mean_reward,
             metrics.loss or 0.0,
             metrics.staleness_max or 0,
             100 * (metrics.zero_advantage_share or 0.0),
+            metrics.entropy or 0.0,
+            metrics.approx_kl or 0.0,
+            100 * (metrics.clip_fraction or 0.0),
             metrics.wall_step_s or 0.0,
         )
         if version >= spec.rl.max_steps:

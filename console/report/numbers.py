@@ -50,6 +50,8 @@ class JobSummary:
     last_at: float | None
     wall_s: float | None
     """From the job's first event to its last."""
+    below_base: str = ""
+    """Why its latest evaluation is worse than the base model's (env_svc's `eval` event)."""
 
 
 @dataclass
@@ -69,6 +71,10 @@ class StepRow:
     samples: float | None = None
     step_s: float | None = None
     wall_step_s: float | None = None
+    entropy: float | None = None
+    approx_kl: float | None = None
+    clip_fraction: float | None = None
+    zero_advantage_share: float | None = None
     trainer_tokens_per_s: float | None = None
     """tokens / step_s, when the step reported both."""
 
@@ -248,7 +254,13 @@ def _job_summary(
         first_at=first_at,
         last_at=last_at,
         wall_s=None if first_at is None or last_at is None else last_at - first_at,
+        below_base=_latest_eval_reason(job_events),
     )
+
+
+def _latest_eval_reason(job_events: Sequence[Event]) -> str:
+    evals = sorted((e for e in job_events if e.event == "eval"), key=lambda e: e.step)
+    return evals[-1].reason if evals else ""
 
 
 def _final_state(job_events: Sequence[Event]) -> tuple[str, str]:

@@ -139,6 +139,39 @@ def _charts(report: Report) -> list[str]:
             whole_y=True,
         ),
         line_chart(
+            "entropy",
+            "Policy entropy per step (nats per token, from the sampled tokens): near 0, "
+            "the policy stopped exploring",
+            "step",
+            "entropy",
+            per_step("entropy"),
+            whole_x=True,
+        ),
+        line_chart(
+            "kl",
+            "KL from the sampling policy to the trained one per step (k3 estimate)",
+            "step",
+            "KL",
+            per_step("approx_kl"),
+            whole_x=True,
+        ),
+        line_chart(
+            "clip",
+            "Clip fraction per step: tokens whose update the clip cut off",
+            "step",
+            "share of tokens",
+            per_step("clip_fraction"),
+            whole_x=True,
+        ),
+        line_chart(
+            "zero_advantage",
+            "Share of trajectories with zero advantage per step (no learning signal)",
+            "step",
+            "share",
+            per_step("zero_advantage_share"),
+            whole_x=True,
+        ),
+        line_chart(
             "throughput",
             "Throughput: trainer tokens/s per step, rollout tokens/s",
             "seconds since report start",
@@ -178,6 +211,7 @@ def _jobs_table(jobs: Sequence[JobSummary]) -> str:
         "dropped_groups",
         "wall_s",
         "reason",
+        "below_base",
     )
     head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)
     rows = "".join(

@@ -54,6 +54,8 @@ class JobRow:
             "eta_s": p.eta_s(now),
             "reason": p.reason,
             "evals": {str(v): m for v, m in sorted(p.evals.items())},
+            "learning": p.learning,
+            "below_base": p.below_base,
         }
 
 

@@ -256,6 +256,7 @@ def test_metrics_and_gradients_on_a_constructed_batch() -> None:
             "mean_ratio": (1.5 + 1 + 0.5 + 1.5) / 4,
             "mean_is_weight": (1 + 2 + 0.5 + 1) / 4,
             "approx_kl": (3.25 - 2 * LN(1.5)) / 4,
+            "entropy": (0 + LN(4) - LN(2) + 0) / 4,  # mean -mu over the sampled tokens
             "tokens": 4.0,
         }
     )
@@ -323,3 +324,18 @@ def test_masked_token_logprobs_equal_the_full_projection_where_the_loss_looks() 
     (grad_full,) = torch.autograd.grad((full_BT * weights_BT).sum(), hidden_BTH)
     (grad_masked,) = torch.autograd.grad((masked_BT * weights_BT).sum(), hidden_BTH)
     assert torch.allclose(grad_masked, grad_full, atol=1e-6)
+
+
+def test_entropy_is_the_mean_surprise_of_the_sampled_tokens_under_the_sampler() -> None:
+    # -log mu over the masked tokens: (0.5 + 2.0) / 2; garbage outside the mask (a padding
+    # position's -inf) reaches neither the metric nor anything else.
+    behaviour_BT = torch.tensor([[-0.5, -2.0, -math.inf]])
+    _, metrics = policy_loss(
+        _leaf([[-0.5, -2.0, 0.0]]),
+        behaviour_BT,
+        torch.tensor([1.0]),
+        torch.tensor([[1.0, 1.0, 0.0]]),
+        **CLIP,
+    )
+    assert metrics["entropy"] == pytest.approx(1.25)
+    assert math.isfinite(metrics["loss"])

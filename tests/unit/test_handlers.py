@@ -427,3 +427,38 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
     results = {r.request_id: r for r in await backend.sent(Topic.ROLLOUTS, job_id, expect=4)}  # type: ignore[union-attr]
     assert [results[f"{job_id}/{i}/0/t0"].adapter_version for i in range(3)] == [0, 1, 2]  # type: ignore[union-attr]
     assert results[f"{job_id}/3/0/t0"].finish_reason == "abort"  # type: ignore[union-attr]
+
+
+async def test_env_svc_says_when_a_version_is_worse_than_the_base_on_held_out_tasks(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A version below the base model by more than the standard error of the difference:
+    its `eval` event carries the base's accuracy, a flag and the reason (issue 26)."""
+    service = env_service(backend, tokenizer, eval_timeout_s=0.2)
+    spec = job_spec(
+        "worse",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=2,
+        evals=EvalSettings(tasks=4),
+    )
+    job_id = spec.job_id
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    await backend.sent(Topic.PROMPTS, job_id, expect=2 + 4)
+    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
+    await backend.store.claim_eval(job_id, 2)
+    for version, solved in ((0, 4), (2, 1)):
+        for index in range(4):
+            await backend.store.record_eval(
+                job_id, version, f"{job_id}/eval{version}/{index}", reward=1.0 * (index < solved),
+                solved=index < solved, components={},
+            )  # fmt: skip
+    await asyncio.sleep(0.3)
+    await service.sweep_claims()
+    base, worse = sorted(
+        events(await backend.sent(Topic.EVENTS, job_id, expect=3), "eval"), key=lambda e: e.step
+    )
+    assert (base.step, base.reason) == (0, "") and "eval_below_base" not in base.metrics
+    assert worse.metrics["eval_below_base"] == 1.0 and worse.metrics["eval_base_accuracy"] == 1.0
+    assert worse.reason.startswith("held-out accuracy 0.250 of v2 is below the base model's 1.000")

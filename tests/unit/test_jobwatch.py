@@ -72,3 +72,21 @@ def test_off_a_terminal_each_step_evaluation_and_state_change_is_printed_once() 
         "j: step 3/3 mean reward 0.750",
         "j: eval v3 accuracy 0.812 ±0.069",
     ]
+
+
+def test_status_carries_the_learning_signals_and_a_version_worse_than_the_base() -> None:
+    job = progress(1000.0, [1010.0], max_steps=3)
+    signals = {"entropy": 0.9, "approx_kl": 0.02, "clip_fraction": 0.1, "zero_advantage_share": 0.5}
+    job.apply(
+        at(job_event("j", "step", "trainer_svc", step=2, metrics={"loss": 0.1, **signals}), 1020)
+    )
+    worse = "held-out accuracy 0.344 of v2 is below the base model's 0.656"
+    for version, reason in ((0, ""), (2, worse)):
+        metrics = {"eval_accuracy": 0.5}
+        job.apply(at(job_event("j", "eval", "env_svc", step=version, metrics=metrics,
+                               reason=reason), 1021))  # fmt: skip
+    row = JobRow(job, "running", in_flight_episodes=0).to_json(now=1022.0)
+    assert row["learning"] == signals  # `marlaas status --json`
+    assert row["below_base"] == worse
+    summary = job.summary(window=3)
+    assert summary["learning"] == signals and summary["below_base"] == worse

@@ -16,7 +16,14 @@ from console.report.numbers import Report, build_report
 from console.report.page import write_report
 
 T0 = 1_800_000_000.0
-CHARTS = {"reward", "eval", "staleness", "throughput", "utilisation"}
+CHARTS = {"reward", "eval", "staleness", "throughput", "utilisation"} | {
+    "entropy", "kl", "clip", "zero_advantage"
+}  # fmt: skip
+LEARNING_CHARTS = {
+    "entropy": "entropy", "kl": "approx_kl", "clip": "clip_fraction",
+    "zero_advantage": "zero_advantage_share",
+}  # fmt: skip
+"""The charts of why a run goes wrong (issue 26), by the step metric each plots."""
 EVIL_JOB = 'evil"<job>&'
 
 
@@ -35,14 +42,22 @@ def step(job_id: str, n: int, reward: float, seconds: float, staleness: int = 0)
         "tokens": 800.0,
         "step_s": 4.0,
         "loss": 0.5 - n / 10,
+        "entropy": 1.0 - n / 8,
+        "approx_kl": 0.01 * n,
+        "clip_fraction": 0.05 * n,
+        "zero_advantage_share": 0.25,
     }
     sent = job_event(job_id, "step", "trainer_svc", tenant="acme", step=n, metrics=metrics)
     return msgspec.structs.replace(sent, at=T0 + seconds)
 
 
-def evaluation(job_id: str, version: int, accuracy: float, seconds: float) -> Event:
+def evaluation(
+    job_id: str, version: int, accuracy: float, seconds: float, reason: str = ""
+) -> Event:
     metrics = {"eval_accuracy": accuracy, "eval_accuracy_stderr": 0.1, "eval_episodes": 32.0}
-    sent = job_event(job_id, "eval", "env_svc", tenant="acme", step=version, metrics=metrics)
+    sent = job_event(
+        job_id, "eval", "env_svc", tenant="acme", step=version, metrics=metrics, reason=reason
+    )
     return msgspec.structs.replace(sent, at=T0 + seconds)
 
 
@@ -58,6 +73,7 @@ def spec(job_id: str, env: str) -> JobSpec:
 
 SPECS = {"job-a": spec("job-a", "arithmetic"), "job-b": spec("job-b", "calculator")}
 REWARDS = {"job-a": [0.125, 0.5, 0.75], "job-b": [0.25, 0.0]}
+BELOW = "held-out accuracy 0.250 of v2 is below the base model's 0.750"
 EVENTS = [
     event("job-a", "accepted", 0),
     *[
@@ -70,6 +86,8 @@ EVENTS = [
     evaluation("job-a", 3, 0.5, 33),
     event("job-b", "accepted", 2),
     *[step("job-b", i + 1, r, 12 * (i + 1)) for i, r in enumerate(REWARDS["job-b"])],
+    evaluation("job-b", 0, 0.75, 3),
+    evaluation("job-b", 2, 0.25, 30, reason=BELOW),
     event(EVIL_JOB, "rejected", 3, reason="<script>alert(1)</script>", tenant="<b>x</b>"),
 ]
 SAMPLES: dict[str, list[dict[str, float]]] = {
@@ -165,12 +183,16 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
     assert set(page.charts) == CHARTS
     assert page.charts["reward"] == {job: steps_of(job, "mean_reward") for job in REWARDS}
     assert page.charts["staleness"] == {job: steps_of(job, "staleness_max") for job in REWARDS}
-    assert page.charts["eval"] == {"job-a": [[0, 0.25], [3, 0.5]]}
+    assert page.charts["eval"] == {"job-a": [[0, 0.25], [3, 0.5]], "job-b": [[0, 0.75], [2, 0.25]]}
+    for chart, metric in LEARNING_CHARTS.items():
+        assert page.charts[chart] == {job: steps_of(job, metric) for job in REWARDS}, chart
     with (tmp_path / "evals.csv").open(encoding="utf-8") as evals_file:
         rows = list(csv.DictReader(evals_file))
     assert [(r["job_id"], r["version"], r["accuracy"]) for r in rows] == [
         ("job-a", "0", "0.25"),
         ("job-a", "3", "0.5"),
+        ("job-b", "0", "0.75"),
+        ("job-b", "2", "0.25"),
     ]
     # x: seconds since the report's first event or sample; 800 tokens in 4 s per step
     assert page.charts["throughput"] == {
@@ -229,8 +251,10 @@ def test_the_summary_table_matches_the_events(tmp_path: Path) -> None:
         "dropped_groups": "1",
         "wall_s": "31",
         "reason": "-",
+        "below_base": "-",
     }
     assert (jobs["job-b"]["state"], jobs["job-b"]["steps"]) == ("running", "2")
+    assert jobs["job-b"]["below_base"] == BELOW  # said where a reader looks
     assert (jobs["job-b"]["best_reward"], jobs["job-b"]["last_reward"]) == ("0.250", "0.000")
     evil = jobs[EVIL_JOB]
     assert (evil["state"], evil["env"], evil["steps"], evil["best_reward"]) == (

@@ -35,7 +35,7 @@ def history(steps: int, *, ended: bool) -> list[Event]:
     eval_metrics = {"eval_accuracy": 0.5, "eval_accuracy_stderr": 0.125, "eval_episodes": 16.0}
     events.append(job_event(SPEC.job_id, "eval", "env_svc", tenant="acme", metrics=eval_metrics))
     for step in range(1, steps + 1):
-        metrics = {"mean_reward": step / 10, "loss": 0.5 - step / 100}
+        metrics = {"mean_reward": step / 10, "loss": 0.5 - step / 100, "entropy": 1.5}
         events.append(
             job_event(SPEC.job_id, "step", "trainer_svc", tenant="acme", step=step, metrics=metrics)
         )
@@ -65,7 +65,12 @@ def tracker(out: Path, *, tensorboard: bool = True, mlflow: bool = True) -> Trac
 
 def test_metrics_are_named_by_where_they_come_from() -> None:
     step, evaluation = history(1, ended=True)[2], history(1, ended=True)[-2]
-    assert event_metrics(step) == {"train/mean_reward": 0.1, "train/loss": 0.49}
+    # The learning signals too (issue 26): entropy, KL, clip fraction, zero-advantage share.
+    assert event_metrics(step) == {
+        "train/mean_reward": 0.1,
+        "train/loss": 0.49,
+        "train/entropy": 1.5,
+    }
     assert event_metrics(evaluation)["eval/accuracy"] == 0.75
     assert event_metrics(evaluation)["eval/accuracy_stderr"] == 0.11
     assert event_metrics(history(1, ended=True)[-1]) == {}
