@@ -97,11 +97,15 @@ class TenantClient:
                 if line.strip():
                     yield msgspec.json.decode(line, type=Event)
 
-    async def export(self, job_id: str, out_dir: Path, *, version: int | None = None) -> int:
+    async def export(
+        self, job_id: str, out_dir: Path, *, version: int | None = None, best: bool = False
+    ) -> int:
         """Unpack the job's adapter into `out_dir` (new or empty); returns its version."""
         if _not_empty(out_dir):
             raise ValueError(f"{out_dir} is not empty")
         params = {} if version is None else {"version": str(version)}
+        if best:
+            params["best"] = "true"
         response = await self._request("GET", f"/jobs/{job_id}/export", params=params)
         _unpack_into(response.content, out_dir)
         return int(response.headers["X-Adapter-Version"])

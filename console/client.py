@@ -25,7 +25,13 @@ from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.store import RedisStore
 from console.eventfeed import AdapterFeed, EventFeed
-from console.export import ExportedAdapter, export_adapter, local_base_model
+from console.export import (
+    ExportedAdapter,
+    ExportError,
+    best_version,
+    export_adapter,
+    local_base_model,
+)
 from console.jobwatch import submit_jobs
 from console.status.board import StatusBoard
 from console.tracking import Tracker
@@ -147,9 +153,21 @@ class MarlaasClient:
     # --- results ----------------------------------------------------------------------
 
     async def export(
-        self, job: Job, out_dir: Path, *, version: int | None = None
+        self, job: Job, out_dir: Path, *, version: int | None = None, best: bool = False
     ) -> ExportedAdapter:
+        """The job's latest adapter, or `version`, or (`best`) the version with the best
+        held-out accuracy (its `eval` events)."""
         record = await self.job(job)
+        if best:
+            if version is not None:
+                raise ExportError("give a version or ask for the best one, not both")
+            found = best_version(await self.events(record))
+            if found is None:
+                raise ExportError(
+                    f"job {record.spec.job_id!r} has no evaluated adapter version yet "
+                    "(its eval settings: `eval.every_steps`, the final version)"
+                )
+            version = found[0]
         base_model_path = await asyncio.to_thread(
             local_base_model, self.settings.base_model, self.settings.cache_dir
         )

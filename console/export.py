@@ -13,12 +13,14 @@ import json
 import shutil
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
+from common.messages import Event
 from common.models import public_model_id, resolve_base_model
 from common.registry import Job, JobRecord, job_id_of
 from common.store import RedisStore
@@ -39,6 +41,23 @@ class ExportedAdapter:
     version: int
     out_dir: Path
     base_model_name_or_path: str
+
+
+def best_version(events: Sequence[Event]) -> tuple[int, float] | None:
+    """The trained version with the best held-out accuracy and that accuracy, from the job's
+    `eval` events (a tie goes to the later version: more trained, as good); None before any
+    trained version was evaluated. The base model (version 0) is not a candidate: it has no
+    adapter, and a job worse than its base says so in its events (`eval_below_base`)."""
+    scored = {
+        e.step: accuracy
+        for e in events
+        if e.event == "eval" and e.step >= 1
+        and (accuracy := e.metrics.get("eval_accuracy")) is not None
+    }  # fmt: skip
+    if not scored:
+        return None
+    version = max(scored, key=lambda v: (scored[v], v))
+    return version, scored[version]
 
 
 def local_base_model(base_model: str, cache_dir: Path | None = None) -> str | None:

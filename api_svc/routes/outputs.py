@@ -54,12 +54,13 @@ async def events(
 
 @router.get("/jobs/{job_id}/export", response_model=None)
 async def export(
-    job_id: str, tenant: Tenant, client: Client, version: int | None = None
+    job_id: str, tenant: Tenant, client: Client, version: int | None = None, best: bool = False
 ) -> Response:
+    """The job's latest adapter, `version`, or (`best`) its best evaluated version."""
     record = await registered(client, job_id, tenant)
     with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
         out = Path(scratch) / job_id
-        exported = await conflict_on(client.export(record, out, version=version))
+        exported = await conflict_on(client.export(record, out, version=version, best=best))
         name = f"{job_id}-v{exported.version}"
         body = await asyncio.to_thread(_tar_gz, out, name)
     return Response(

@@ -243,24 +243,30 @@ def export(
     version: Annotated[
         int | None, typer.Option("--version", help="An earlier version still on disk.")
     ] = None,
+    best: Annotated[
+        bool,
+        typer.Option("--best", help="The version with the best held-out accuracy (its evals)."),
+    ] = False,
 ) -> None:
     """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM)."""
     if (api := tenant_client()) is not None:
-        got = run(_export_via_api(api, job, out, version))
+        got = run(_export_via_api(api, job, out, version, best))
         say(f"job {job} adapter v{got} -> {out}")
         return
-    exported = run(_export(job, out, version))
+    exported = run(_export(job, out, version, best))
     say(f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}")
 
 
-async def _export(job: str, out: Path, version: int | None) -> ExportedAdapter:
+async def _export(job: str, out: Path, version: int | None, best: bool) -> ExportedAdapter:
     async with _client() as client:
-        return await client.export(job, out, version=version)
+        return await client.export(job, out, version=version, best=best)
 
 
-async def _export_via_api(api: TenantClient, job: str, out: Path, version: int | None) -> int:
+async def _export_via_api(
+    api: TenantClient, job: str, out: Path, version: int | None, best: bool
+) -> int:
     async with api:
-        return await api.export(job, out, version=version)
+        return await api.export(job, out, version=version, best=best)
 
 
 @one_line_errors

@@ -21,6 +21,7 @@ from common.lifecycle import (
     StepMetrics,
 )
 from common.messages import Event, JobSpec
+from console.export import best_version
 from console.report.charts import is_number
 
 RESTART_SLACK_S = 1.0
@@ -52,6 +53,9 @@ class JobSummary:
     """From the job's first event to its last."""
     below_base: str = ""
     """Why its latest evaluation is worse than the base model's (env_svc's `eval` event)."""
+    best_version: str = ""
+    """The trained version with the best held-out accuracy, `v<N> (<accuracy>)`: what
+    `marlaas export JOB --best` writes."""
 
 
 @dataclass
@@ -255,7 +259,13 @@ def _job_summary(
         last_at=last_at,
         wall_s=None if first_at is None or last_at is None else last_at - first_at,
         below_base=_latest_eval_reason(job_events),
+        best_version=_best(job_events),
     )
+
+
+def _best(job_events: Sequence[Event]) -> str:
+    found = best_version(job_events)
+    return "" if found is None else f"v{found[0]} ({found[1]:.3f})"
 
 
 def _latest_eval_reason(job_events: Sequence[Event]) -> str:

@@ -211,6 +211,7 @@ def _jobs_table(jobs: Sequence[JobSummary]) -> str:
         "dropped_groups",
         "wall_s",
         "reason",
+        "best_version",
         "below_base",
     )
     head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)

@@ -102,6 +102,11 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     assert (out_dir / "adapter_model.safetensors").stat().st_size > 0
     code, _, err = invoke(cli, "export", job_id, "--out", str(out_dir))
     assert code == 1 and err.startswith("error: ") and err.count("\n") == 1  # not empty
+    # --best: the trained version with the best held-out accuracy; by default the final one
+    # is the only trained version evaluated (the base, 0, has no adapter).
+    assert sorted(int(v) for v in row["evals"]) == [0, 2]
+    code, out, err = invoke(cli, "export", job_id, "--best", "--out", str(tmp_path / "best"))
+    assert code == 0 and f"adapter v2 -> {tmp_path / 'best'}" in out, err
 
     code, out, err = invoke(cli, "report", job_id, "--out", str(tmp_path / "report"))
     assert code == 0, err

@@ -251,6 +251,7 @@ def test_the_summary_table_matches_the_events(tmp_path: Path) -> None:
         "dropped_groups": "1",
         "wall_s": "31",
         "reason": "-",
+        "best_version": "v3 (0.500)",  # what `export --best` writes
         "below_base": "-",
     }
     assert (jobs["job-b"]["state"], jobs["job-b"]["steps"]) == ("running", "2")
