@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,6 +23,8 @@ from common.messages import (
     GenerationRequest,
     GroupDropped,
     JobCommand,
+    JobSpec,
+    Message,
     Topic,
     Trajectory,
     new_id,
@@ -29,6 +32,7 @@ from common.messages import (
 )
 from env_svc.episodes import ChatTokenizer
 from env_svc.protocol import environment_for
+from env_svc.service import EnvService
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     GatedEngine,
@@ -186,22 +190,30 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
     ]
 
 
+async def evaluated_job(
+    backend: Backend, tokenizer: ChatTokenizer, name: str, tasks: int, **settings: Any
+) -> tuple[EnvService, JobSpec, list[Message]]:
+    """env_svc (`settings`) and a 2-step job evaluated on `tasks` held-out tasks, accepted:
+    the service, the spec and the requests it sent (two episodes, the base's evaluation)."""
+    service = env_service(backend, tokenizer, **settings)
+    spec = job_spec(
+        name,
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=2,
+        evals=EvalSettings(tasks=tasks),
+    )
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    return service, spec, await backend.sent(Topic.PROMPTS, spec.job_id, expect=2 + tasks)
+
+
 async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
     """Evaluation episodes never reach the trainer; the last one in sends `eval` with the
     accuracy and its standard error; a redelivered result is not counted twice."""
-    service = env_service(backend, tokenizer)
-    spec = job_spec(
-        "tally",
-        group_size=2,
-        groups_per_step=1,
-        max_staleness=0,
-        max_steps=2,
-        evals=EvalSettings(tasks=4),
-    )
-    await Inbox(Topic.JOBS).hand(service.handle, spec)
-    sent = await backend.sent(Topic.PROMPTS, spec.job_id, expect=2 + 4)
+    service, spec, sent = await evaluated_job(backend, tokenizer, "tally", 4)
     evals = [r for r in sent if isinstance(r, GenerationRequest) and "/eval0/" in r.episode_id]
     env = environment_for(spec)
     results = Inbox(Topic.ROLLOUTS)
@@ -234,18 +246,10 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
 ) -> None:
     """A replica died after the last episode was counted (no event), or requests were lost:
     the sweep sends the missing event, or sends the evaluation's requests again."""
-    service = env_service(backend, tokenizer, eval_timeout_s=0.2)
-    spec = job_spec(
-        "sweep",
-        group_size=2,
-        groups_per_step=1,
-        max_staleness=0,
-        max_steps=2,
-        evals=EvalSettings(tasks=2),
+    service, spec, first_sent = await evaluated_job(
+        backend, tokenizer, "sweep", 2, eval_timeout_s=0.2
     )
     job_id = spec.job_id
-    await Inbox(Topic.JOBS).hand(service.handle, spec)
-    first_sent = await backend.sent(Topic.PROMPTS, job_id, expect=2 + 2)
     for index in range(2):  # both counted, the event never sent
         await backend.store.record_eval(
             job_id, 0, f"{job_id}/eval0/{index}", reward=1.0, solved=index == 0, components={}
@@ -434,18 +438,8 @@ async def test_env_svc_says_when_a_version_is_worse_than_the_base_on_held_out_ta
 ) -> None:
     """A version below the base model by more than the standard error of the difference:
     its `eval` event carries the base's accuracy, a flag and the reason (issue 26)."""
-    service = env_service(backend, tokenizer, eval_timeout_s=0.2)
-    spec = job_spec(
-        "worse",
-        group_size=2,
-        groups_per_step=1,
-        max_staleness=0,
-        max_steps=2,
-        evals=EvalSettings(tasks=4),
-    )
+    service, spec, _ = await evaluated_job(backend, tokenizer, "worse", 4, eval_timeout_s=0.2)
     job_id = spec.job_id
-    await Inbox(Topic.JOBS).hand(service.handle, spec)
-    await backend.sent(Topic.PROMPTS, job_id, expect=2 + 4)
     await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
     await backend.store.claim_eval(job_id, 2)
     for version, solved in ((0, 4), (2, 1)):
