@@ -162,8 +162,23 @@ def _unpack_into(archive: bytes, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}-") as scratch:
         with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-            tar.extractall(scratch, filter="data")
+            _extract_data(tar, scratch)
         (top,) = Path(scratch).iterdir()
         if out_dir.exists():
             out_dir.rmdir()  # empty: checked by the caller
         shutil.move(top, out_dir)
+
+
+def _extract_data(tar: tarfile.TarFile, into: str) -> None:
+    """Extract only plain files and directories inside `into` (tarfile's "data" filter; on
+    Python before 3.11.4, such as Debian bookworm's 3.11.2, which lacks it, the same check by
+    hand): a hostile archive writes nowhere else and makes no links or devices."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, filter="data")
+        return
+    root = Path(into).resolve()
+    for member in tar.getmembers():
+        target = (root / member.name).resolve()
+        if not (member.isfile() or member.isdir()) or not target.is_relative_to(root):
+            raise ValueError(f"the export archive holds {member.name!r}: not a plain file in it")
+    tar.extractall(into)  # every member checked above
