@@ -160,12 +160,12 @@ class Stack:
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    def job_status(self, job_id: str) -> dict[str, Any]:
-        """The operator's view of a job (`marlaas status --json`)."""
-        for job in json.loads(self.cli("status", "--once", "--json")).get("jobs", []):
-            if job.get("job_id") == job_id:
-                return dict(job)
-        return {}
+    def job_states(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The operator's view of these jobs (`marlaas status --json`, one call): by id, {}
+        for a job it does not show yet."""
+        shown = json.loads(self.cli("status", "--once", "--json")).get("jobs", [])
+        by_id = {job.get("job_id"): dict(job) for job in shown}
+        return {job_id: by_id.get(job_id, {}) for job_id in job_ids}
 
 
 def _sourced(command: str, args: Sequence[str]) -> list[str]:

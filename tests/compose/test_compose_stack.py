@@ -45,11 +45,12 @@ SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
 REPLICAS = {service: 2 for service in SERVICES}
 SCALE = [arg for s, n in REPLICAS.items() for arg in ("--scale", f"{s}={n}")]
 DONE = {"completed"}
-STEPS = 12
+STEPS = 30
+"""Long enough that the kills land mid-run: a step takes seconds here, and a cold stack's
+jobs start apart (in one run a job had finished 12 steps before another had trained one)."""
 PARTITIONS = 12
 """compose.yaml's MARLAAS_TOPIC_PARTITIONS."""
 TRAJECTORIES = "marlaas.trajectories"
-"""Long enough that the kills land mid-run (a step takes seconds here)."""
 SERVED_TOPIC = {
     "env_svc": "marlaas.rollouts",
     "rollout_svc": "marlaas.prompts",
@@ -140,7 +141,7 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     jobs = [*api_jobs, json_job]
 
     def states() -> dict[str, dict[str, Any]]:
-        return {j: stack.job_status(j) for j in jobs}
+        return stack.job_states(jobs)
 
     # Mid-run: once every job has trained a version, kill a trainer and a rollout replica.
     wait_for(
