@@ -185,6 +185,7 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     shutil.rmtree(exports / json_job, ignore_errors=True)
     stack.cli("export", json_job, "--out", f"/exports/{json_job}")
     assert json.loads((exports / json_job / "adapter_config.json").read_text())["r"] > 0
+    shutil.rmtree(exports / json_job)  # the checkout's ./exports, as the README's CLI uses it
     body, version = tenant.export(api_jobs[0])
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
         names = tar.getnames()
