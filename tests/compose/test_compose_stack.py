@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -26,7 +27,6 @@ from typing import Any
 
 import pytest
 
-from bench.machine import machine_fields, result_path
 from tests.compose.stack import (
     ROOT,
     Stack,
@@ -91,6 +91,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def record_result(stack: Stack, extra: dict[str, Any]) -> Path:
+    sys.path.insert(0, str(ROOT / "bench"))  # the bench scripts' own module of result names
+    from machine import machine_fields, result_path
+
     cache = stack.docker("system", "df", "--format", "{{json .}}")
     path = result_path("compose")
     path.write_text(
