@@ -17,7 +17,7 @@ import logging
 import time
 import traceback
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -79,6 +79,13 @@ async def start_client(make: Callable[[], C], bootstrap: str, timeout_s: float) 
     )
 
 
+def partition_of(key: str, partitions: Sequence[int]) -> int:
+    """The partition, of `partitions`, a record keyed `key` goes to: the producers' default
+    partitioner (murmur2, as Kafka's Java clients), which every MARLaaS producer uses."""
+    every = list(partitions)
+    return int(_PARTITIONER(key.encode(), every, every))
+
+
 async def start_reader(
     bootstrap: str,
     topic: str,
@@ -108,7 +115,7 @@ async def start_reader(
         partitions = consumer.partitions_for_topic(topic) or set()
     every = sorted(partitions)
     if keys is not None and every:
-        every = sorted({_PARTITIONER(key.encode(), every, every) for key in keys})
+        every = sorted({partition_of(key, every) for key in keys})
     assigned = [TopicPartition(topic, p) for p in every]
     consumer.assign(assigned)
     return consumer, assigned

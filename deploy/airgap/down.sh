@@ -14,7 +14,7 @@ if docker info >/dev/null 2>&1; then
         # the stack's own file (lost, or never written), placeholders do.
         ENV_FILE=$(mktemp)
         trap 'rm -f "$ENV_FILE"' EXIT
-        grep -o '^MARLAAS_[A-Z_]*=' deploy/env.example | sed 's/$/placeholder/' >"$ENV_FILE"
+        env_lines echo placeholder >"$ENV_FILE"
     fi
     if [ "${KEEP_VOLUMES:-0}" = 1 ]; then
         compose --profile cli down --remove-orphans

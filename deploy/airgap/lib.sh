@@ -87,6 +87,18 @@ fill_build_extras() {
     fi
 }
 
+# Every variable of deploy/env.example as NAME=VALUE, each VALUE what the command given
+# prints (run once per variable).
+env_lines() {
+    grep -o '^MARLAAS_[A-Z_]*=' deploy/env.example | while read -r name; do
+        echo "${name}$("$@")"
+    done
+}
+
+random_secret() {
+    head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n'
+}
+
 ensure_env_file() {
     if [ -f "$ENV_FILE" ]; then
         return
@@ -94,8 +106,6 @@ ensure_env_file() {
     step "writing $ENV_FILE: a fresh random secret for every variable of deploy/env.example"
     (
         umask 077
-        grep -o '^MARLAAS_[A-Z_]*=' deploy/env.example | while read -r name; do
-            echo "${name}$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
-        done >"$ENV_FILE"
+        env_lines random_secret >"$ENV_FILE"
     )
 }

@@ -1,6 +1,7 @@
 """The compose stack of the end-to-end test, driven as the README's "Production: compose"
 drives it: deploy/airgap/up.sh and down.sh, `compose` (deploy/airgap/lib.sh), docker, the
-tenant API over HTTP and a plain Kafka client. Nothing here imports the services."""
+tenant API over HTTP and a plain Kafka client. Nothing here imports the services (only the
+producers' partitioner, to pick job ids)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from common.bus import partition_of
 
 ROOT = Path(__file__).resolve().parents[2]
 LIB = ROOT / "deploy" / "airgap" / "lib.sh"
@@ -73,11 +76,19 @@ class Stack:
         return self._run(_sourced("docker", args), timeout_s, check=check)
 
     def _run(
-        self, argv: Sequence[str], timeout_s: float, *, check: bool = True, stderr: bool = False
+        self,
+        argv: Sequence[str],
+        timeout_s: float,
+        *,
+        check: bool = True,
+        stderr: bool = False,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> str:
         done = subprocess.run(
-            argv, cwd=ROOT, env=self.environ, capture_output=True, text=True, timeout=timeout_s
-        )
+            argv, cwd=ROOT, env=self.environ | (env or {}), input=stdin, capture_output=True,
+            text=True, timeout=timeout_s,
+        )  # fmt: skip
         if check and done.returncode != 0:
             raise AssertionError(
                 f"{' '.join(argv)} exited {done.returncode}:"
@@ -152,13 +163,8 @@ class Stack:
             "-e", "MARLAAS_BUS_KEY", "-v", f"{ROOT / 'examples'}:/examples:ro",
             "marlaas-local/kafka-client", "/examples/produce_job.py", "kafka:9092",
         ))  # fmt: skip
-        env = self.environ | {"MARLAAS_BUS_KEY": self.secret("MARLAAS_BUS_KEY")}
-        done = subprocess.run(
-            argv, cwd=ROOT, env=env, input=json.dumps(job), capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
+        key = {"MARLAAS_BUS_KEY": self.secret("MARLAAS_BUS_KEY")}
+        return self._run(argv, 120, stdin=json.dumps(job), env=key)
 
     def job_states(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The operator's view of these jobs (`marlaas status --json`, one call): by id, {}
@@ -222,11 +228,9 @@ def assigned(logs: str, topic: str) -> set[int]:
 def key_in(partitions: set[int], prefix: str, count: int) -> str:
     """A job id starting with `prefix` whose records (keyed by job id, the producers' default
     partitioner: murmur2) land in one of `partitions` of a `count`-partition topic."""
-    from aiokafka.partitioner import DefaultPartitioner
-
-    partitioner, every = DefaultPartitioner(), list(range(count))
+    every = range(count)
     for n in range(10_000):
-        if partitioner(f"{prefix}-{n}".encode(), every, every) in partitions:
+        if partition_of(f"{prefix}-{n}", every) in partitions:
             return f"{prefix}-{n}"
     raise AssertionError(f"no {prefix}-N lands in partitions {sorted(partitions)}")
 
