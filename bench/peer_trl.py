@@ -7,7 +7,15 @@ repository on sys.path for the environment's tasks, prompts and reward functions
 
 The config (written by peer.py) names the model directory, environment, seed, steps, G,
 completions per step, token budget, LoRA rank/alpha/targets, learning rate and sampling.
-Prints one JSON object: per-step wall times and mean rewards.
+Prints one JSON object: per-step wall times and mean rewards. With `"save": true` the trained
+adapter is written to `out_dir` (PEFT's layout, as MARLaaS's exports).
+
+    bench/.venv-trl/bin/python bench/peer_trl.py --eval '<json config>'
+
+is the evaluator of bench/learning.py's equal-time comparison: the base model and each named
+adapter directory, answered greedily (transformers, float32) on `eval_tasks` tasks of the
+environment's held-out stream (`eval_task_for(eval_seed, i)`) and scored by its own rewards;
+prints each one's accuracy and standard error. One evaluator for every side.
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ def main() -> None:
     )
     started = time.perf_counter()
     trainer.train()
+    if config.get("save"):
+        trainer.model.save_pretrained(config["out_dir"])
     ends = [started, *step_ends]
     print(
         json.dumps(
@@ -113,5 +123,59 @@ def main() -> None:
     )
 
 
+def evaluate() -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from env_svc.protocol import get_environment, score
+
+    config: dict[str, Any] = json.loads(sys.argv[2])
+    torch.manual_seed(0)
+    env = get_environment(config["env"], config["env_params"])
+    tasks = [env.eval_task_for(config["eval_seed"], i) for i in range(config["eval_tasks"])]
+    tokenizer = AutoTokenizer.from_pretrained(config["model_dir"])
+    tokenizer.padding_side = "left"
+    prompts = [
+        tokenizer.apply_chat_template(
+            env.reset(task)[1], tokenize=False, add_generation_prompt=True
+        )
+        for task in tasks
+    ]
+    accuracy: dict[str, float] = {}
+    stderr: dict[str, float] = {}
+    replies: dict[str, list[str]] = {}
+    for name, adapter in config["adapters"].items():
+        model = AutoModelForCausalLM.from_pretrained(config["model_dir"], dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter)
+        model.eval()
+        texts: list[str] = []
+        for start in range(0, len(prompts), 32):
+            batch = tokenizer(prompts[start : start + 32], return_tensors="pt", padding=True)
+            with torch.no_grad():
+                out = model.generate(
+                    **batch, max_new_tokens=config["max_new_tokens"], do_sample=False
+                )
+            texts += tokenizer.batch_decode(
+                out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+        solved = [
+            env.solved(score(env.rewards, task, [{"role": "assistant", "content": text}]))
+            for task, text in zip(tasks, texts, strict=True)
+        ]
+        p = sum(solved) / len(solved)
+        accuracy[name], stderr[name] = p, (p * (1 - p) / len(solved)) ** 0.5
+        replies[name] = texts[:8]
+    print(
+        json.dumps(
+            {"tasks": len(tasks), "accuracy": accuracy, "accuracy_se": stderr, "replies": replies}
+        )
+    )
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--eval":
+        evaluate()
+    else:
+        main()

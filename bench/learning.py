@@ -1,0 +1,490 @@
+"""Learning you can trust: the same jobs alone and sharing the stack, on several seeds; and one
+job against TRL's GRPOTrainer for the same minutes.
+
+    .venv/bin/python bench/learning.py                      # both parts, seeds 0 1 2
+    .venv/bin/python bench/learning.py --parts jobs --seeds 0 1 2
+    .venv/bin/python bench/learning.py --parts peer --out <the jobs part's file>   # adds to it
+
+**jobs**: eight jobs of three tenants (arithmetic, tool-use calculator and a dataset job of
+word problems, `examples/data/acme/word_problems.jsonl`, each in the demo's budgets, 12 steps)
+run on one embedded stack per seed, (a) alone, one after another, then (b) all eight at once.
+A seed picks each job's training stream and the evaluation tasks; alone and shared run the
+same specs (only the job ids differ), so each seed is a paired comparison. Each job is
+evaluated greedily on `--eval-tasks` held-out tasks before training (the base model) and after
+its last step. Reported per job and seed: base and final held-out accuracy with their standard
+errors, the best evaluated version, steps, reward first/last steps and the job's wall time;
+per seed the shared phase's wall time and the sum of the alone runs'. Then, per job and mode,
+the mean over seeds and its spread, and the checks of issue 26:
+- `beats_base`: mean final - mean base > 2 x the standard error of that difference, taken as
+  the larger of the binomial one (from each evaluation's own standard error) and the one the
+  seeds' spread of the per-seed differences gives;
+- `sharing_costs_nothing`: mean shared final >= mean alone final - 1 standard error of their
+  difference (both binomial and seed spread, the larger);
+- `shared_faster`: each seed's shared wall time < the sum of its alone runs.
+
+**peer**: bench/peer.py's task (one-digit sums) trained by TRL's GRPOTrainer for `--peer-steps`
+steps (its own venv, `bench/peer_trl.py`), then by one MARLaaS job on a fresh stack, stopped
+once it has run as long as TRL's training did. The MARLaaS adapter taken is the last version
+published within TRL's wall time (from submission; TRL's from `train()`, both after start-up).
+The base model, TRL's adapter and MARLaaS's are then evaluated by one evaluator, in TRL's venv
+(transformers, greedy, float32, the environment's own scoring) on the same held-out tasks.
+
+Writes `bench/results/learning-<date>-<machine>.json` after every phase (a run cut short keeps
+what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from machine import machine_fields, result_path  # bench/machine.py
+from multitask import run_jobs  # bench/multitask.py
+from rich.console import Console
+
+from common.config import SharedSettings, load
+from common.lifecycle import SERVICES
+from common.messages import EnvSettings, EvalSettings, Event, JobSpec, SamplingSettings
+from console.client import MarlaasClient
+from console.demo import REWARD_WINDOW, demo_jobs
+from console.jobwatch import JobProgress, watch_jobs
+from console.stack.local import LocalStack
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORD_PROBLEMS = REPO / "examples" / "data" / "acme" / "word_problems.jsonl"
+TENANTS = ("acme", "globex", "initech")
+KINDS = ("arith", "calc", "words")
+
+console = Console()
+
+
+# --- the jobs -------------------------------------------------------------------------------
+
+
+def job_specs(base_model: str, seed: int, *, steps: int, eval_tasks: int) -> dict[str, JobSpec]:
+    """The eight jobs of one seed, by name (`<tenant>-<kind>`): the demo's arithmetic and
+    calculator jobs and a word-problem dataset job, three to a tenant (two for the third)."""
+    demo = {spec.job_id.split("-")[1]: spec for spec in demo_jobs(base_model, "x", seed)}
+    arith, calc = demo["arith"], demo["calc"]
+    words = msgspec.structs.replace(
+        arith,
+        env=EnvSettings(
+            name="dataset",
+            params={
+                "path": WORD_PROBLEMS.name,
+                "eval_fraction": 0.25,
+                "prompt_suffix": " Answer with just the number.",
+            },
+        ),
+        rl=msgspec.structs.replace(arith.rl, sampling=SamplingSettings(max_new_tokens=24)),
+    )
+    templates = {"arith": arith, "calc": calc, "words": words}
+    specs = {}
+    for index in range(8):
+        tenant, kind = TENANTS[index // 3], KINDS[index % 3]
+        template = templates[kind]
+        specs[f"{tenant}-{kind}"] = msgspec.structs.replace(
+            template,
+            job_id=f"{tenant}-{kind}",
+            tenant=tenant,
+            env=msgspec.structs.replace(template.env, seed=1000 * seed + index),
+            rl=msgspec.structs.replace(template.rl, max_steps=steps),
+            eval=EvalSettings(tasks=eval_tasks, seed=seed),
+        )
+    return specs
+
+
+def with_ids(specs: dict[str, JobSpec], tag: str) -> dict[str, JobSpec]:
+    return {
+        name: msgspec.structs.replace(spec, job_id=f"{name}-{tag}") for name, spec in specs.items()
+    }
+
+
+def job_numbers(progress: JobProgress) -> dict[str, Any]:
+    """What a job's run is reported as: held-out accuracy of the base and the final version
+    with each one's standard error, the best version, steps, rewards, wall time."""
+    summary = progress.summary(REWARD_WINDOW)
+    evals = summary["evals"]
+    assert isinstance(evals, dict)
+    versions = sorted(int(v) for v in evals)
+    final = versions[-1] if versions and versions[-1] > 0 else None
+    trained = {v: evals[str(v)]["eval_accuracy"] for v in versions if v > 0}
+    best = max(trained, key=lambda v: (trained[v], v)) if trained else None
+    return {
+        "job_id": progress.job_id,
+        "status": progress.status,
+        "steps": progress.steps,
+        "wall_s": round(progress.wall_s, 1),
+        "base": evals.get("0", {}).get("eval_accuracy"),
+        "base_se": evals.get("0", {}).get("eval_accuracy_stderr"),
+        "final": None if final is None else evals[str(final)]["eval_accuracy"],
+        "final_se": None if final is None else evals[str(final)]["eval_accuracy_stderr"],
+        "final_version": final,
+        "best_version": best,
+        "best": None if best is None else trained[best],
+        "below_base": summary["below_base"],
+        "reward_start": summary["reward_start"],
+        "reward_end": summary["reward_end"],
+        "rewards": summary["rewards"],
+        "learning": summary["learning"],
+    }
+
+
+async def run_seed(
+    stack: LocalStack, specs: dict[str, JobSpec], seed: int, timeout_s: float
+) -> list[dict[str, Any]]:
+    """Alone (one job at a time), then shared (all at once): one record per mode."""
+    async with MarlaasClient(stack.client_settings) as client:
+        alone: dict[str, dict[str, Any]] = {}
+        started = time.time()
+        for name, spec in with_ids(specs, f"s{seed}-alone").items():
+            console.print(f"[bold]seed {seed} alone[/]: {spec.job_id}")
+            jobs, _ = await run_jobs(client, stack.kafka_bootstrap, [spec], timeout_s)
+            alone[name] = job_numbers(jobs[spec.job_id])
+            _say(name, alone[name])
+        alone_wall = time.time() - started
+        shared_specs = with_ids(specs, f"s{seed}-shared")
+        console.print(f"[bold]seed {seed} shared[/]: {len(shared_specs)} jobs at once")
+        started = time.time()
+        jobs, _ = await run_jobs(
+            client, stack.kafka_bootstrap, list(shared_specs.values()), timeout_s
+        )
+        shared_wall = time.time() - started
+        shared = {name: job_numbers(jobs[spec.job_id]) for name, spec in shared_specs.items()}
+        for name, numbers in shared.items():
+            _say(name, numbers)
+    return [
+        {
+            "seed": seed,
+            "mode": "alone",
+            "wall_s": round(alone_wall, 1),
+            "sum_of_jobs_wall_s": round(sum(j["wall_s"] for j in alone.values()), 1),
+            "jobs": alone,
+        },
+        {"seed": seed, "mode": "shared", "wall_s": round(shared_wall, 1), "jobs": shared},
+    ]
+
+
+def _say(name: str, numbers: dict[str, Any]) -> None:
+    console.print(
+        f"  {name}: base {numbers['base']} -> final {numbers['final']} "
+        f"(best {numbers['best']} at v{numbers['best_version']}), "
+        f"reward {numbers['reward_start']} -> {numbers['reward_end']}, {numbers['wall_s']} s"
+    )
+
+
+# --- statistics -----------------------------------------------------------------------------
+
+
+def mean_and_se(values: list[float], stderrs: list[float]) -> tuple[float, float, float]:
+    """Mean over seeds; its binomial standard error (from each value's own); the seeds' sample
+    standard deviation (0 for one seed)."""
+    n = len(values)
+    binomial = math.sqrt(sum(se * se for se in stderrs)) / n
+    return statistics.fmean(values), binomial, statistics.stdev(values) if n > 1 else 0.0
+
+
+def difference(
+    a: list[float], a_se: list[float], b: list[float], b_se: list[float]
+) -> dict[str, float]:
+    """Mean of the paired differences a - b over seeds, and its standard error: the larger of
+    the binomial one and the seeds' spread of the differences over sqrt(n)."""
+    n = len(a)
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    binomial = math.sqrt(sum(x * x + y * y for x, y in zip(a_se, b_se, strict=True))) / n
+    spread = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else 0.0
+    return {
+        "mean": round(statistics.fmean(diffs), 4),
+        "se": round(max(binomial, spread), 4),
+        "se_binomial": round(binomial, 4),
+        "se_seeds": round(spread, 4),
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per job and mode: the means over seeds and issue 26's checks; per seed: the walls."""
+    by_mode: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for run in runs:
+        for name, numbers in run["jobs"].items():
+            by_mode.setdefault(name, {}).setdefault(run["mode"], []).append(numbers)
+    jobs: dict[str, Any] = {}
+    for name, modes in by_mode.items():
+        entry: dict[str, Any] = {}
+        for mode, seeds in modes.items():
+            done = [s for s in seeds if s["final"] is not None]
+            if not done:
+                continue
+            base, base_se = [s["base"] for s in done], [s["base_se"] for s in done]
+            final, final_se = [s["final"] for s in done], [s["final_se"] for s in done]
+            gain = difference(final, final_se, base, base_se)
+            entry[mode] = {
+                "seeds": len(done),
+                "base_mean": round(statistics.fmean(base), 4),
+                "final_mean": round(statistics.fmean(final), 4),
+                "final_sd_over_seeds": round(mean_and_se(final, final_se)[2], 4),
+                "best_mean": round(statistics.fmean(s["best"] for s in done), 4),
+                "steps": [s["steps"] for s in done],
+                "wall_s_mean": round(statistics.fmean(s["wall_s"] for s in done), 1),
+                "gain": gain,
+                "beats_base": gain["mean"] > 2 * gain["se"],
+            }
+        if "alone" in entry and "shared" in entry:
+            pairs = [
+                (a, s)
+                for a, s in zip(modes["alone"], modes["shared"], strict=False)
+                if a["final"] is not None and s["final"] is not None
+            ]
+            cost = difference(
+                [s["final"] for _, s in pairs],
+                [s["final_se"] for _, s in pairs],
+                [a["final"] for a, _ in pairs],
+                [a["final_se"] for a, _ in pairs],
+            )
+            entry["shared_minus_alone"] = cost
+            entry["sharing_costs_nothing"] = cost["mean"] >= -cost["se"]
+        jobs[name] = entry
+    walls = {}
+    for run in runs:
+        walls.setdefault(str(run["seed"]), {})[run["mode"]] = run.get(
+            "sum_of_jobs_wall_s", run["wall_s"]
+        )
+    shared_faster = {
+        seed: w["shared"] < w["alone"] for seed, w in walls.items() if {"alone", "shared"} <= set(w)
+    }
+    return {
+        "jobs": jobs,
+        "walls_s": walls,
+        "checks": {
+            "beats_base": {
+                f"{name}/{mode}": e[mode]["beats_base"]
+                for name, e in jobs.items()
+                for mode in ("alone", "shared")
+                if mode in e
+            },
+            "sharing_costs_nothing": {
+                name: e["sharing_costs_nothing"]
+                for name, e in jobs.items()
+                if "sharing_costs_nothing" in e
+            },
+            "shared_faster": shared_faster,
+        },
+    }
+
+
+# --- the peer at equal time -----------------------------------------------------------------
+
+
+def run_trl_script(args: list[str]) -> dict[str, Any]:
+    from peer import TRL_PYTHON  # bench/peer.py
+
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-peer` (it creates the venv)")
+    completed = subprocess.run(
+        [str(TRL_PYTHON), str(HERE / "peer_trl.py"), *args],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return result
+
+
+async def marlaas_for(
+    config: dict[str, Any], wall_s: float, run_dir: Path, run_id: str, out_dir: Path
+) -> dict[str, Any]:
+    """One MARLaaS job on the peer task on a fresh stack, stopped once it has run `wall_s`
+    since submission; the last version published within `wall_s`, exported to `out_dir`."""
+    from peer import marlaas_job  # bench/peer.py
+
+    settings = load(SharedSettings).model_copy(update={"state_dir": run_dir / "state"})
+    spec = marlaas_job({**config, "steps": 10 * config["steps"]}, settings.base_model, run_id)
+    step_at: dict[int, float] = {}
+    rewards: dict[int, float] = {}
+    async with LocalStack(settings, services=SERVICES) as stack:
+        async with MarlaasClient(stack.client_settings) as client:
+            jobs = {spec.job_id: JobProgress.of(spec)}
+            submitted = time.time()
+            spec = msgspec.structs.replace(spec, submitted_at=submitted)
+            await client.submit([spec])
+
+            def keep(event: Event) -> None:
+                if event.event == "step":
+                    step_at.setdefault(event.step, event.at - submitted)
+                    rewards.setdefault(event.step, float(event.metrics.get("mean_reward", 0.0)))
+
+            watching = asyncio.create_task(
+                watch_jobs(stack.kafka_bootstrap, jobs, timeout_s=3600, on_event=keep)
+            )
+            await asyncio.wait([watching], timeout=wall_s - (time.time() - submitted))
+            if not watching.done():
+                await client.command(spec.job_id, "cancel")
+            await watching
+            within = [step for step, at in step_at.items() if at <= wall_s]
+            if not within:
+                raise RuntimeError(f"MARLaaS made no step within {wall_s:.0f} s")
+            version = max(within)
+            await client.export(spec.job_id, out_dir, version=version)
+        precision = stack.dtypes
+    return {
+        "version": version,
+        "steps_within": len(within),
+        "step_at_s": {str(s): round(at, 2) for s, at in sorted(step_at.items())},
+        "rewards": [rewards[s] for s in sorted(rewards)],
+        "precision": precision,
+    }
+
+
+def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    from peer import settings_of  # bench/peer.py
+
+    from common.models import resolve_base_model
+
+    settings = load(SharedSettings)
+    model_dir = resolve_base_model(settings.base_model, settings.cache_dir)
+    config = settings_of(argparse.Namespace(steps=args.peer_steps, learning_rate=1e-3), model_dir)
+    config["seed"] = seed
+    work = args.run_dir / f"peer-s{seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    trl_dir, ours_dir = work / "trl-adapter", work / "marlaas-adapter"
+    console.print(f"[bold]peer seed {seed}[/]: TRL, {args.peer_steps} steps")
+    trl = run_trl_script([json.dumps({**config, "out_dir": str(trl_dir), "save": True})])
+    trl_wall = sum(trl["step_s"])
+    console.print(f"  TRL trained {trl_wall:.0f} s; MARLaaS for as long")
+    ours = asyncio.run(
+        marlaas_for(config, trl_wall, work, f"{args.run_id}-s{seed}", ours_dir / "adapter")
+    )
+    evaluated = run_trl_script(
+        [
+            "--eval",
+            json.dumps(
+                {
+                    **config,
+                    "eval_seed": seed,
+                    "eval_tasks": args.eval_tasks,
+                    "adapters": {
+                        "base": None,
+                        "trl": str(trl_dir),
+                        "marlaas": str(ours_dir / "adapter"),
+                    },
+                }
+            ),
+        ]
+    )
+    console.print(f"  held-out accuracy: {evaluated['accuracy']}")
+    return {
+        "seed": seed,
+        "trl_wall_s": round(trl_wall, 1),
+        "trl_steps": len(trl["step_s"]),
+        "trl_rewards": trl["rewards"],
+        "trl_dtype": trl["dtype"],
+        "trl_version": trl["trl"],
+        "marlaas_version": ours["version"],
+        "marlaas_steps_within": ours["steps_within"],
+        "marlaas_step_at_s": ours["step_at_s"],
+        "marlaas_rewards": ours["rewards"],
+        "marlaas_precision": ours["precision"],
+        "accuracy": evaluated["accuracy"],
+        "accuracy_se": evaluated["accuracy_se"],
+        "eval_tasks": evaluated["tasks"],
+    }
+
+
+def summarise_peer(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    acc = {who: [s["accuracy"][who] for s in seeds] for who in ("base", "trl", "marlaas")}
+    se = {who: [s["accuracy_se"][who] for s in seeds] for who in ("base", "trl", "marlaas")}
+    lead = difference(acc["marlaas"], se["marlaas"], acc["trl"], se["trl"])
+    return {
+        "mean": {who: round(statistics.fmean(values), 4) for who, values in acc.items()},
+        "marlaas_minus_trl": lead,
+        "marlaas_at_least_trl": lead["mean"] >= 0,
+    }
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def data_dir(run_dir: Path) -> Path:
+    """A data directory with the word problems in every tenant's folder."""
+    root = run_dir / "data"
+    for tenant in TENANTS:
+        (root / tenant).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(WORD_PROBLEMS, root / tenant / WORD_PROBLEMS.name)
+    return root
+
+
+async def jobs_part(args: argparse.Namespace, result: dict[str, Any], out: Path) -> None:
+    os.environ["MARLAAS_DATA_DIR"] = str(data_dir(args.run_dir))
+    settings = load(SharedSettings).model_copy(update={"state_dir": args.run_dir / "state"})
+    # One stack for every seed (job ids name the seed and the mode).
+    async with LocalStack(settings, services=SERVICES) as stack:
+        result["machine"]["precision"] = stack.dtypes
+        for seed in args.seeds:
+            specs = job_specs(
+                settings.base_model, seed, steps=args.steps, eval_tasks=args.eval_tasks
+            )
+            result["specs"][str(seed)] = {n: msgspec.to_builtins(s) for n, s in specs.items()}
+            result["runs"] += await run_seed(stack, specs, seed, args.timeout_s)
+            result["summary"] = summarise(result["runs"])
+            write(out, result)
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"written to {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="jobs,peer", help="jobs, peer or both")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=12, help="training steps per job")
+    parser.add_argument("--eval-tasks", type=int, default=64, help="held-out tasks per eval")
+    parser.add_argument("--peer-steps", type=int, default=20, help="TRL's steps")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
+    parser.add_argument("--out", type=Path, default=None, help="default results/learning-...")
+    args = parser.parse_args()
+    args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    args.run_dir = Path("runs").resolve() / f"learning-{args.run_id}"
+    out = args.out or result_path("learning", date=args.run_id.split("-")[0])
+    result: dict[str, Any] = (
+        json.loads(out.read_text())
+        if out.exists()
+        else {"bench": "learning", "machine": machine_fields(), "runs": [], "specs": {}}
+    )
+    result.setdefault("settings", {}).update(
+        {"steps": args.steps, "eval_tasks": args.eval_tasks, "peer_steps": args.peer_steps}
+    )
+    parts = set(args.parts.split(","))
+    if "jobs" in parts:
+        asyncio.run(jobs_part(args, result, out))
+    if "peer" in parts:
+        result.setdefault("peer", {"seeds": []})
+        for seed in args.seeds:
+            result["peer"]["seeds"].append(peer_seed(seed, args))
+            result["peer"]["summary"] = summarise_peer(result["peer"]["seeds"])
+            write(out, result)
+    console.print_json(
+        json.dumps(
+            {
+                "checks": result.get("summary", {}).get("checks"),
+                "peer": result.get("peer", {}).get("summary"),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
