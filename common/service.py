@@ -20,16 +20,18 @@ from pydantic_settings import BaseSettings
 from common.access import redacted
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Handler, Producer
-from common.config import SettingsError, SharedSettings
+from common.config import SettingsError, SharedSettings, load
 from common.hardware import Hardware, Precision
 from common.health import HealthServer
 from common.lifecycle import CONSUMED_TOPICS
+from common.logs import setup_logging
 from common.messages import Message
 from common.ports import Sender
 from common.store import RedisStore
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+S = TypeVar("S", bound=BaseSettings)
 
 
 class Service(ABC):
@@ -193,6 +195,18 @@ def exit_code(service: str, main: Callable[[], int]) -> int:
         for line in str(exc).splitlines():
             print(f"{service}: {line}", file=sys.stderr)
         return 2
+
+
+def start_settings(settings_type: type[S], *, check: bool = False) -> tuple[SharedSettings, S]:
+    """A service's two settings blocks at start: loaded, the bus key required unless this is a
+    start-up `check` (before anything slow, so a wrong deployment fails at once), logging set
+    up, and both blocks logged."""
+    shared, settings = load(SharedSettings), load(settings_type)
+    if not check:
+        shared.require_bus_key()
+    setup_logging(shared.log_level, shared.log_format)
+    log_settings(shared, settings)
+    return shared, settings
 
 
 def log_settings(*settings: BaseSettings) -> None:

@@ -5,20 +5,15 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from common.config import EnvServiceSettings, SharedSettings, load
-from common.logs import setup_logging
-from common.service import exit_code, log_settings, run_service
+from common.config import EnvServiceSettings
+from common.service import exit_code, run_service, start_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the service; with `--check`, start it up to the point of connecting (settings,
     imports, tokenizer, environments) and exit 0: what an image must be able to do."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
-    shared, settings = load(SharedSettings), load(EnvServiceSettings)
-    if not check:
-        shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
-    setup_logging(shared.log_level, shared.log_format)
-    log_settings(shared, settings)
+    shared, settings = start_settings(EnvServiceSettings, check=check)
     from common.models import resolve_tokenizer
     from env_svc.episodes import ChatTokenizer
     from env_svc.protocol import available_environments

@@ -6,18 +6,14 @@ import asyncio
 import os
 import sys
 
-from common.config import RolloutSettings, SharedSettings, load
+from common.config import RolloutSettings
 from common.cores import pin_to_cores
 from common.imports import load_object
-from common.logs import setup_logging
-from common.service import exit_code, log_settings, run_service
+from common.service import exit_code, run_service, start_settings
 
 
 def main() -> int:
-    shared, settings = load(SharedSettings), load(RolloutSettings)
-    shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
-    setup_logging(shared.log_level, shared.log_format)
-    log_settings(shared, settings)
+    shared, settings = start_settings(RolloutSettings)
     if settings.cpu_cores:  # before vLLM starts its threads and engine process: they inherit it
         pin_to_cores(settings.cpu_cores)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", settings.cpu_cores)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from common.config import SharedSettings, TrainerSettings, load
+from common.config import TrainerSettings
 from common.cores import parse_cores, pin_to_cores
 from common.hardware import detect, log_precision, trainer_precision
-from common.logs import setup_logging
-from common.service import exit_code, log_settings, run_service
+from common.service import exit_code, run_service, start_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,11 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     imports, model, device) without connecting, and exit 0: what an image must be able to
     do."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
-    shared, settings = load(SharedSettings), load(TrainerSettings)
-    if not check:
-        shared.require_bus_key()  # before anything slow: a wrong deployment fails at once
-    setup_logging(shared.log_level, shared.log_format)
-    log_settings(shared, settings)
+    shared, settings = start_settings(TrainerSettings, check=check)
     threads = pin_to_cores(settings.cpu_cores, settings.torch_threads)
     hardware = detect()
     precision = trainer_precision(settings.compute_dtype, settings.device, hardware)
