@@ -41,7 +41,8 @@ _CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_S
 MAX_GRAD_NORM = 1.0
 
 # policy_loss metrics that are means over masked tokens: combined across micro-batches
-# weighted by each micro-batch's token count.
+# weighted by each micro-batch's token count. All but the loss compare the trained policy
+# with the sampler, so they exist only for rows that were put through the model.
 _TOKEN_MEAN_METRICS = (
     "loss",
     "clip_fraction",
@@ -49,7 +50,6 @@ _TOKEN_MEAN_METRICS = (
     "mean_ratio",
     "mean_is_weight",
     "approx_kl",
-    "entropy",
 )
 
 
@@ -85,12 +85,22 @@ class _Tally:
     computed_tokens: int = 0
     rows: int = 0
     zero_rows: int = 0
+    surprise: float = 0.0
+    """Sum of -log mu over every row's sampled tokens (the sampler's entropy estimate)."""
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0))
 
     def add_row(self, row: _Row) -> None:
         self.tokens += row.tokens
         self.rows += 1
         self.zero_rows += row.advantage == 0.0
+        trajectory = row.trajectory
+        self.surprise -= sum(
+            logprob
+            for logprob, masked in zip(
+                trajectory.behaviour_logprobs[1:], trajectory.loss_mask[1:], strict=True
+            )
+            if masked
+        )
 
     def add_computed(self, row: _Row) -> None:
         self.computed_tokens += row.tokens
@@ -101,6 +111,18 @@ class _Tally:
         for key in _TOKEN_MEAN_METRICS:
             of = self.tokens if key == "loss" else self.computed_tokens
             self.sums[key] += metrics[key] * metrics["tokens"] / max(of, 1)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's metrics: the loss; the entropy over every row (it is the sampler's, and
+        the rows carry it); the rest only where some row was computed (a step whose rows all
+        had zero advantage compared no policy with the sampler: no KL of 0 to mislead)."""
+        computed = {k: v for k, v in self.sums.items() if k == "loss" or self.computed_tokens}
+        return {
+            **computed,
+            "entropy": self.surprise / max(self.tokens, 1),
+            "tokens": float(self.tokens),
+            "zero_advantage_share": self.zero_rows / max(self.rows, 1),
+        }
 
 
 class NonFiniteGradientError(ArithmeticError):
@@ -235,8 +257,8 @@ class MultiAdapterPolicy:
         exactly 0 to the loss and to every gradient (the objective has no other term), so it
         is not put through the model: the update is the same, the job's token count (the
         loss's denominator) still includes its tokens, and the ratio/clip/IS/KL metrics are
-        means over the rows that were computed. `zero_advantage_share` says how many rows
-        were left out.
+        means over the rows that were computed (absent when none was); the entropy is over
+        every row. `zero_advantage_share` says how many rows were left out.
         """
         started = time.monotonic()
         jobs = {job_id: self._job(job_id) for job_id in batches}
@@ -355,13 +377,7 @@ class MultiAdapterPolicy:
         for job_id, job in jobs.items():
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
-            tally = tallies[job_id]
-            results[job_id] = {
-                **tally.sums,
-                "grad_norm": norms[job_id],
-                "tokens": float(tally.tokens),
-                "zero_advantage_share": tally.zero_rows / tally.rows,
-            }
+            results[job_id] = {**tallies[job_id].metrics(), "grad_norm": norms[job_id]}
         return results
 
     def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:

@@ -735,16 +735,18 @@ class TrainerService(Service):
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
             "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% "
-            "entropy %.2f kl %.4f clip %.0f%% (%.1fs)",
+            "entropy %s kl %s clip %s (%.1fs)",
             version,
             spec.rl.max_steps,
             metrics.mean_reward,
             metrics.loss or 0.0,
             metrics.staleness_max or 0,
             100 * (metrics.zero_advantage_share or 0.0),
-            metrics.entropy or 0.0,
-            metrics.approx_kl or 0.0,
-            100 * (metrics.clip_fraction or 0.0),
+            _shown(metrics.entropy, "{:.2f}"),
+            _shown(metrics.approx_kl, "{:.4f}"),
+            _shown(
+                None if metrics.clip_fraction is None else 100 * metrics.clip_fraction, "{:.0f}%"
+            ),
             metrics.wall_step_s or 0.0,
         )
         if version >= spec.rl.max_steps:
@@ -778,3 +780,8 @@ class TrainerService(Service):
             group.release()
         job.ready.clear()
         job.filling.clear()
+
+
+def _shown(value: float | None, form: str) -> str:
+    """A metric for the step line; "-" where the step did not measure it."""
+    return "-" if value is None else form.format(value)

@@ -139,6 +139,29 @@ def test_rows_without_advantage_are_skipped_with_the_same_update(base_dir: Path)
     assert computed["zero_advantage_share"] == 1.0
 
 
+def test_entropy_is_over_every_row_and_no_kl_is_made_up_for_skipped_ones(base_dir: Path) -> None:
+    """The sampler's entropy comes from the logprobs every row carries, computed or not; the
+    KL, ratio and clip metrics compare the trained policy with the sampler, so a step whose
+    rows all had zero advantage (none computed) reports none of them rather than 0."""
+    batch = [
+        msgspec.structs.replace(
+            row, behaviour_logprobs=[-(i + 1.0) if m else 0.0 for m in row.loss_mask]
+        )
+        for i, row in enumerate(_batch())
+    ]
+    tokens = [sum(row.loss_mask[1:]) for row in batch]
+    entropy = sum(n * (i + 1) for i, n in enumerate(tokens)) / sum(tokens)
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL)
+    some = policy.train_step("a", batch, [1.0, 0.0, 0.0, -1.0])
+    assert some["entropy"] == pytest.approx(entropy)
+    assert {"approx_kl", "clip_fraction", "mean_ratio"} <= set(some)
+    none = policy.train_step("a", batch, [0.0] * 4)
+    assert none["entropy"] == pytest.approx(entropy)
+    assert not {"approx_kl", "clip_fraction", "mean_ratio", "is_capped_fraction"} & set(none)
+    assert none["loss"] == 0.0 and none["zero_advantage_share"] == 1.0
+
+
 def test_micro_batches_give_the_same_update_as_one_batch(base_dir: Path) -> None:
     whole = MultiAdapterPolicy(base_dir, micro_batch_tokens=4096)
     split = MultiAdapterPolicy(base_dir, micro_batch_tokens=14)  # [12], [10], [7, 5]
