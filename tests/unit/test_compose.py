@@ -23,7 +23,7 @@ from common.access import KAFKA_SUPER_USERS, PRINCIPALS
 from common.config import KafkaAuthSettings, SharedSettings
 from common.lifecycle import SERVICES
 from console.cli.access import password_variable
-from tests.image_targets import dockerfile_stages
+from tests.image_targets import dockerfile_stages, stages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
@@ -465,11 +465,15 @@ def test_each_service_image_runs_its_own_module(compose: Compose, dockerfile_tex
 
 
 def test_images_install_only_what_their_service_needs(dockerfile_text: str) -> None:
-    stages = dockerfile_stages(dockerfile_text)
-    installs = {
-        name: " ".join(line for line in lines if "pip install" in line)
-        for name, lines in stages.items()
-    }
+    # What each image gets: its own stage's installs and those of the stages it is built on.
+    built = stages(dockerfile_text)
+    installs = {}
+    for name in built:
+        runs, stage = [], name
+        while stage in built:
+            runs += [run for run in built[stage][1] if "pip install" in run]
+            stage = built[stage][0]
+        installs[name] = " ".join(runs)
     assert "torch" not in installs["base"] + installs["env"]
     assert "[" not in installs["base"], "the base image takes no extras"
     assert '"/src[trainer]"' in installs["trainer"] and "torch==2.13.0" in installs["trainer"]
