@@ -11,10 +11,11 @@ the job registry (common/registry.py), the flow window (common/flow.py), evaluat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redis import asyncio as aioredis
-from redis.commands.core import AsyncScript
+if TYPE_CHECKING:  # only named in annotations: what imports a part's rules needs no Redis
+    from redis import asyncio as aioredis
+    from redis.commands.core import AsyncScript
 
 
 class RedisPart:

@@ -116,3 +116,27 @@ def test_the_console_is_in_rooms() -> None:
         for path in (ROOT / package).rglob("*.py"):
             lines = len(path.read_text().splitlines())
             assert lines <= 400, f"{path.relative_to(ROOT)}: {lines} lines"
+
+
+def test_the_environment_api_imports_without_the_bus_the_store_or_torch() -> None:
+    """`env_svc.protocol` and the built-in environments are what plugin authors and TRL's side
+    of the peer benches (bench/peer_trl.py, in a venv with msgspec only) import: neither Kafka's
+    client, nor Redis's, nor torch may be needed to import them."""
+    import subprocess
+    import sys
+
+    blocked = ("aiokafka", "redis", "torch")
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}:\n"
+        "            raise ImportError(f'{name} is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from env_svc.protocol import available_environments, get_environment\n"
+        "for name in available_environments(): get_environment(name) if name != 'dataset' else 0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
