@@ -37,10 +37,11 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from env_svc.protocol import ChatMessage, get_environment, score
+    from env_svc.protocol import ChatMessage, get_environment, score, unanswered
 
     config: dict[str, Any] = json.loads(sys.argv[1])
     torch.manual_seed(config["seed"])
+    eos = eos_ids(config["model_dir"])
     env = get_environment(config["env"], config["env_params"])
     groups = config["steps"] * config["completions_per_step"] // config["group_size"]
     tasks = [env.task_for(config["seed"], index) for index in range(groups)]
@@ -50,12 +51,20 @@ def main() -> None:
     )
     rewards = env.make_rewards()
 
-    def reward(completions: list[list[ChatMessage]], question: list[str], **_: Any) -> list:
-        # The environment's own weighted reward of each (single-turn) completion.
-        return [
-            score(rewards, by_question[q], completion).total
-            for q, completion in zip(question, completions, strict=True)
-        ]
+    def reward(
+        completions: list[list[ChatMessage]],
+        question: list[str],
+        completion_ids: list[list[int]],
+        **_: Any,
+    ) -> list:
+        # The environment's own weighted reward of each (single-turn) completion; one the token
+        # limit cut off is no answer, as in MARLaaS (RLSettings.score_cut_off, default false).
+        scored = []
+        for q, completion, ids in zip(question, completions, completion_ids, strict=True):
+            result = score(rewards, by_question[q], completion)
+            cut_off = not ids or ids[-1] not in eos
+            scored.append((unanswered(result) if cut_off else result).total)
+        return scored
 
     step_ends: list[float] = []
     step_rewards: list[float] = []
@@ -123,14 +132,25 @@ def main() -> None:
     )
 
 
+def eos_ids(model_dir: str) -> set[int]:
+    """The token ids that end a reply: the tokenizer's and the generation config's."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids = {AutoTokenizer.from_pretrained(model_dir).eos_token_id}
+    configured = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    ids |= set(configured) if isinstance(configured, list) else {configured}
+    return {i for i in ids if i is not None}
+
+
 def evaluate() -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from env_svc.protocol import get_environment, score
+    from env_svc.protocol import get_environment, score, unanswered
 
     config: dict[str, Any] = json.loads(sys.argv[2])
+    eos = eos_ids(config["model_dir"])
     torch.manual_seed(0)
     env = get_environment(config["env"], config["env_params"])
     tasks = [env.eval_task_for(config["eval_seed"], i) for i in range(config["eval_tasks"])]
@@ -144,32 +164,42 @@ def evaluate() -> None:
     ]
     accuracy: dict[str, float] = {}
     stderr: dict[str, float] = {}
-    replies: dict[str, list[str]] = {}
+    shown: dict[str, list[str]] = {}
+    cut_share: dict[str, float] = {}
     for name, adapter in config["adapters"].items():
         model = AutoModelForCausalLM.from_pretrained(config["model_dir"], dtype=torch.float32)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         model.eval()
         texts: list[str] = []
+        cut_off: list[bool] = []
         for start in range(0, len(prompts), 32):
             batch = tokenizer(prompts[start : start + 32], return_tensors="pt", padding=True)
             with torch.no_grad():
                 out = model.generate(
                     **batch, max_new_tokens=config["max_new_tokens"], do_sample=False
                 )
-            texts += tokenizer.batch_decode(
-                out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-            )
-        solved = [
-            env.solved(score(env.rewards, task, [{"role": "assistant", "content": text}]))
-            for task, text in zip(tasks, texts, strict=True)
-        ]
+            replies = out[:, batch["input_ids"].shape[1] :]
+            texts += tokenizer.batch_decode(replies, skip_special_tokens=True)
+            # A reply with no end token is one the limit cut off: no answer, as in MARLaaS.
+            cut_off += [not any(int(t) in eos for t in reply) for reply in replies]
+        solved = []
+        for task, text, cut in zip(tasks, texts, cut_off, strict=True):
+            result = score(env.rewards, task, [{"role": "assistant", "content": text}])
+            solved.append(env.solved(unanswered(result) if cut else result))
         p = sum(solved) / len(solved)
         accuracy[name], stderr[name] = p, (p * (1 - p) / len(solved)) ** 0.5
-        replies[name] = texts[:8]
+        shown[name] = texts[:8]
+        cut_share[name] = sum(cut_off) / len(cut_off)
     print(
         json.dumps(
-            {"tasks": len(tasks), "accuracy": accuracy, "accuracy_se": stderr, "replies": replies}
+            {
+                "tasks": len(tasks),
+                "accuracy": accuracy,
+                "accuracy_se": stderr,
+                "cut_off_share": cut_share,
+                "replies": shown,
+            }
         )
     )
 

@@ -26,10 +26,11 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
 `JobSpec.eval` and `GenerationRequest.pinned_adapter_version`; 4 adds
-`GenerationRequest.tenant`. Up by one with every field added to any message."""
+`GenerationRequest.tenant`; 5 adds `RLSettings.score_cut_off`. Up by one with every field
+added to any message."""
 
 
 class Topic(StrEnum):
@@ -178,6 +179,11 @@ class RLSettings(_Part):
     max_context_tokens: Annotated[int, Meta(ge=2, le=MAX_CONTEXT_TOKENS)] = 512
     """Longest episode context in tokens, > max_new_tokens: a prompt that leaves no room for a
     turn rejects the job, and an episode whose next turn would not fit is scored as it stands."""
+    score_cut_off: bool = False
+    """Grade a final answer that `sampling.max_new_tokens` cut off as it stands (true), or
+    count it as no answer (false, the default): reward 0 in training and unsolved in
+    evaluation, with the reward component `cut_off` = 1. A cut-off reply's last number is
+    wherever the limit fell, so grading it rewards text that only happens to stop well."""
     sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
     """How rollout_svc samples every turn of the job's episodes."""
 

@@ -262,6 +262,11 @@ _V1_FIELDS: dict[str, tuple[str, ...]] = {
     ),
 }
 """Each message's fields in schema-1 order (the `schema` field followed them)."""
+_V1_NESTED_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("job_spec", "rl"): {"score_cut_off": False},
+}
+"""Fields added since schema 1 inside a message's settings blocks, at their defaults (which
+are not written): how a schema-1 record leaves them out."""
 
 
 def _v1_layout(kind: type[Message]) -> type[msgspec.Struct]:
@@ -311,5 +316,9 @@ def _decode_v1(topic: Topic, raw: bytes) -> Message:
 def _to_v1(message: Message) -> msgspec.Struct:
     """`message` in its schema-1 layout (fields added since are left out)."""
     layout = _V1_LAYOUTS[type(message)]
-    names = _V1_FIELDS[str(type(message).__struct_config__.tag)]
-    return layout(**{name: getattr(message, name) for name in names}, schema=1)
+    tag = str(type(message).__struct_config__.tag)
+    values = {name: getattr(message, name) for name in _V1_FIELDS[tag]}
+    for (kind, name), defaults in _V1_NESTED_DEFAULTS.items():
+        if kind == tag:
+            values[name] = msgspec.structs.replace(values[name], **defaults)
+    return layout(**values, schema=1)

@@ -38,7 +38,7 @@ from common.messages import (
     SamplingSettings,
     Trajectory,
 )
-from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state
+from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state, unanswered
 
 _SENTINEL = "\x00marlaas-assistant-content\x00"
 """Stands in for an assistant turn's content to find the text the template puts after it."""
@@ -277,7 +277,10 @@ def advance_episode(
     step = env.step(state, tokenizer.text(completion_ids))
     if step.done:
         assert step.reward is not None
-        return _trajectory(job, result, carry, context_ids, step.reward)
+        reward = step.reward
+        if result.finish_reason == "length" and not job.rl.score_cut_off:
+            reward = unanswered(reward)  # the limit, not the policy, ended this answer
+        return _trajectory(job, result, carry, context_ids, reward)
     if carry.turn >= turn_limit(env, job):
         return _trajectory(job, result, carry, context_ids, env.score(step.state))
 

@@ -172,6 +172,21 @@ def score(rewards: Sequence[Reward[T]], task: T, completion: Sequence[ChatMessag
     return RewardResult(total=total, components=components)
 
 
+CUT_OFF = "cut_off"
+"""The reward component that marks a final answer cut off by the token limit (1.0)."""
+
+
+def unanswered(reward: RewardResult) -> RewardResult:
+    """The reward of a final answer that the token limit cut off, counted as no answer: total
+    0, every component 0 and `cut_off` 1 (`RLSettings.score_cut_off`). A reward that could
+    not be computed keeps its error."""
+    if reward.error:
+        return reward
+    return RewardResult(
+        total=0.0, components=dict.fromkeys(reward.components, 0.0) | {CUT_OFF: 1.0}
+    )
+
+
 def last_assistant_text(completion: Sequence[ChatMessage]) -> str:
     """The model's last turn, or "" if it has none."""
     for message in reversed(completion):
@@ -250,8 +265,9 @@ class Environment(ABC, Generic[T]):
 
     def solved(self, reward: RewardResult) -> bool:
         """Whether a scored episode counts as solved (the accuracy of evaluations): its
-        `correct` component is 1 when it has one, else every component is at least 1."""
-        if reward.error:
+        `correct` component is 1 when it has one, else every component is at least 1; never
+        when the token limit cut the answer off (`cut_off`)."""
+        if reward.error or reward.components.get(CUT_OFF):
             return False
         if "correct" in reward.components:
             return reward.components["correct"] >= 1.0

@@ -65,6 +65,7 @@ SAMPLES: dict[str, Message] = {
             std_normalize=True,
             max_turns=3,
             max_context_tokens=256,
+            score_cut_off=True,
             sampling=SAMPLING,
         ),
         eval=EvalSettings(tasks=16, every_steps=3, seed=5),
@@ -175,3 +176,8 @@ def readme_json_job() -> tuple[str, str, str]:
     )
     assert match, "the README's kcat example moved or changed shape"
     return match["value"], match["key"], match["sign"]
+
+
+_JOB = SAMPLES["job_spec"]
+assert isinstance(_JOB, JobSpec)
+ADDED_AFTER[4] = {"job_spec": {"rl": msgspec.structs.replace(_JOB.rl, score_cut_off=False)}}

@@ -34,7 +34,7 @@ from env_svc.episodes import (
     failed_trajectory,
     start_episode,
 )
-from env_svc.protocol import ChatMessage, Environment, Reward, environment_for
+from env_svc.protocol import ChatMessage, Environment, Reward, RewardResult, environment_for
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -168,8 +168,13 @@ def test_arithmetic_single_turn(
     )
 
 
-def test_single_turn_cut_by_length_is_still_scored(tokenizer: ChatTokenizer) -> None:
-    job = make_job("arithmetic")
+@pytest.mark.parametrize("score_cut_off", [False, True])
+def test_a_final_answer_cut_by_length_is_no_answer_unless_the_job_grades_it(
+    tokenizer: ChatTokenizer, score_cut_off: bool
+) -> None:
+    """Cut off by max_new_tokens, the reply's last number is where the limit fell (the
+    0.61 -> 0.45 run of issue 26: "8 + 2 = 10 ... the sum of 1" was graded on the 1)."""
+    job = make_job("arithmetic", score_cut_off=score_cut_off)
     env = environment_for(job)
     answer = str(env.task_for(7, 0).answer)
     request = start(env, tokenizer, job)
@@ -177,8 +182,18 @@ def test_single_turn_cut_by_length_is_still_scored(tokenizer: ChatTokenizer) -> 
     trajectory = advance_episode(env, tokenizer, job, result)
     assert isinstance(trajectory, Trajectory)
     assert trajectory.token_ids == request.context_token_ids + result.completion_token_ids
-    assert trajectory.reward_components == {"correct": 1.0, "format": 0.0}
     assert_sampled_exactly(trajectory, [result])
+    graded = RewardResult(total=trajectory.reward, components=trajectory.reward_components)
+    if score_cut_off:
+        assert trajectory.reward_components == {"correct": 1.0, "format": 0.0}
+        assert env.solved(graded)
+    else:
+        assert trajectory.reward == 0.0 and trajectory.error == ""
+        assert trajectory.reward_components == {"correct": 0.0, "format": 0.0, "cut_off": 1.0}
+        assert not env.solved(graded)
+    # The same reply ended by the model itself is graded.
+    ended = advance_episode(env, tokenizer, job, sample(tokenizer, request, answer, version=0))
+    assert isinstance(ended, Trajectory) and ended.reward_components["correct"] == 1.0
 
 
 def test_group_samples_share_the_task_with_distinct_ids(tokenizer: ChatTokenizer) -> None:
