@@ -74,6 +74,43 @@ def render_html(report: Report) -> str:
 """
 
 
+_STEP_CHARTS = (
+    ("reward", "Mean reward per step", "mean reward", "mean_reward"),
+    (
+        "staleness",
+        "Staleness (max adapter versions behind) per step",
+        "versions behind",
+        "staleness_max",
+    ),
+    (
+        "entropy",
+        "Policy entropy per step (nats per token, from the sampled tokens): near 0, "
+        "the policy stopped exploring",
+        "entropy",
+        "entropy",
+    ),
+    (
+        "kl",
+        "KL from the sampling policy to the trained one per step (k3 estimate)",
+        "KL",
+        "approx_kl",
+    ),
+    (
+        "clip",
+        "Clip fraction per step: tokens whose update the clip cut off",
+        "share of tokens",
+        "clip_fraction",
+    ),
+    (
+        "zero_advantage",
+        "Share of trajectories with zero advantage per step (no learning signal)",
+        "share",
+        "zero_advantage_share",
+    ),
+)
+"""Per-step charts: (id, title, y axis, StepRow metric); staleness counts whole versions."""
+
+
 def _charts(report: Report) -> list[str]:
     steps_by_job: dict[str, list[StepRow]] = {}
     for row in report.steps:
@@ -81,22 +118,62 @@ def _charts(report: Report) -> list[str]:
     util_by_replica: dict[str, list[UtilisationRow]] = {}
     for util in report.utilisation:
         util_by_replica.setdefault(util.replica, []).append(util)
-    origin = report.started_at or 0.0
-
-    def per_step(metric: str) -> list[Series]:
-        return [
-            Series(job_id, job_id, [plottable((r.step, getattr(r, metric)) for r in rows)])
-            for job_id, rows in steps_by_job.items()
-        ]
-
-    evals_by_job: dict[str, list[EvalRow]] = {}
-    for evaluated in report.evals:
-        evals_by_job.setdefault(evaluated.job_id, []).append(evaluated)
-    held_out = [
-        Series(job_id, job_id, [plottable((r.version, r.accuracy) for r in rows)])
-        for job_id, rows in evals_by_job.items()
+    reward, *per_step = [
+        line_chart(
+            chart,
+            title,
+            "step",
+            y_label,
+            [
+                Series(job_id, job_id, [plottable((r.step, getattr(r, metric)) for r in rows)])
+                for job_id, rows in steps_by_job.items()
+            ],
+            whole_x=True,
+            whole_y=metric == "staleness_max",
+        )
+        for chart, title, y_label, metric in _STEP_CHARTS
     ]
-    trainer_throughput = [
+    return [
+        reward,
+        _held_out_chart(report.evals),
+        *per_step,
+        _throughput_chart(steps_by_job, util_by_replica, report.started_at or 0.0),
+        line_chart(
+            "utilisation",
+            "Rollout engine busy share over time",
+            "seconds since report start",
+            "busy share",
+            [
+                Series(name, name, _segments(rows, "utilisation"))
+                for name, rows in util_by_replica.items()
+            ],
+        ),
+    ]
+
+
+def _held_out_chart(evals: Sequence[EvalRow]) -> str:
+    evals_by_job: dict[str, list[EvalRow]] = {}
+    for evaluated in evals:
+        evals_by_job.setdefault(evaluated.job_id, []).append(evaluated)
+    return line_chart(
+        "eval",
+        "Held-out accuracy (greedy) per evaluated adapter version (0: the base model)",
+        "adapter version",
+        "accuracy",
+        [
+            Series(job_id, job_id, [plottable((r.version, r.accuracy) for r in rows)])
+            for job_id, rows in evals_by_job.items()
+        ],
+        whole_x=True,
+    )
+
+
+def _throughput_chart(
+    steps_by_job: dict[str, list[StepRow]],
+    util_by_replica: dict[str, list[UtilisationRow]],
+    origin: float,
+) -> str:
+    trainer = [
         Series(
             job_id,
             f"trainer: {job_id}",
@@ -105,87 +182,17 @@ def _charts(report: Report) -> list[str]:
         )
         for job_id, rows in steps_by_job.items()
     ]
-    rollout_throughput = [
+    rollout = [
         Series(name, f"rollout: {name}", _segments(rows, "tokens_per_s"), "rollout")
         for name, rows in util_by_replica.items()
     ]
-    utilisation = [
-        Series(name, name, _segments(rows, "utilisation")) for name, rows in util_by_replica.items()
-    ]
-    return [
-        line_chart(
-            "reward",
-            "Mean reward per step",
-            "step",
-            "mean reward",
-            per_step("mean_reward"),
-            whole_x=True,
-        ),
-        line_chart(
-            "eval",
-            "Held-out accuracy (greedy) per evaluated adapter version (0: the base model)",
-            "adapter version",
-            "accuracy",
-            held_out,
-            whole_x=True,
-        ),
-        line_chart(
-            "staleness",
-            "Staleness (max adapter versions behind) per step",
-            "step",
-            "versions behind",
-            per_step("staleness_max"),
-            whole_x=True,
-            whole_y=True,
-        ),
-        line_chart(
-            "entropy",
-            "Policy entropy per step (nats per token, from the sampled tokens): near 0, "
-            "the policy stopped exploring",
-            "step",
-            "entropy",
-            per_step("entropy"),
-            whole_x=True,
-        ),
-        line_chart(
-            "kl",
-            "KL from the sampling policy to the trained one per step (k3 estimate)",
-            "step",
-            "KL",
-            per_step("approx_kl"),
-            whole_x=True,
-        ),
-        line_chart(
-            "clip",
-            "Clip fraction per step: tokens whose update the clip cut off",
-            "step",
-            "share of tokens",
-            per_step("clip_fraction"),
-            whole_x=True,
-        ),
-        line_chart(
-            "zero_advantage",
-            "Share of trajectories with zero advantage per step (no learning signal)",
-            "step",
-            "share",
-            per_step("zero_advantage_share"),
-            whole_x=True,
-        ),
-        line_chart(
-            "throughput",
-            "Throughput: trainer tokens/s per step, rollout tokens/s",
-            "seconds since report start",
-            "tokens/s",
-            trainer_throughput + rollout_throughput,
-        ),
-        line_chart(
-            "utilisation",
-            "Rollout engine busy share over time",
-            "seconds since report start",
-            "busy share",
-            utilisation,
-        ),
-    ]
+    return line_chart(
+        "throughput",
+        "Throughput: trainer tokens/s per step, rollout tokens/s",
+        "seconds since report start",
+        "tokens/s",
+        trainer + rollout,
+    )
 
 
 def _segments(rows: Sequence[UtilisationRow], metric: str) -> list[list[Point]]:
