@@ -88,7 +88,7 @@ def job_specs(base_model: str, seed: int, *, steps: int, eval_tasks: int) -> dic
                 "prompt_suffix": " Answer with just the number.",
             },
         ),
-        rl=msgspec.structs.replace(arith.rl, sampling=SamplingSettings(max_new_tokens=24)),
+        rl=msgspec.structs.replace(arith.rl, sampling=SamplingSettings(max_new_tokens=32)),
     )
     templates = {"arith": arith, "calc": calc, "words": words}
     specs = {}
