@@ -76,6 +76,9 @@ class CpuInfo:
     """The variable(s) that lowered `isa` below `native_isa`, e.g. "ONEDNN_MAX_CPU_ISA=AVX2"."""
     cores: int
     """Cores this process may run on (its affinity)."""
+    family: str = ""
+    """/proc/cpuinfo's "cpu family" and "model" (e.g. "25/17", an AMD Zen 4; "26/..." a Zen 5):
+    model names such as "AMD EPYC" do not tell the generations apart."""
 
     @property
     def native_bf16(self) -> bool:
@@ -109,6 +112,7 @@ class Hardware:
         """The machine as a benchmark result records it (bench/README.md)."""
         return {
             "cpu_model": self.cpu.model,
+            "cpu_family_model": self.cpu.family,
             "isa": self.cpu.isa,
             "native_isa": self.cpu.native_isa,
             "isa_capped_by": self.cpu.capped_by,
@@ -161,12 +165,15 @@ def read_cpu(
 ) -> CpuInfo:
     """This machine's CPU as the process sees it."""
     model, flags = platform.processor() or platform.machine(), set[str]()
+    numbers: dict[str, str] = {}
     try:
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
             key = key.strip()
             if key == "model name" and value.strip():
                 model = value.strip()
+            elif key in ("cpu family", "model"):
+                numbers[key] = value.strip()
             elif key == "flags":
                 flags = set(value.split())
             if flags and key == "":  # the first processor's block is enough
@@ -175,7 +182,8 @@ def read_cpu(
         pass  # not Linux: model from the platform, no flags, so no native bf16 assumed
     native = native_isa_from_flags(flags)
     isa, capped_by = capped_isa(native, os.environ if environ is None else environ)
-    return CpuInfo(model, isa, native, capped_by, len(os.sched_getaffinity(0)))
+    family = "/".join(numbers[k] for k in ("cpu family", "model") if k in numbers)
+    return CpuInfo(model, isa, native, capped_by, len(os.sched_getaffinity(0)), family)
 
 
 def read_gpus() -> tuple[GpuInfo, ...]:

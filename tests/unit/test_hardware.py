@@ -66,11 +66,13 @@ def test_library_caps_lower_the_level_and_are_named() -> None:
 def test_the_cpu_is_read_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
-        f"processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: {AVX2_EPYC}\n\n"
+        f"processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+        f"flags\t\t: {AVX2_EPYC}\n\n"
         f"processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: {AVX2_EPYC}\n"
     )
     cpu = read_cpu(cpuinfo, environ={})
     assert (cpu.model, cpu.isa, cpu.native_bf16) == ("AMD EPYC 7B13", "avx2", False)
+    assert cpu.family == "25/1"  # the generation, which the model name may not say
     assert cpu.cores >= 1
     assert "AVX2" in cpu.describe()
 
@@ -133,8 +135,11 @@ def test_an_explicit_bf16_without_native_support_runs_with_one_warning_naming_th
 
 
 def test_the_record_carries_the_machine_fields() -> None:
-    record = Hardware(CpuInfo("AMD EPYC", "avx2", "avx512_bf16", "ONEDNN_MAX_CPU_ISA=AVX2", 2))
+    record = Hardware(
+        CpuInfo("AMD EPYC", "avx2", "avx512_bf16", "ONEDNN_MAX_CPU_ISA=AVX2", 2, "26/2")
+    )
     fields = record.record()
+    assert fields["cpu_model"] == "AMD EPYC" and fields["cpu_family_model"] == "26/2"
     assert fields["isa"] == "avx2" and fields["native_isa"] == "avx512_bf16"
     assert fields["machine_class"] == "cpu-avx2" and fields["cores"] == 2
     assert fields["native_bf16"] is False
