@@ -440,6 +440,43 @@ async def jobs_part(args: argparse.Namespace, result: dict[str, Any], out: Path)
             write(out, result)
 
 
+def table(result: dict[str, Any]) -> str:
+    """The summary as a Markdown table: per job and mode, mean base -> mean final held-out
+    accuracy, the gain and its standard error, and the checks."""
+    summary = result.get("summary", {})
+    lines = [
+        "| job | mode | seeds | base | final | gain ± SE | beats base (> 2 SE) "
+        "| shared - alone ± SE |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in summary.get("jobs", {}).items():
+        for mode in ("alone", "shared"):
+            if mode not in entry:
+                continue
+            numbers, cost = entry[mode], entry.get("shared_minus_alone")
+            gain = numbers["gain"]
+            lines.append(
+                f"| {name} | {mode} | {numbers['seeds']} | {numbers['base_mean']:.3f} | "
+                f"{numbers['final_mean']:.3f} | {gain['mean']:+.3f} ± {gain['se']:.3f} | "
+                f"{'yes' if numbers['beats_base'] else 'no'} | "
+                + (f"{cost['mean']:+.3f} ± {cost['se']:.3f}" if mode == "shared" and cost else "")
+                + " |"
+            )
+    walls = summary.get("walls_s", {})
+    lines += ["", "| seed | sum of alone runs (s) | shared (s) |", "|---|---|---|"]
+    lines += [f"| {seed} | {w.get('alone')} | {w.get('shared')} |" for seed, w in walls.items()]
+    if peer := result.get("peer", {}).get("summary"):
+        lead = peer["marlaas_minus_trl"]
+        lines += [
+            "",
+            f"Equal time, held-out accuracy (mean over {len(result['peer']['seeds'])} seeds): "
+            f"base {peer['mean']['base']:.3f}, TRL {peer['mean']['trl']:.3f}, "
+            f"MARLaaS {peer['mean']['marlaas']:.3f} (MARLaaS - TRL {lead['mean']:+.3f} ± "
+            f"{lead['se']:.3f})",
+        ]
+    return "\n".join(lines)
+
+
 def write(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -455,7 +492,11 @@ def main() -> None:
     parser.add_argument("--peer-steps", type=int, default=20, help="TRL's steps")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
     parser.add_argument("--out", type=Path, default=None, help="default results/learning-...")
+    parser.add_argument("--table", type=Path, default=None, help="print a result's summary")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"learning-{args.run_id}"
     out = args.out or result_path("learning", date=args.run_id.split("-")[0])
