@@ -255,7 +255,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry["shared_minus_alone"] = cost
             entry["sharing_costs_nothing"] = cost["mean"] >= -cost["se"]
         jobs[name] = entry
-    walls = {}
+    walls: dict[str, dict[str, float]] = {}
     for run in runs:
         walls.setdefault(str(run["seed"]), {})[run["mode"]] = run.get(
             "sum_of_jobs_wall_s", run["wall_s"]

@@ -158,7 +158,9 @@ def evaluate() -> None:
     tokenizer.padding_side = "left"
     prompts = [
         tokenizer.apply_chat_template(
-            env.reset(task)[1], tokenize=False, add_generation_prompt=True
+            [{"role": m["role"], "content": m["content"]} for m in env.reset(task)[1]],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         for task in tasks
     ]
@@ -167,7 +169,7 @@ def evaluate() -> None:
     shown: dict[str, list[str]] = {}
     cut_share: dict[str, float] = {}
     for name, adapter in config["adapters"].items():
-        model = AutoModelForCausalLM.from_pretrained(config["model_dir"], dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(config["model_dir"], dtype=torch.float32)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         model.eval()
