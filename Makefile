@@ -6,7 +6,7 @@ EXTRAS := local,api,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
+.PHONY: venv demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
 
 venv: $(STAMP)
 
@@ -68,6 +68,11 @@ $(TRL_STAMP):
 
 bench-peer: venv $(TRL_STAMP)
 	$(BIN)/python bench/peer.py
+
+# Issue 26: jobs alone and shared on 3 seeds, then TRL and MARLaaS at equal time (~90 min on
+# 2 cores).
+bench-learning: venv $(TRL_STAMP)
+	$(BIN)/python bench/learning.py
 
 bench-multilora: venv
 	$(BIN)/python bench/multilora.py
