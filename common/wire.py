@@ -99,6 +99,7 @@ def decode(topic: str, raw: bytes | None) -> Message:
         if _is_json(raw):
             message: Message = _json_decoders[known].decode(raw)
             generic = msgspec.json.decode(raw) if known is Topic.JOBS else None
+            _fits_msgpack(topic, message)
         elif raw[:1] and raw[0] in _ARRAY_MARKERS:
             return _decode_v1(known, raw)
         else:
@@ -112,6 +113,18 @@ def decode(topic: str, raw: bytes | None) -> Message:
         if unknown := unknown_fields(generic, type(message)):
             raise MessageDecodeError(topic, f"{unknown[0]}: unknown field")
     return message
+
+
+def _fits_msgpack(topic: str, message: Message) -> None:
+    """JSON numbers have no bound; msgpack's integers are 64-bit. A JSON record with a larger
+    one (a seed, an environment param) is refused here, where it arrives, rather than failing
+    when it is forwarded."""
+    try:
+        _encoder.encode(message)
+    except OverflowError:
+        raise MessageDecodeError(
+            topic, "an integer is out of range: numbers must fit in 64 bits"
+        ) from None
 
 
 def _is_json(raw: bytes) -> bool:

@@ -166,3 +166,19 @@ def test_the_committed_json_schema_is_this_builds_and_checks_the_readme_job() ->
     validator.validate(job)
     job["rl"]["max_step"] = 2
     assert not validator.is_valid(job)
+
+
+@pytest.mark.parametrize("where", ["env.seed", "eval.seed", "env.params"])
+def test_a_json_job_with_an_integer_msgpack_cannot_hold_is_refused(where: str) -> None:
+    """Found by the API fuzz: a 2**70 in a JSON job decoded, then failed to encode (a 500)."""
+    job: dict[str, Any] = {"kind": "job_spec", "job_id": "j", "tenant": "acme"}
+    job["env"] = {"name": "arithmetic"}
+    huge = 2**70
+    if where == "env.seed":
+        job["env"]["seed"] = huge
+    elif where == "eval.seed":
+        job["eval"] = {"seed": huge}
+    else:
+        job["env"]["params"] = {"min_operand": huge}
+    with pytest.raises(MessageDecodeError, match="out of range"):
+        decode(Topic.JOBS, msgspec.json.encode(job))
