@@ -42,7 +42,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,6 +57,7 @@ from common.lifecycle import SERVICES
 from common.messages import EnvSettings, EvalSettings, Event, JobSpec, SamplingSettings
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
+from console.export import best_of
 from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
 
@@ -120,8 +120,7 @@ def job_numbers(progress: JobProgress) -> dict[str, Any]:
     assert isinstance(evals, dict)
     versions = sorted(int(v) for v in evals)
     final = versions[-1] if versions and versions[-1] > 0 else None
-    trained = {v: evals[str(v)]["eval_accuracy"] for v in versions if v > 0}
-    best = max(trained, key=lambda v: (trained[v], v)) if trained else None
+    best = best_of({v: evals[str(v)]["eval_accuracy"] for v in versions})
     return {
         "job_id": progress.job_id,
         "status": progress.status,
@@ -132,8 +131,8 @@ def job_numbers(progress: JobProgress) -> dict[str, Any]:
         "final": None if final is None else evals[str(final)]["eval_accuracy"],
         "final_se": None if final is None else evals[str(final)]["eval_accuracy_stderr"],
         "final_version": final,
-        "best_version": best,
-        "best": None if best is None else trained[best],
+        "best_version": None if best is None else best[0],
+        "best": None if best is None else best[1],
         "below_base": summary["below_base"],
         "reward_start": summary["reward_start"],
         "reward_end": summary["reward_end"],
@@ -188,14 +187,6 @@ def _say(name: str, numbers: dict[str, Any]) -> None:
 # --- statistics -----------------------------------------------------------------------------
 
 
-def mean_and_se(values: list[float], stderrs: list[float]) -> tuple[float, float, float]:
-    """Mean over seeds; its binomial standard error (from each value's own); the seeds' sample
-    standard deviation (0 for one seed)."""
-    n = len(values)
-    binomial = math.sqrt(sum(se * se for se in stderrs)) / n
-    return statistics.fmean(values), binomial, statistics.stdev(values) if n > 1 else 0.0
-
-
 def difference(
     a: list[float], a_se: list[float], b: list[float], b_se: list[float]
 ) -> dict[str, float]:
@@ -233,7 +224,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "seeds": len(done),
                 "base_mean": round(statistics.fmean(base), 4),
                 "final_mean": round(statistics.fmean(final), 4),
-                "final_sd_over_seeds": round(mean_and_se(final, final_se)[2], 4),
+                "final_sd_over_seeds": round(statistics.stdev(final), 4) if len(final) > 1 else 0.0,
                 "best_mean": round(statistics.fmean(s["best"] for s in done), 4),
                 "steps": [s["steps"] for s in done],
                 "wall_s_mean": round(statistics.fmean(s["wall_s"] for s in done), 1),
@@ -286,21 +277,6 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # --- the peer at equal time -----------------------------------------------------------------
 
 
-def run_trl_script(args: list[str]) -> dict[str, Any]:
-    from peer import TRL_PYTHON  # bench/peer.py
-
-    if not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-peer` (it creates the venv)")
-    completed = subprocess.run(
-        [str(TRL_PYTHON), str(HERE / "peer_trl.py"), *args],
-        check=True,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    result: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
-    return result
-
-
 async def marlaas_for(
     config: dict[str, Any], wall_s: float, run_dir: Path, run_id: str, out_dir: Path
 ) -> dict[str, Any]:
@@ -347,7 +323,7 @@ async def marlaas_for(
 
 
 def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    from peer import settings_of  # bench/peer.py
+    from peer import settings_of, trl_script  # bench/peer.py
 
     from common.models import resolve_base_model
 
@@ -359,28 +335,26 @@ def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     trl_dir, ours_dir = work / "trl-adapter", work / "marlaas-adapter"
     console.print(f"[bold]peer seed {seed}[/]: TRL, {args.peer_steps} steps")
-    trl = run_trl_script([json.dumps({**config, "out_dir": str(trl_dir), "save": True})])
+    trl = trl_script(json.dumps({**config, "out_dir": str(trl_dir), "save": True}))
     trl_wall = sum(trl["step_s"])
     console.print(f"  TRL trained {trl_wall:.0f} s; MARLaaS for as long")
     ours = asyncio.run(
         marlaas_for(config, trl_wall, work, f"{args.run_id}-s{seed}", ours_dir / "adapter")
     )
-    evaluated = run_trl_script(
-        [
-            "--eval",
-            json.dumps(
-                {
-                    **config,
-                    "eval_seed": seed,
-                    "eval_tasks": args.eval_tasks,
-                    "adapters": {
-                        "base": None,
-                        "trl": str(trl_dir),
-                        "marlaas": str(ours_dir / "adapter"),
-                    },
-                }
-            ),
-        ]
+    evaluated = trl_script(
+        "--eval",
+        json.dumps(
+            {
+                **config,
+                "eval_seed": seed,
+                "eval_tasks": args.eval_tasks,
+                "adapters": {
+                    "base": None,
+                    "trl": str(trl_dir),
+                    "marlaas": str(ours_dir / "adapter"),
+                },
+            }
+        ),
     )
     console.print(f"  held-out accuracy: {evaluated['accuracy']}")
     return {

@@ -77,20 +77,23 @@ def settings_of(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
 
 def run_trl(config: dict[str, Any]) -> dict[str, Any]:
+    """TRL's run of `config`, its output directory a temporary one."""
+    with tempfile.TemporaryDirectory(prefix="marlaas-peer-trl-") as out_dir:
+        return trl_script(json.dumps({**config, "out_dir": out_dir}))
+
+
+def trl_script(*args: str) -> dict[str, Any]:
+    """`bench/peer_trl.py ARGS` in TRL's venv: the JSON object it prints last."""
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `make bench-peer` (it creates the venv)")
-    with tempfile.TemporaryDirectory(prefix="marlaas-peer-trl-") as out_dir:
-        completed = subprocess.run(
-            [
-                str(TRL_PYTHON),
-                str(HERE / "peer_trl.py"),
-                json.dumps({**config, "out_dir": out_dir}),
-            ],
-            check=True,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    completed = subprocess.run(
+        [str(TRL_PYTHON), str(HERE / "peer_trl.py"), *args],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return result
 
 
 def marlaas_job(config: dict[str, Any], base_model: str, run_id: str) -> JobSpec:

@@ -13,7 +13,7 @@ import json
 import shutil
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,19 +45,26 @@ class ExportedAdapter:
 
 def best_version(events: Sequence[Event]) -> tuple[int, float] | None:
     """The trained version with the best held-out accuracy and that accuracy, from the job's
-    `eval` events (a tie goes to the later version: more trained, as good); None before any
-    trained version was evaluated. The base model (version 0) is not a candidate: it has no
-    adapter, and a job worse than its base says so in its events (`eval_below_base`)."""
-    scored = {
-        e.step: accuracy
-        for e in events
-        if e.event == "eval" and e.step >= 1
-        and (accuracy := e.metrics.get("eval_accuracy")) is not None
-    }  # fmt: skip
-    if not scored:
+    `eval` events; None before any trained version was evaluated (`best_of`)."""
+    return best_of(
+        {
+            e.step: accuracy
+            for e in events
+            if e.event == "eval" and (accuracy := e.metrics.get("eval_accuracy")) is not None
+        }
+    )
+
+
+def best_of(accuracy: Mapping[int, float]) -> tuple[int, float] | None:
+    """The trained version with the best held-out accuracy among `accuracy` (version ->
+    accuracy) and that accuracy; a tie goes to the later version (more trained, as good). The
+    base model (version 0) is not a candidate: it has no adapter, and a job worse than its
+    base says so in its events (`eval_below_base`)."""
+    trained = {version: value for version, value in accuracy.items() if version >= 1}
+    if not trained:
         return None
-    version = max(scored, key=lambda v: (scored[v], v))
-    return version, scored[version]
+    version = max(trained, key=lambda v: (trained[v], v))
+    return version, trained[version]
 
 
 def local_base_model(base_model: str, cache_dir: Path | None = None) -> str | None:
