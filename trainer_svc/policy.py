@@ -89,6 +89,11 @@ class _Tally:
     """Sum of -log mu over every row's sampled tokens (the sampler's entropy estimate)."""
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0))
 
+    @property
+    def has_signal(self) -> bool:
+        """Some row carries an advantage (a step without one leaves the adapter alone)."""
+        return self.zero_rows < self.rows
+
     def add_row(self, row: _Row) -> None:
         self.tokens += row.tokens
         self.rows += 1
@@ -354,7 +359,14 @@ class MultiAdapterPolicy:
     def _step_each(
         self, jobs: Mapping[str, _Job], tallies: Mapping[str, _Tally]
     ) -> dict[str, dict[str, float]]:
-        """Each job clips its own gradient and steps its own optimizer."""
+        """Each job clips its own gradient and steps its own optimizer, unless none of its rows
+        carried an advantage: then the step has no signal, and its optimizer does not step.
+
+        AdamW would otherwise still move the adapter on its momentum (and count the step in
+        its bias correction): a job whose groups are all solved, several steps running, was
+        carried past its solution that way (issue 26: rewards of 1.0 fell to 0.1 in one step
+        after two or three such steps; bench/results/learning-*.json). Computing the rows or
+        skipping them gives the same update either way."""
         import torch
 
         norms: dict[str, float] = {}
@@ -375,7 +387,8 @@ class MultiAdapterPolicy:
             raise NonFiniteGradientError(diverged)
         results: dict[str, dict[str, float]] = {}
         for job_id, job in jobs.items():
-            job.optimizer.step()
+            if tallies[job_id].has_signal:
+                job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
             results[job_id] = {**tallies[job_id].metrics(), "grad_norm": norms[job_id]}
         return results
