@@ -143,6 +143,9 @@ class StepMetrics(_Numbers):
     zero_advantage_share: float | None = None
     """Share of the step's trajectories whose advantage was 0 (their group's rewards all
     equal): no learning signal, left out of the passes."""
+    resampled_groups: float | None = None
+    """Groups with all rewards equal dropped and replaced before this step (dynamic sampling,
+    `rl.resample_uniform_groups`)."""
 
     @property
     def trainer_tokens_per_s(self) -> float | None:

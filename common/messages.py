@@ -26,11 +26,12 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
 `JobSpec.eval` and `GenerationRequest.pinned_adapter_version`; 4 adds
-`GenerationRequest.tenant`; 5 adds `RLSettings.score_cut_off`. Up by one with every field
-added to any message."""
+`GenerationRequest.tenant`; 5 adds `RLSettings.score_cut_off`; 6 adds
+`RLSettings.resample_uniform_groups` (and with it the drop kind and event
+`dropped_uniform`). Up by one with every field added to any message."""
 
 
 class Topic(StrEnum):
@@ -184,6 +185,13 @@ class RLSettings(_Part):
     count it as no answer (false, the default): reward 0 in training and unsolved in
     evaluation, with the reward component `cut_off` = 1. A cut-off reply's last number is
     wherever the limit fell, so grading it rewards text that only happens to stop well."""
+    resample_uniform_groups: Annotated[int, Meta(ge=0, le=MAX_GROUPS_PER_STEP)] = 0
+    """Dynamic sampling (DAPO): up to this many groups per step whose rewards are all equal
+    (no advantage, so no gradient: all solved or all failed) are dropped and replaced by
+    fresh ones, so that a step trains on groups that carry a signal; 0..256, 0 = off (such
+    groups are trained on, adding nothing; a step of nothing else leaves the adapter as it
+    was). Each replacement is one more group generated; the cap bounds that cost when a job
+    solves, or fails, everything."""
     sampling: SamplingSettings = msgspec.field(default_factory=SamplingSettings)
     """How rollout_svc samples every turn of the job's episodes."""
 
@@ -374,7 +382,7 @@ class AdapterUpdate(_Wire, tag="adapter_update"):
 
 # --- marlaas.control -----------------------------------------------------------------
 
-DropKind = Literal["dropped_stale", "dropped_invalid"]
+DropKind = Literal["dropped_stale", "dropped_invalid", "dropped_uniform"]
 
 
 class GroupDropped(_Wire, tag="group_dropped"):
@@ -387,7 +395,8 @@ class GroupDropped(_Wire, tag="group_dropped"):
     job_id: str
     group_id: str
     verdict: DropKind
-    """Why: too stale to train, or too few rewarded trajectories to compare."""
+    """Why: too stale to train, too few rewarded trajectories to compare, or rewards all
+    equal in a job that resamples such groups (`RLSettings.resample_uniform_groups`)."""
     reason: str = ""
     dropped_at: float = 0.0
 
@@ -403,6 +412,7 @@ EventKind = Literal[
     "step",
     "dropped_stale",
     "dropped_invalid",
+    "dropped_uniform",
     "paused",
     "resumed",
     "cancelled",

@@ -125,7 +125,8 @@ TRAINER_STEPS = Counter(
 )
 TRAINER_GROUPS_DROPPED = Counter(
     "marlaas_trainer_groups_dropped_total",
-    "Groups dropped instead of trained, by verdict (dropped_stale, dropped_invalid).",
+    "Groups dropped instead of trained, by verdict (dropped_stale, dropped_invalid; "
+    "dropped_uniform: resampled by the job's dynamic sampling).",
     ["job_id", "kind"],
     registry=None,
 )

@@ -276,7 +276,7 @@ _V1_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Each message's fields in schema-1 order (the `schema` field followed them)."""
 _V1_NESTED_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
-    ("job_spec", "rl"): {"score_cut_off": False},
+    ("job_spec", "rl"): {"score_cut_off": False, "resample_uniform_groups": 0},
 }
 """Fields added since schema 1 inside a message's settings blocks, at their defaults (which
 are not written): how a schema-1 record leaves them out."""

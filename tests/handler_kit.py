@@ -44,6 +44,7 @@ def job_spec(
     max_staleness: int,
     max_steps: int,
     evals: EvalSettings | None = None,
+    resample_uniform_groups: int = 0,
 ) -> JobSpec:
     """A job on the tiny model; without `evals` it evaluates nothing, so tests of training
     see only training requests."""
@@ -58,6 +59,7 @@ def job_spec(
             max_steps=max_steps,
             max_staleness=max_staleness,
             max_context_tokens=128,
+            resample_uniform_groups=resample_uniform_groups,
             sampling=SamplingSettings(max_new_tokens=8),
         ),
         eval=evals or EvalSettings(tasks=0),

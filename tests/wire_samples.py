@@ -38,7 +38,8 @@ writer's bytes, they hold their defaults."""
 def as_read_from(schema: int, kind: str) -> Message:
     """The sample as this build reads it from a `schema` writer's bytes."""
     defaults: dict[str, object] = {"schema": schema}
-    for older, kinds in ADDED_AFTER.items():
+    # Newest first: an older schema's entry for the same block (which leaves out more) wins.
+    for older, kinds in sorted(ADDED_AFTER.items(), reverse=True):
         if schema <= older:
             defaults |= kinds.get(kind, {})
     return msgspec.structs.replace(SAMPLES[kind], **defaults)
@@ -66,6 +67,7 @@ SAMPLES: dict[str, Message] = {
             max_turns=3,
             max_context_tokens=256,
             score_cut_off=True,
+            resample_uniform_groups=3,
             sampling=SAMPLING,
         ),
         eval=EvalSettings(tasks=16, every_steps=3, seed=5),
@@ -180,4 +182,9 @@ def readme_json_job() -> tuple[str, str, str]:
 
 _JOB = SAMPLES["job_spec"]
 assert isinstance(_JOB, JobSpec)
-ADDED_AFTER[4] = {"job_spec": {"rl": msgspec.structs.replace(_JOB.rl, score_cut_off=False)}}
+ADDED_AFTER[4] = {
+    "job_spec": {
+        "rl": msgspec.structs.replace(_JOB.rl, score_cut_off=False, resample_uniform_groups=0)
+    }
+}
+ADDED_AFTER[5] = {"job_spec": {"rl": msgspec.structs.replace(_JOB.rl, resample_uniform_groups=0)}}

@@ -47,18 +47,25 @@ class Group:
         return [t for t in self.trajectories.values() if not t.error]
 
 
-def verdict(group: Group, *, trained_version: int, max_staleness: int) -> tuple[Verdict, str]:
+def verdict(
+    group: Group, *, trained_version: int, max_staleness: int, resample_uniform: bool = False
+) -> tuple[Verdict, str]:
     """Train the group on adapter `trained_version`, or drop it, and why.
 
     Stale: the oldest turn is more than S versions behind the adapter being trained.
     Invalid: fewer than two trajectories with a reward, so no relative advantage exists.
+    Uniform (only with `resample_uniform`, the job's dynamic sampling): every reward equal,
+    so every advantage is 0 and the group would add nothing to the step.
     """
     lag = trained_version - group.oldest_version
     if lag > max_staleness:
         return "dropped_stale", f"{lag} versions behind (max_staleness {max_staleness})"
-    if len(group.valid) < 2:
+    valid = group.valid
+    if len(valid) < 2:
         errors = sorted({t.error for t in group.trajectories.values() if t.error})
-        return "dropped_invalid", f"{len(group.valid)} rewarded trajectories; " + "; ".join(errors)
+        return "dropped_invalid", f"{len(valid)} rewarded trajectories; " + "; ".join(errors)
+    if resample_uniform and len({t.reward for t in valid}) == 1:
+        return "dropped_uniform", f"all {len(valid)} rewards {valid[0].reward:g}: resampled"
     return "train", f"{lag} versions behind"
 
 

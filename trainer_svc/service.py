@@ -108,6 +108,9 @@ class OwnedJob:
     trajectories are not held, so they cannot pin the partition's commits."""
     not_before: float = 0.0
     """Monotonic time before which the job is not stepped (after a step it could not save)."""
+    resampled: int = 0
+    """Groups dropped as uniform since the job's last step (`rl.resample_uniform_groups`
+    caps it; kept here only, so a replica that takes the job over starts again at 0)."""
 
 
 class TrainerService(Service):
@@ -455,11 +458,15 @@ class TrainerService(Service):
         while pending:
             group = pending.popleft()
             kind, reason = verdict(
-                group, trained_version=job.version, max_staleness=job.spec.rl.max_staleness
+                group,
+                trained_version=job.version,
+                max_staleness=job.spec.rl.max_staleness,
+                resample_uniform=job.resampled < job.spec.rl.resample_uniform_groups,
             )
             if kind == "train":
                 keep.append(group)
             else:
+                job.resampled += kind == "dropped_uniform"
                 await self._drop(job, group, kind, reason)
             if job.spec.job_id not in self.jobs:
                 # The drop failed the job (or it was handed over): nothing of it stays held.
@@ -647,6 +654,8 @@ class TrainerService(Service):
             metrics.staleness_max = float(max(lags))
             metrics.staleness_mean = sum(lags) / len(lags)
             metrics.samples = float(len(trajectories))
+            metrics.resampled_groups = float(job.resampled)
+            job.resampled = 0
             out[job_id] = metrics
         return out
 

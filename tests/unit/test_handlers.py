@@ -342,6 +342,65 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     assert inbox.committable == 7 and not await service.train_once()
 
 
+async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Dynamic sampling: a group whose rewards are all equal is dropped (`dropped_uniform`),
+    which frees its place in the window for env_svc to issue another, at most
+    `resample_uniform_groups` per step; past the cap such a group is trained (that step
+    then leaves the adapter where it was)."""
+    spec = job_spec(
+        "resample",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=1,
+        max_steps=2,
+        resample_uniform_groups=1,
+    )
+    job_id = spec.job_id
+    service = TrainerService(
+        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
+        TrainerSettings(),
+        lambda: MultiAdapterPolicy(tiny_dir),
+        producer=backend.producer,
+        store=backend.store,
+    )
+    await service.load_model()
+    await register_running(backend.store, spec)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    # g0 all solved: resampled; g1 has a signal: trained.
+    for group, rewards in ((0, (1.0, 1.0)), (1, (0.0, 1.0))):
+        for sample, reward in enumerate(rewards):
+            await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, reward, 0))
+    assert await service.train_once()
+    # g2 and g3 all failed: the cap counts again from the step; g2 resampled, g3 trained.
+    for group in (2, 3):
+        for sample in range(2):
+            await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, 0.0, 1))
+    assert await service.train_once()
+    assert not await service.train_once()
+    assert inbox.committable == 8
+
+    dropped = await backend.sent(Topic.CONTROL, job_id, expect=2)
+    assert [(d.group_id, d.verdict) for d in dropped] == [  # type: ignore[union-attr]
+        (f"{job_id}/g0", "dropped_uniform"),
+        (f"{job_id}/g2", "dropped_uniform"),
+    ]
+    flow = await backend.store.flow(job_id)
+    assert (flow.dropped_groups, flow.failed_in_a_row) == (2, 0)
+    sent_events = await backend.sent(Topic.EVENTS, job_id, expect=5)
+    assert [e.event for e in sent_events] == [  # type: ignore[union-attr]
+        "dropped_uniform",
+        "step",
+        "dropped_uniform",
+        "step",
+        "completed",
+    ]
+    steps = events(sent_events, "step")
+    assert [s.metrics["resampled_groups"] for s in steps] == [1.0, 1.0]
+    assert [s.metrics["zero_advantage_share"] for s in steps] == [0.0, 1.0]
+
+
 async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:

@@ -64,6 +64,34 @@ def test_a_group_needs_two_rewarded_trajectories() -> None:
     assert [t.episode_id for t in g2.valid] == ["a", "b"]
 
 
+def test_dynamic_sampling_drops_only_groups_whose_rewards_are_all_equal() -> None:
+    """With `resample_uniform` a group whose rewards are all equal (every advantage 0) is
+    dropped to be replaced; a failed trajectory does not make a group uneven, and staleness
+    and too few rewards are still the reasons they were."""
+    solved, _ = group(trajectory("a", [0]), trajectory("b", [0]), trajectory("c", [0]))
+    kind, reason = verdict(solved, trained_version=0, max_staleness=1, resample_uniform=True)
+    assert (kind, reason) == ("dropped_uniform", "all 3 rewards 1: resampled")
+    assert verdict(solved, trained_version=0, max_staleness=1)[0] == "train"
+    failed, _ = group(
+        trajectory("a", [0], reward=0.0),
+        trajectory("b", [0], reward=0.0),
+        trajectory("c", [0], reward=1.0, error="episode timed out"),
+    )
+    assert verdict(failed, trained_version=0, max_staleness=1, resample_uniform=True) == (
+        "dropped_uniform",
+        "all 2 rewards 0: resampled",
+    )
+    mixed, _ = group(trajectory("a", [0]), trajectory("b", [0], reward=0.5))
+    assert verdict(mixed, trained_version=0, max_staleness=1, resample_uniform=True)[0] == "train"
+    assert verdict(solved, trained_version=3, max_staleness=1, resample_uniform=True)[0] == (
+        "dropped_stale"
+    )
+    lone, _ = group(trajectory("a", [0]), trajectory("b", [0], error="x"))
+    assert verdict(lone, trained_version=0, max_staleness=1, resample_uniform=True)[0] == (
+        "dropped_invalid"
+    )
+
+
 def test_completion_and_releasing_holds() -> None:
     g, released = group(trajectory("a", [0]), trajectory("b", [0]))
     assert not g.complete(3)
