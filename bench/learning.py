@@ -43,6 +43,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,11 @@ from rich.console import Console
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
-from common.messages import EnvSettings, EvalSettings, Event, JobSpec, SamplingSettings
+from common.messages import EnvSettings, EvalSettings, JobSpec, SamplingSettings
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.export import best_of
-from console.jobwatch import JobProgress, watch_jobs
+from console.jobwatch import JobProgress
 from console.stack.local import LocalStack
 
 HERE = Path(__file__).resolve().parent
@@ -66,6 +67,7 @@ REPO = HERE.parent
 WORD_PROBLEMS = REPO / "examples" / "data" / "acme" / "word_problems.jsonl"
 TENANTS = ("acme", "globex", "initech")
 KINDS = ("arith", "calc", "words")
+MODES = ("alone", "shared")
 
 console = Console()
 
@@ -73,9 +75,12 @@ console = Console()
 # --- the jobs -------------------------------------------------------------------------------
 
 
-def job_specs(base_model: str, seed: int, *, steps: int, eval_tasks: int) -> dict[str, JobSpec]:
+def job_specs(
+    base_model: str, seed: int, *, steps: int, eval_tasks: int, resample_uniform: int = 0
+) -> dict[str, JobSpec]:
     """The eight jobs of one seed, by name (`<tenant>-<kind>`): the demo's arithmetic and
-    calculator jobs and a word-problem dataset job, three to a tenant (two for the third)."""
+    calculator jobs and a word-problem dataset job, three to a tenant (two for the third);
+    `resample_uniform`: each job's `rl.resample_uniform_groups` (dynamic sampling)."""
     demo = {spec.job_id.split("-")[1]: spec for spec in demo_jobs(base_model, "x", seed)}
     arith, calc = demo["arith"], demo["calc"]
     words = msgspec.structs.replace(
@@ -100,7 +105,9 @@ def job_specs(base_model: str, seed: int, *, steps: int, eval_tasks: int) -> dic
             job_id=f"{tenant}-{kind}",
             tenant=tenant,
             env=msgspec.structs.replace(template.env, seed=1000 * seed + index),
-            rl=msgspec.structs.replace(template.rl, max_steps=steps),
+            rl=msgspec.structs.replace(
+                template.rl, max_steps=steps, resample_uniform_groups=resample_uniform
+            ),
             eval=EvalSettings(tasks=eval_tasks, seed=seed),
         )
     return specs
@@ -142,38 +149,47 @@ def job_numbers(progress: JobProgress) -> dict[str, Any]:
 
 
 async def run_seed(
-    stack: LocalStack, specs: dict[str, JobSpec], seed: int, timeout_s: float
+    stack: LocalStack,
+    specs: dict[str, JobSpec],
+    seed: int,
+    timeout_s: float,
+    modes: Sequence[str] = MODES,
 ) -> list[dict[str, Any]]:
     """Alone (one job at a time), then shared (all at once): one record per mode."""
+    records: list[dict[str, Any]] = []
     async with MarlaasClient(stack.client_settings) as client:
-        alone: dict[str, dict[str, Any]] = {}
-        started = time.time()
-        for name, spec in with_ids(specs, f"s{seed}-alone").items():
-            console.print(f"[bold]seed {seed} alone[/]: {spec.job_id}")
-            jobs, _ = await run_jobs(client, stack.kafka_bootstrap, [spec], timeout_s)
-            alone[name] = job_numbers(jobs[spec.job_id])
-            _say(name, alone[name])
-        alone_wall = time.time() - started
-        shared_specs = with_ids(specs, f"s{seed}-shared")
-        console.print(f"[bold]seed {seed} shared[/]: {len(shared_specs)} jobs at once")
-        started = time.time()
-        jobs, _ = await run_jobs(
-            client, stack.kafka_bootstrap, list(shared_specs.values()), timeout_s
-        )
-        shared_wall = time.time() - started
-        shared = {name: job_numbers(jobs[spec.job_id]) for name, spec in shared_specs.items()}
-        for name, numbers in shared.items():
-            _say(name, numbers)
-    return [
-        {
-            "seed": seed,
-            "mode": "alone",
-            "wall_s": round(alone_wall, 1),
-            "sum_of_jobs_wall_s": round(sum(j["wall_s"] for j in alone.values()), 1),
-            "jobs": alone,
-        },
-        {"seed": seed, "mode": "shared", "wall_s": round(shared_wall, 1), "jobs": shared},
-    ]
+        if "alone" in modes:
+            alone: dict[str, dict[str, Any]] = {}
+            started = time.time()
+            for name, spec in with_ids(specs, f"s{seed}-alone").items():
+                console.print(f"[bold]seed {seed} alone[/]: {spec.job_id}")
+                jobs, _ = await run_jobs(client, stack.kafka_bootstrap, [spec], timeout_s)
+                alone[name] = job_numbers(jobs[spec.job_id])
+                _say(name, alone[name])
+            records.append(
+                {
+                    "seed": seed,
+                    "mode": "alone",
+                    "wall_s": round(time.time() - started, 1),
+                    "sum_of_jobs_wall_s": round(sum(j["wall_s"] for j in alone.values()), 1),
+                    "jobs": alone,
+                }
+            )
+        if "shared" in modes:
+            shared_specs = with_ids(specs, f"s{seed}-shared")
+            console.print(f"[bold]seed {seed} shared[/]: {len(shared_specs)} jobs at once")
+            started = time.time()
+            jobs, _ = await run_jobs(
+                client, stack.kafka_bootstrap, list(shared_specs.values()), timeout_s
+            )
+            shared_wall = time.time() - started
+            shared = {name: job_numbers(jobs[spec.job_id]) for name, spec in shared_specs.items()}
+            for name, numbers in shared.items():
+                _say(name, numbers)
+            records.append(
+                {"seed": seed, "mode": "shared", "wall_s": round(shared_wall, 1), "jobs": shared}
+            )
+    return records
 
 
 def _say(name: str, numbers: dict[str, Any]) -> None:
@@ -277,53 +293,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # --- the peer at equal time -----------------------------------------------------------------
 
 
-async def marlaas_for(
-    config: dict[str, Any], wall_s: float, run_dir: Path, run_id: str, out_dir: Path
-) -> dict[str, Any]:
-    """One MARLaaS job on the peer task on a fresh stack, stopped once it has run `wall_s`
-    since submission; the last version published within `wall_s`, exported to `out_dir`."""
-    from peer import marlaas_job  # bench/peer.py
-
-    settings = load(SharedSettings).model_copy(update={"state_dir": run_dir / "state"})
-    spec = marlaas_job({**config, "steps": 10 * config["steps"]}, settings.base_model, run_id)
-    step_at: dict[int, float] = {}
-    rewards: dict[int, float] = {}
-    async with LocalStack(settings, services=SERVICES) as stack:
-        async with MarlaasClient(stack.client_settings) as client:
-            jobs = {spec.job_id: JobProgress.of(spec)}
-            submitted = time.time()
-            spec = msgspec.structs.replace(spec, submitted_at=submitted)
-            await client.submit([spec])
-
-            def keep(event: Event) -> None:
-                if event.event == "step":
-                    step_at.setdefault(event.step, event.at - submitted)
-                    rewards.setdefault(event.step, float(event.metrics.get("mean_reward", 0.0)))
-
-            watching = asyncio.create_task(
-                watch_jobs(stack.kafka_bootstrap, jobs, timeout_s=3600, on_event=keep)
-            )
-            await asyncio.wait([watching], timeout=wall_s - (time.time() - submitted))
-            if not watching.done():
-                await client.command(spec.job_id, "cancel")
-            await watching
-            within = [step for step, at in step_at.items() if at <= wall_s]
-            if not within:
-                raise RuntimeError(f"MARLaaS made no step within {wall_s:.0f} s")
-            version = max(within)
-            await client.export(spec.job_id, out_dir, version=version)
-        precision = stack.dtypes
-    return {
-        "version": version,
-        "steps_within": len(within),
-        "step_at_s": {str(s): round(at, 2) for s, at in sorted(step_at.items())},
-        "rewards": [rewards[s] for s in sorted(rewards)],
-        "precision": precision,
-    }
-
-
 def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    from peer import settings_of, trl_script  # bench/peer.py
+    from peer import run_marlaas, settings_of, trl_script  # bench/peer.py
 
     from common.models import resolve_base_model
 
@@ -338,8 +309,15 @@ def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     trl = trl_script(json.dumps({**config, "out_dir": str(trl_dir), "save": True}))
     trl_wall = sum(trl["step_s"])
     console.print(f"  TRL trained {trl_wall:.0f} s; MARLaaS for as long")
+    # As many steps as it can make in TRL's time (it is cancelled there).
     ours = asyncio.run(
-        marlaas_for(config, trl_wall, work, f"{args.run_id}-s{seed}", ours_dir / "adapter")
+        run_marlaas(
+            {**config, "steps": 10 * config["steps"]},
+            work,
+            f"{args.run_id}-s{seed}",
+            wall_s=trl_wall,
+            export_to=ours_dir / "adapter",
+        )
     )
     evaluated = trl_script(
         "--eval",
@@ -366,7 +344,7 @@ def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "trl_version": trl["trl"],
         "marlaas_version": ours["version"],
         "marlaas_steps_within": ours["steps_within"],
-        "marlaas_step_at_s": ours["step_at_s"],
+        "marlaas_step_at_s": {str(s): round(at, 2) for s, at in ours["step_at_s"].items()},
         "marlaas_rewards": ours["rewards"],
         "marlaas_precision": ours["precision"],
         "accuracy": evaluated["accuracy"],
@@ -406,10 +384,16 @@ async def jobs_part(args: argparse.Namespace, result: dict[str, Any], out: Path)
         result["machine"]["precision"] = stack.dtypes
         for seed in args.seeds:
             specs = job_specs(
-                settings.base_model, seed, steps=args.steps, eval_tasks=args.eval_tasks
+                settings.base_model,
+                seed,
+                steps=args.steps,
+                eval_tasks=args.eval_tasks,
+                resample_uniform=args.resample_uniform,
             )
+            if args.jobs:
+                specs = {name: spec for name, spec in specs.items() if name in args.jobs}
             result["specs"][str(seed)] = {n: msgspec.to_builtins(s) for n, s in specs.items()}
-            result["runs"] += await run_seed(stack, specs, seed, args.timeout_s)
+            result["runs"] += await run_seed(stack, specs, seed, args.timeout_s, args.modes)
             result["summary"] = summarise(result["runs"])
             write(out, result)
 
@@ -466,6 +450,15 @@ def main() -> None:
     parser.add_argument("--peer-steps", type=int, default=20, help="TRL's steps")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
     parser.add_argument("--out", type=Path, default=None, help="default results/learning-...")
+    parser.add_argument(
+        "--jobs", type=lambda v: v.split(","), default=None, help="only these, e.g. acme-words"
+    )
+    parser.add_argument(
+        "--modes", type=lambda v: v.split(","), default=list(MODES), help="alone, shared or both"
+    )
+    parser.add_argument(
+        "--resample-uniform", type=int, default=0, help="each job's rl.resample_uniform_groups"
+    )
     parser.add_argument("--table", type=Path, default=None, help="print a result's summary")
     args = parser.parse_args()
     if args.table:
@@ -480,7 +473,12 @@ def main() -> None:
         else {"bench": "learning", "machine": machine_fields(), "runs": [], "specs": {}}
     )
     result.setdefault("settings", {}).update(
-        {"steps": args.steps, "eval_tasks": args.eval_tasks, "peer_steps": args.peer_steps}
+        {
+            "steps": args.steps,
+            "eval_tasks": args.eval_tasks,
+            "peer_steps": args.peer_steps,
+            "resample_uniform_groups": args.resample_uniform,
+        }
     )
     parts = set(args.parts.split(","))
     if "jobs" in parts:

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
 from common.config import SharedSettings, load
@@ -124,34 +125,62 @@ def marlaas_job(config: dict[str, Any], base_model: str, run_id: str) -> JobSpec
     )
 
 
-async def run_marlaas(config: dict[str, Any], run_dir: Path, run_id: str) -> dict[str, Any]:
+async def run_marlaas(
+    config: dict[str, Any],
+    run_dir: Path,
+    run_id: str,
+    *,
+    wall_s: float | None = None,
+    export_to: Path | None = None,
+) -> dict[str, Any]:
+    """One MARLaaS job on the peer task on a fresh embedded stack: when each step ended (when
+    the trainer sent its event, in seconds since submission) and its mean reward. With
+    `wall_s` the job is cancelled once it has run that long, and the last version published
+    within it is exported to `export_to` (bench/learning.py's equal-time part); without, it
+    must complete its steps."""
     from console.jobwatch import JobProgress, watch_jobs
 
     settings = load(SharedSettings).model_copy(update={"state_dir": run_dir / "state"})
     spec = marlaas_job(config, settings.base_model, run_id)
     step_at: dict[int, float] = {}
     rewards: dict[int, float] = {}
+    submitted = time.time()
 
     def keep(event: Event) -> None:
         if event.event == "step":
-            step_at.setdefault(event.step, event.at)  # when the trainer sent it
+            step_at.setdefault(event.step, event.at - submitted)
             rewards.setdefault(event.step, float(event.metrics.get("mean_reward", float("nan"))))
 
+    result: dict[str, Any] = {}
     async with LocalStack(settings, services=SERVICES) as stack:
-        stack_settings = stack.client_settings
-        async with MarlaasClient(stack_settings) as client:
+        async with MarlaasClient(stack.client_settings) as client:
             jobs = {spec.job_id: JobProgress.of(spec)}
             submitted = time.time()
-            await client.submit([spec])
-            await watch_jobs(stack.kafka_bootstrap, jobs, timeout_s=3600, on_event=keep)
-    if jobs[spec.job_id].status != "completed":
+            await client.submit([msgspec.structs.replace(spec, submitted_at=submitted)])
+            watching = asyncio.create_task(
+                watch_jobs(stack.kafka_bootstrap, jobs, timeout_s=3600, on_event=keep)
+            )
+            if wall_s is not None:
+                await asyncio.wait([watching], timeout=wall_s - (time.time() - submitted))
+                if not watching.done():
+                    await client.command(spec.job_id, "cancel")
+            await watching
+            if wall_s is not None:
+                within = [step for step, at in step_at.items() if at <= wall_s]
+                if not within:
+                    raise RuntimeError(f"MARLaaS made no step within {wall_s:.0f} s")
+                result = {"version": max(within), "steps_within": len(within)}
+                if export_to is not None:
+                    await client.export(spec.job_id, export_to, version=result["version"])
+        precision = stack.dtypes
+    if wall_s is None and jobs[spec.job_id].status != "completed":
         raise RuntimeError(f"MARLaaS job ended {jobs[spec.job_id].status}")
     steps = sorted(step_at)
-    ends = [submitted, *(step_at[s] for s in steps)]
     return {
-        "step_s": [b - a for a, b in itertools.pairwise(ends)],
-        "rewards": [rewards[s] for s in steps],
-        "precision": stack.dtypes,
+        **result,
+        "step_at_s": {step: step_at[step] for step in steps},
+        "rewards": [rewards[step] for step in steps],
+        "precision": precision,
     }
 
 
@@ -169,6 +198,8 @@ def main() -> None:
     trl = run_trl(config)
     print(f"TRL: {statistics.median(trl['step_s'][args.warm_up :]):.2f} s/step", flush=True)
     marlaas = asyncio.run(run_marlaas(config, Path("runs").resolve() / f"peer-{run_id}", run_id))
+    ends = [0.0, *marlaas["step_at_s"].values()]
+    marlaas["step_s"] = [b - a for a, b in itertools.pairwise(ends)]
     peer_s, ours_s = first_to_last_step_s(trl["step_s"]), first_to_last_step_s(marlaas["step_s"])
     run = {
         "peer": f"trl {trl['trl']} GRPOTrainer",
