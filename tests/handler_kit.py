@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from common.artifacts import adapter_dir
-from common.config import EnvServiceSettings, RolloutSettings, SharedSettings
+from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
 from common.flow import ISSUED_GROUPS
 from common.keyspace import flow_key
 from common.messages import (
@@ -31,6 +32,8 @@ from env_svc.service import EnvService
 from rollout_svc.engine import AdapterRef
 from rollout_svc.service import GenerationEngine, RolloutService
 from tests.fakes import Backend
+from trainer_svc.policy import MultiAdapterPolicy
+from trainer_svc.service import TrainerService
 
 BASE_MODEL = "smollm2-135m-instruct"
 
@@ -109,6 +112,21 @@ def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> 
         producer=backend.producer,
         store=backend.store,
     )
+
+
+async def trainer_service(
+    backend: Backend, model_dir: Path, artifact_dir: Path, **settings: Any
+) -> TrainerService:
+    """A trainer on the tiny model at `model_dir`, its model loaded."""
+    service = TrainerService(
+        SharedSettings(base_model=str(model_dir), artifact_dir=artifact_dir),
+        TrainerSettings(**settings),
+        lambda: MultiAdapterPolicy(model_dir),
+        producer=backend.producer,
+        store=backend.store,
+    )
+    await service.load_model()
+    return service
 
 
 def trajectory(spec: JobSpec, group: int, sample: int, reward: float, version: int) -> Trajectory:

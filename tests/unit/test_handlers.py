@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from common.config import SharedSettings, TrainerSettings
 from common.flow import issue_limit
 from common.messages import (
     AdapterUpdate,
@@ -44,10 +43,9 @@ from tests.handler_kit import (
     register_running,
     request_for,
     rollout_service,
+    trainer_service,
     trajectory,
 )
-from trainer_svc.policy import MultiAdapterPolicy
-from trainer_svc.service import TrainerService
 
 # --- env_svc ----------------------------------------------------------------------------
 
@@ -288,14 +286,7 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
 ) -> None:
     spec = job_spec("trainer", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     job_id = spec.job_id
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(),
-        lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer,
-        store=backend.store,
-    )
-    await service.load_model()
+    service = await trainer_service(backend, tiny_dir, tmp_path)
     await register_running(backend.store, spec)
     inbox = Inbox(Topic.TRAJECTORIES)
 
@@ -358,14 +349,7 @@ async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
         resample_uniform_groups=1,
     )
     job_id = spec.job_id
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(),
-        lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer,
-        store=backend.store,
-    )
-    await service.load_model()
+    service = await trainer_service(backend, tiny_dir, tmp_path)
     await register_running(backend.store, spec)
     inbox = Inbox(Topic.TRAJECTORIES)
     # g0 all solved: resampled; g1 has a signal: trained.
@@ -408,14 +392,7 @@ async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
         job_spec(f"shared{i}", group_size=2, groups_per_step=1, max_staleness=1, max_steps=3)
         for i in range(3)
     ]
-    service = TrainerService(
-        SharedSettings(base_model=str(tiny_dir), artifact_dir=tmp_path),
-        TrainerSettings(max_jobs_per_step=2),
-        lambda: MultiAdapterPolicy(tiny_dir),
-        producer=backend.producer,
-        store=backend.store,
-    )
-    await service.load_model()
+    service = await trainer_service(backend, tiny_dir, tmp_path, max_jobs_per_step=2)
     inbox = Inbox(Topic.TRAJECTORIES)
     for spec in specs:
         await register_running(backend.store, spec)
