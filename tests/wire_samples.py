@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -27,22 +28,34 @@ from common.messages import (
     Trajectory,
 )
 
+S = TypeVar("S", bound=msgspec.Struct)
+
 ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     2: {"job_spec": {"eval": EvalSettings()}, "generation_request": {"pinned_adapter_version": -1}},
     3: {"generation_request": {"tenant": ""}},
+    4: {"job_spec": {"rl.score_cut_off": False}},
+    5: {"job_spec": {"rl.resample_uniform_groups": 0}},
 }
-"""Fields each schema's writers did not know yet, by schema and kind: read from such a
-writer's bytes, they hold their defaults."""
+"""Fields each schema's writers did not know yet, by schema and kind (a dotted path reaches
+into a settings block): read from such a writer's bytes, they hold their defaults."""
 
 
 def as_read_from(schema: int, kind: str) -> Message:
     """The sample as this build reads it from a `schema` writer's bytes."""
-    defaults: dict[str, object] = {"schema": schema}
-    # Newest first: an older schema's entry for the same block (which leaves out more) wins.
-    for older, kinds in sorted(ADDED_AFTER.items(), reverse=True):
+    read = msgspec.structs.replace(SAMPLES[kind], schema=schema)
+    for older, kinds in ADDED_AFTER.items():
         if schema <= older:
-            defaults |= kinds.get(kind, {})
-    return msgspec.structs.replace(SAMPLES[kind], **defaults)
+            for path, default in kinds.get(kind, {}).items():
+                read = _with(read, path.split("."), default)
+    return read
+
+
+def _with(struct: S, path: list[str], value: object) -> S:
+    """`struct` with the field at `path` (a field, or a field of a nested struct) set."""
+    head, *rest = path
+    if rest:
+        value = _with(getattr(struct, head), rest, value)
+    return msgspec.structs.replace(struct, **{head: value})
 
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=["\n\n"])
@@ -178,13 +191,3 @@ def readme_json_job() -> tuple[str, str, str]:
     )
     assert match, "the README's kcat example moved or changed shape"
     return match["value"], match["key"], match["sign"]
-
-
-_JOB = SAMPLES["job_spec"]
-assert isinstance(_JOB, JobSpec)
-ADDED_AFTER[4] = {
-    "job_spec": {
-        "rl": msgspec.structs.replace(_JOB.rl, score_cut_off=False, resample_uniform_groups=0)
-    }
-}
-ADDED_AFTER[5] = {"job_spec": {"rl": msgspec.structs.replace(_JOB.rl, resample_uniform_groups=0)}}
