@@ -144,9 +144,8 @@ async def run_marlaas(
     spec = marlaas_job(config, settings.base_model, run_id)
     step_at: dict[int, float] = {}
     rewards: dict[int, float] = {}
-    submitted = time.time()
 
-    def keep(event: Event) -> None:
+    def keep(event: Event) -> None:  # watched only after `submitted` is set, below
         if event.event == "step":
             step_at.setdefault(event.step, event.at - submitted)
             rewards.setdefault(event.step, float(event.metrics.get("mean_reward", float("nan"))))
