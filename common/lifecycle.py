@@ -123,6 +123,10 @@ class StepMetrics(_Numbers):
     mean_is_weight: float | None = None
     approx_kl: float | None = None
     """KL(sampling policy || trained policy), k3 estimate over the step's tokens."""
+    fresh_kl: float | None = None
+    """`approx_kl` over the rows sampled with exactly the version being trained: the sampler
+    and the trainer ran the same weights, so only float rounding separates them (~1e-3 with
+    bf16 on one side). Far above that, the sampler did not run the weights it named."""
     entropy: float | None = None
     """The sampling policy's per-token entropy (nats), estimated from its samples."""
     grad_norm: float | None = None

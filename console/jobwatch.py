@@ -17,7 +17,13 @@ ETA_WINDOW = 5
 """Steps whose pace predicts the rest, once a job has trained more than that many."""
 
 
-LEARNING_SIGNALS = ("entropy", "approx_kl", "clip_fraction", "zero_advantage_share")
+LEARNING_SIGNALS = (
+    "entropy",
+    "approx_kl",
+    "fresh_kl",
+    "clip_fraction",
+    "zero_advantage_share",
+)
 """Step metrics that say why a run goes wrong: a collapsing entropy, a policy drifting from
 the one that sampled (KL), updates the clip cuts off, groups with no learning signal."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,6 +46,34 @@ class Group:
         """Trajectories whose reward could be computed."""
         return [t for t in self.trajectories.values() if not t.error]
 
+    @property
+    def uniform(self) -> bool:
+        """Every reward equal: every advantage is 0, the group carries no signal."""
+        return len({t.reward for t in self.valid}) <= 1
+
+
+SIGNAL_WINDOW = 16
+"""A job's last complete groups, whose signal decides whether resampling pays
+(`worth_resampling`)."""
+MIN_SIGNAL_SHARE = 0.25
+"""Below this share of recent groups with a signal, a replacement group is unlikely to
+carry one either: resampling stops until the share recovers."""
+_MIN_JUDGED = 4
+
+
+def worth_resampling(recent_signal: Sequence[bool]) -> bool:
+    """Whether dropping a uniform group for a fresh one pays, given whether each of the job's
+    last complete groups (`SIGNAL_WINDOW`, the one judged and dropped ones included) had a
+    signal.
+
+    A replacement has a signal about as often as recent groups had: at a share q, one costs
+    1/q groups of generation. A job that solves (or fails) nearly everything has q near 0,
+    and resampling for it generates `resample_uniform_groups` groups a step for nothing
+    (issue 26: the calculators, solved, took the shared run from 556 s to 905 s). Until a
+    few groups are judged, resample."""
+    judged = len(recent_signal)
+    return judged < _MIN_JUDGED or sum(recent_signal) >= MIN_SIGNAL_SHARE * judged
+
 
 def verdict(
     group: Group, *, trained_version: int, max_staleness: int, resample_uniform: bool = False
@@ -64,7 +92,7 @@ def verdict(
     if len(valid) < 2:
         errors = sorted({t.error for t in group.trajectories.values() if t.error})
         return "dropped_invalid", f"{len(valid)} rewarded trajectories; " + "; ".join(errors)
-    if resample_uniform and len({t.reward for t in valid}) == 1:
+    if resample_uniform and group.uniform:
         return "dropped_uniform", f"all {len(valid)} rewards {valid[0].reward:g}: resampled"
     return "train", f"{lag} versions behind"
 

@@ -111,8 +111,7 @@ def policy_loss(
         clip_active_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
             (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
         )
-        rho_BT = torch.exp(log_rho_BT)
-        k3_BT = (rho_BT - 1.0) - log_rho_BT
+        k3_BT = k3_kl(log_rho_BT)
 
         def masked_mean(values_BT: torch.Tensor) -> float:
             return float((values_BT.to(torch.float32) * mask_BT).sum() / denominator)
@@ -128,6 +127,12 @@ def policy_loss(
             "tokens": float(tokens),
         }
     return loss, metrics
+
+
+def k3_kl(log_rho_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi) from log rho = log pi - log mu of tokens sampled
+    from mu: (rho - 1) - log rho, never negative, 0 where log rho is 0 (masked tokens)."""
+    return torch.expm1(log_rho_BT) - log_rho_BT
 
 
 def token_logprobs(logits_BTV: torch.Tensor, token_ids_BT: torch.Tensor) -> torch.Tensor:

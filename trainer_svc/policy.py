@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.hardware import ComputeDtype
 from common.messages import LoraSettings, RLSettings, Trajectory
-from trainer_svc.grpo import masked_token_logprobs, policy_loss, token_logprobs
+from trainer_svc.grpo import k3_kl, masked_token_logprobs, policy_loss, token_logprobs
 from trainer_svc.packing import Pack, PackRow, plan_packs
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class _Row:
     job_id: str
     trajectory: Trajectory
     advantage: float
+    fresh: bool = False
+    """Sampled (every turn) with the adapter version the trainer holds now."""
 
     @property
     def tokens(self) -> int:
@@ -87,6 +89,9 @@ class _Tally:
     zero_rows: int = 0
     surprise: float = 0.0
     """Sum of -log mu over every row's sampled tokens (the sampler's entropy estimate)."""
+    fresh_tokens: int = 0
+    fresh_kl_sum: float = 0.0
+    """Sum of k3 over the computed fresh rows' tokens (`fresh_kl`)."""
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOKEN_MEAN_METRICS, 0.0))
 
     @property
@@ -110,6 +115,10 @@ class _Tally:
     def add_computed(self, row: _Row) -> None:
         self.computed_tokens += row.tokens
 
+    def add_fresh(self, kl_sum: float, tokens: int) -> None:
+        self.fresh_kl_sum += kl_sum
+        self.fresh_tokens += tokens
+
     def add(self, metrics: Mapping[str, float]) -> None:
         """A pass's metrics for this job: the loss is a mean over all the job's tokens
         (skipped rows add 0), the other metrics over the computed ones."""
@@ -122,6 +131,8 @@ class _Tally:
         the rows carry it); the rest only where some row was computed (a step whose rows all
         had zero advantage compared no policy with the sampler: no KL of 0 to mislead)."""
         computed = {k: v for k, v in self.sums.items() if k == "loss" or self.computed_tokens}
+        if self.fresh_tokens:
+            computed["fresh_kl"] = self.fresh_kl_sum / self.fresh_tokens
         return {
             **computed,
             "entropy": self.surprise / max(self.tokens, 1),
@@ -139,6 +150,12 @@ class NonFiniteGradientError(ArithmeticError):
             f"non-finite gradient in job(s) {', '.join(job_ids)}: the step was not taken"
         )
         self.job_ids = list(job_ids)
+
+
+def _sampled_only_with(trajectory: Trajectory, version: int) -> bool:
+    return bool(trajectory.adapter_versions) and all(
+        v == version for v in trajectory.adapter_versions
+    )
 
 
 def _adapter_name(job_id: str) -> str:
@@ -246,7 +263,9 @@ class MultiAdapterPolicy:
         return self.train_steps({job_id: (trajectories, advantages)})[job_id]
 
     def train_steps(
-        self, batches: Mapping[str, tuple[Sequence[Trajectory], Sequence[float]]]
+        self,
+        batches: Mapping[str, tuple[Sequence[Trajectory], Sequence[float]]],
+        versions: Mapping[str, int] | None = None,
     ) -> dict[str, dict[str, float]]:
         """One optimizer step per job, all the jobs' trajectories in shared forward/backward
         passes (each row routed through its own job's adapter).
@@ -264,6 +283,11 @@ class MultiAdapterPolicy:
         loss's denominator) still includes its tokens, and the ratio/clip/IS/KL metrics are
         means over the rows that were computed (absent when none was); the entropy is over
         every row. `zero_advantage_share` says how many rows were left out.
+
+        `versions`: the adapter version each job holds now. The computed rows sampled (every
+        turn) with exactly that version give `fresh_kl`, the KL between the sampler's and
+        the trainer's logprobs of the same weights: float rounding only (~1e-3 with bf16 on
+        one side), unless the sampler did not run the weights it named.
         """
         started = time.monotonic()
         jobs = {job_id: self._job(job_id) for job_id in batches}
@@ -273,7 +297,11 @@ class MultiAdapterPolicy:
                 raise ValueError(
                     f"job {job_id!r}: need one advantage per trajectory and at least one"
                 )
-            rows += [_Row(job_id, t, a) for t, a in zip(trajectories, advantages, strict=True)]
+            held = None if versions is None else versions.get(job_id)
+            rows += [
+                _Row(job_id, t, a, fresh=held is not None and _sampled_only_with(t, held))
+                for t, a in zip(trajectories, advantages, strict=True)
+            ]
         tallies = {job_id: _Tally() for job_id in jobs}
         for row in rows:
             tallies[row.job_id].add_row(row)
@@ -349,6 +377,16 @@ class MultiAdapterPolicy:
                 is_cap=rl.is_cap,
             )
             tally = tallies[job_id]
+            fresh_B = own_B & torch.tensor([row.fresh for row in rows], device=self.device)
+            if bool(fresh_B.any()):
+                with torch.no_grad():
+                    fresh_mask_BT = mask_BT[fresh_B].bool()
+                    log_rho_BT = torch.where(
+                        fresh_mask_BT,
+                        logprobs_BT[fresh_B].detach() - behaviour_BT[fresh_B],
+                        0.0,
+                    )
+                    tally.add_fresh(float(k3_kl(log_rho_BT).sum()), int(fresh_mask_BT.sum()))
             if metrics["tokens"] > 0:
                 weighted = loss * (metrics["tokens"] / max(tally.tokens, 1))
                 objective = weighted if objective is None else objective + weighted

@@ -58,7 +58,15 @@ from common.service import Connections, Service, announce_runtime, runtime_field
 from common.store import RedisStore
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
 from trainer_svc.compute import ComputeThread
-from trainer_svc.groups import Group, checked, group_index, not_of_job, verdict
+from trainer_svc.groups import (
+    SIGNAL_WINDOW,
+    Group,
+    checked,
+    group_index,
+    not_of_job,
+    verdict,
+    worth_resampling,
+)
 from trainer_svc.grpo import group_advantages_of
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -111,6 +119,9 @@ class OwnedJob:
     resampled: int = 0
     """Groups dropped as uniform since the job's last step (`rl.resample_uniform_groups`
     caps it; kept here only, so a replica that takes the job over starts again at 0)."""
+    recent_signal: deque[bool] = field(default_factory=lambda: deque(maxlen=SIGNAL_WINDOW))
+    """Whether each of the job's last complete groups had a signal: resampling stops while
+    few did (`groups.worth_resampling`). Kept here only, as `resampled` is."""
 
 
 class TrainerService(Service):
@@ -229,6 +240,7 @@ class TrainerService(Service):
             return  # a duplicate of one we hold; the first copy's commit covers it
         group.add(checked(trajectory, job.spec, self.policy.vocab_size), delivery.hold_commit())
         if group.complete(job.spec.rl.group_size):
+            job.recent_signal.append(not group.uniform)
             job.closed.add(group_id)
             job.ready.append(job.filling.pop(group_id))
             self._wake.set()
@@ -461,7 +473,8 @@ class TrainerService(Service):
                 group,
                 trained_version=job.version,
                 max_staleness=job.spec.rl.max_staleness,
-                resample_uniform=job.resampled < job.spec.rl.resample_uniform_groups,
+                resample_uniform=job.resampled < job.spec.rl.resample_uniform_groups
+                and worth_resampling(job.recent_signal),
             )
             if kind == "train":
                 keep.append(group)
@@ -643,7 +656,8 @@ class TrainerService(Service):
                     [t.reward for t in valid], std_normalize=job.spec.rl.std_normalize
                 )
             batches[job.spec.job_id] = (trajectories, advantages)
-        policy_metrics = await self.compute.run(self.policy.train_steps, batches)
+        versions = {job.spec.job_id: job.version for job in jobs}
+        policy_metrics = await self.compute.run(self.policy.train_steps, batches, versions)
         out: dict[str, StepMetrics] = {}
         for job in jobs:
             job_id = job.spec.job_id
@@ -744,7 +758,7 @@ class TrainerService(Service):
         job_log = job_logger(log, spec.job_id, spec.tenant)
         job_log.info(
             "step %d/%d reward %.3f loss %.4f staleness %d zero-advantage %.0f%% "
-            "entropy %s kl %s clip %s (%.1fs)",
+            "entropy %s kl %s (fresh %s) clip %s (%.1fs)",
             version,
             spec.rl.max_steps,
             metrics.mean_reward,
@@ -753,6 +767,7 @@ class TrainerService(Service):
             100 * (metrics.zero_advantage_share or 0.0),
             _shown(metrics.entropy, "{:.2f}"),
             _shown(metrics.approx_kl, "{:.4f}"),
+            _shown(metrics.fresh_kl, "{:.4f}"),
             _shown(
                 None if metrics.clip_fraction is None else 100 * metrics.clip_fraction, "{:.0f}%"
             ),

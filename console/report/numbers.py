@@ -77,6 +77,7 @@ class StepRow:
     wall_step_s: float | None = None
     entropy: float | None = None
     approx_kl: float | None = None
+    fresh_kl: float | None = None
     clip_fraction: float | None = None
     zero_advantage_share: float | None = None
     trainer_tokens_per_s: float | None = None

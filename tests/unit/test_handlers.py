@@ -385,6 +385,53 @@ async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
     assert [s.metrics["zero_advantage_share"] for s in steps] == [0.0, 1.0]
 
 
+async def test_trainer_stops_resampling_while_few_recent_groups_had_a_signal(
+    backend: Backend, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A job that solves (or fails) nearly everything would generate its whole resampling
+    cap each step for nothing: once a few groups are in, a uniform group is resampled only
+    while at least MIN_SIGNAL_SHARE of the job's recent groups had a signal, far below its
+    cap here, and resampling resumes when signal returns."""
+    spec = job_spec(
+        "solved",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=4,
+        max_steps=3,
+        resample_uniform_groups=8,
+    )
+    job_id = spec.job_id
+    service = await trainer_service(backend, tiny_dir, tmp_path)
+    await register_running(backend.store, spec)
+    inbox = Inbox(Topic.TRAJECTORIES)
+
+    async def hand(group: int, rewards: tuple[float, float], version: int) -> None:
+        for sample, reward in enumerate(rewards):
+            await inbox.hand(
+                service.on_trajectory, trajectory(spec, group, sample, reward, version)
+            )
+
+    for group in (0, 1, 2):  # fewer than 4 groups in: resampled
+        await hand(group, (1.0, 1.0), 0)
+        assert not await service.train_once()
+    await hand(3, (1.0, 1.0), 0)  # 4 groups, none with a signal: trained as it is
+    assert await service.train_once()
+    await hand(4, (0.0, 1.0), 1)
+    await hand(5, (1.0, 0.0), 1)
+    assert await service.train_once()  # g4
+    await hand(6, (1.0, 1.0), 2)  # 2 of the last 7 had a signal: worth it again
+    assert await service.train_once()  # g5; g6 resampled
+    assert not await service.train_once()
+
+    dropped = await backend.sent(Topic.CONTROL, job_id, expect=4)
+    assert [(d.group_id, d.verdict) for d in dropped] == [  # type: ignore[union-attr]
+        (f"{job_id}/g{group}", "dropped_uniform") for group in (0, 1, 2, 6)
+    ]
+    steps = events(await backend.sent(Topic.EVENTS, job_id, expect=8), "step")
+    assert [s.metrics["resampled_groups"] for s in steps] == [3.0, 0.0, 1.0]
+    assert [s.metrics["zero_advantage_share"] for s in steps] == [1.0, 0.0, 0.0]
+
+
 async def test_trainer_trains_ready_jobs_together_up_to_its_limit(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:

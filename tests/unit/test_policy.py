@@ -169,6 +169,47 @@ def test_entropy_is_over_every_row_and_no_kl_is_made_up_for_skipped_ones(base_di
     assert none["loss"] == 0.0 and none["zero_advantage_share"] == 1.0
 
 
+def test_fresh_kl_is_zero_for_the_trainers_own_samples_and_not_for_another_adapters(
+    base_dir: Path,
+) -> None:
+    """`fresh_kl` compares the sampler with the trainer on the rows sampled with the version
+    the trainer holds: rows scored by that very adapter give 0; rows that claim the version
+    but came from another adapter's weights (an engine serving the wrong adapter) do not.
+    Stale rows and steps without `versions` give none."""
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, RL, seed=1)
+    policy.add_job("other", LORA, RL, seed=2)
+    policy.train_step("other", _batch(), [1.0, -1.0, 1.0, -1.0])  # other's weights now differ
+
+    def sampled_by(job: str, version: int) -> list[Trajectory]:
+        return [
+            msgspec.structs.replace(
+                row,
+                behaviour_logprobs=[
+                    lp if m else 0.0
+                    for lp, m in zip(
+                        policy.logprobs(job, row.token_ids), row.loss_mask, strict=True
+                    )
+                ],
+                adapter_versions=[version],
+            )
+            for row in _batch()
+        ]
+
+    advantages = [1.0, -1.0, 0.5, 0.0]
+    own = sampled_by("a", 0)
+    assert policy.train_steps({"a": (own, advantages)}, {"a": 0})["a"]["fresh_kl"] == (
+        pytest.approx(0.0, abs=1e-6)
+    )
+    held = 1  # "a" has stepped once: rows of version 0 are stale now
+    assert "fresh_kl" not in policy.train_steps({"a": (own, advantages)}, {"a": held})["a"]
+    assert "fresh_kl" not in policy.train_step("a", own, advantages)
+    wrong = sampled_by("other", 3)
+    metrics = policy.train_steps({"a": (wrong, advantages)}, {"a": 3})["a"]
+    assert metrics["fresh_kl"] > 1e-3
+    assert metrics["fresh_kl"] == pytest.approx(metrics["approx_kl"])  # every row is fresh
+
+
 def test_micro_batches_give_the_same_update_as_one_batch(base_dir: Path) -> None:
     whole = MultiAdapterPolicy(base_dir, micro_batch_tokens=4096)
     split = MultiAdapterPolicy(base_dir, micro_batch_tokens=14)  # [12], [10], [7, 5]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from common.messages import Trajectory
-from trainer_svc.groups import Group, verdict
+from trainer_svc.groups import MIN_SIGNAL_SHARE, SIGNAL_WINDOW, Group, verdict, worth_resampling
 
 
 def trajectory(
@@ -90,6 +90,16 @@ def test_dynamic_sampling_drops_only_groups_whose_rewards_are_all_equal() -> Non
     assert verdict(lone, trained_version=0, max_staleness=1, resample_uniform=True)[0] == (
         "dropped_invalid"
     )
+
+
+def test_resampling_pays_only_while_enough_recent_groups_had_a_signal() -> None:
+    assert worth_resampling([]) and worth_resampling([False] * 3)
+    assert not worth_resampling([False] * 4)
+    solved = [False] * SIGNAL_WINDOW
+    assert not worth_resampling(solved)
+    needed = round(MIN_SIGNAL_SHARE * SIGNAL_WINDOW)
+    assert not worth_resampling([True] * (needed - 1) + solved[needed - 1 :])
+    assert worth_resampling([True] * needed + solved[needed:])
 
 
 def test_completion_and_releasing_holds() -> None:
