@@ -57,7 +57,7 @@ from rich.console import Console
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
-from common.messages import EnvSettings, EvalSettings, JobSpec, SamplingSettings
+from common.messages import EnvSettings, EvalSettings, Event, JobSpec, SamplingSettings
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.export import best_of
@@ -121,9 +121,26 @@ def with_ids(specs: dict[str, JobSpec], tag: str) -> dict[str, JobSpec]:
     }
 
 
-def job_numbers(progress: JobProgress) -> dict[str, Any]:
+STEP_SIGNALS = ("mean_reward", "entropy", "approx_kl", "fresh_kl", "zero_advantage_share")
+"""Kept for every step of every job: a run that goes wrong can be read step by step."""
+STEP_COUNTS = ("resampled_groups",)
+
+
+def step_series(steps: Sequence[Event], job_id: str) -> list[dict[str, float]]:
+    """The job's steps in order, each with its `STEP_SIGNALS` (redelivered events once)."""
+    own = {e.step: e.metrics for e in steps if e.job_id == job_id and e.event == "step"}
+    return [
+        {"step": step}
+        | {k: round(own[step][k], 5) for k in STEP_SIGNALS if k in own[step]}
+        | {k: int(own[step][k]) for k in STEP_COUNTS if k in own[step]}
+        for step in sorted(own)
+    ]
+
+
+def job_numbers(progress: JobProgress, steps: Sequence[Event] = ()) -> dict[str, Any]:
     """What a job's run is reported as: held-out accuracy of the base and the final version
-    with each one's standard error, the best version, steps, rewards, wall time."""
+    with each one's standard error, the best version, steps, rewards, wall time, and each
+    step's learning signals (`step_series`, from the job's `steps` events)."""
     summary = progress.summary(REWARD_WINDOW)
     evals = summary["evals"]
     assert isinstance(evals, dict)
@@ -147,6 +164,7 @@ def job_numbers(progress: JobProgress) -> dict[str, Any]:
         "reward_end": summary["reward_end"],
         "rewards": summary["rewards"],
         "learning": summary["learning"],
+        "step_signals": step_series(steps, progress.job_id),
     }
 
 
@@ -165,8 +183,8 @@ async def run_seed(
             started = time.time()
             for name, spec in with_ids(specs, f"s{seed}-alone").items():
                 console.print(f"[bold]seed {seed} alone[/]: {spec.job_id}")
-                jobs, _ = await run_jobs(client, stack.kafka_bootstrap, [spec], timeout_s)
-                alone[name] = job_numbers(jobs[spec.job_id])
+                jobs, steps = await run_jobs(client, stack.kafka_bootstrap, [spec], timeout_s)
+                alone[name] = job_numbers(jobs[spec.job_id], steps)
                 _say(name, alone[name])
             records.append(
                 {
@@ -181,11 +199,13 @@ async def run_seed(
             shared_specs = with_ids(specs, f"s{seed}-shared")
             console.print(f"[bold]seed {seed} shared[/]: {len(shared_specs)} jobs at once")
             started = time.time()
-            jobs, _ = await run_jobs(
+            jobs, steps = await run_jobs(
                 client, stack.kafka_bootstrap, list(shared_specs.values()), timeout_s
             )
             shared_wall = time.time() - started
-            shared = {name: job_numbers(jobs[spec.job_id]) for name, spec in shared_specs.items()}
+            shared = {
+                name: job_numbers(jobs[spec.job_id], steps) for name, spec in shared_specs.items()
+            }
             for name, numbers in shared.items():
                 _say(name, numbers)
             records.append(
