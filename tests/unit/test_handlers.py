@@ -9,6 +9,7 @@ real counterpart is tested in tests/integration/test_rollout_engine.py and the p
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from tests.handler_kit import (
     trainer_service,
     trajectory,
 )
+from trainer_svc.service import TrainerService
 
 # --- env_svc ----------------------------------------------------------------------------
 
@@ -333,6 +335,46 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     assert inbox.committable == 7 and not await service.train_once()
 
 
+@dataclass
+class ResamplingJob:
+    """A running job with dynamic sampling on a trainer, fed whole groups of two."""
+
+    spec: JobSpec
+    service: TrainerService
+    inbox: Inbox
+
+    @classmethod
+    async def start(
+        cls,
+        backend: Backend,
+        tiny_dir: Path,
+        tmp_path: Path,
+        name: str,
+        *,
+        max_staleness: int,
+        max_steps: int,
+        cap: int,
+    ) -> ResamplingJob:
+        spec = job_spec(
+            name,
+            group_size=2,
+            groups_per_step=1,
+            max_staleness=max_staleness,
+            max_steps=max_steps,
+            resample_uniform_groups=cap,
+        )
+        service = await trainer_service(backend, tiny_dir, tmp_path)
+        await register_running(backend.store, spec)
+        return cls(spec, service, Inbox(Topic.TRAJECTORIES))
+
+    async def hand(self, group: int, rewards: tuple[float, float], version: int) -> None:
+        """Group `group`'s two trajectories, sampled with adapter `version`."""
+        for sample, reward in enumerate(rewards):
+            await self.inbox.hand(
+                self.service.on_trajectory, trajectory(self.spec, group, sample, reward, version)
+            )
+
+
 async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -340,27 +382,18 @@ async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
     which frees its place in the window for env_svc to issue another, at most
     `resample_uniform_groups` per step; past the cap such a group is trained (that step
     then leaves the adapter where it was)."""
-    spec = job_spec(
-        "resample",
-        group_size=2,
-        groups_per_step=1,
-        max_staleness=1,
-        max_steps=2,
-        resample_uniform_groups=1,
+    job = await ResamplingJob.start(
+        backend, tiny_dir, tmp_path, "resample", max_staleness=1, max_steps=2, cap=1
     )
+    spec, service, inbox = job.spec, job.service, job.inbox
     job_id = spec.job_id
-    service = await trainer_service(backend, tiny_dir, tmp_path)
-    await register_running(backend.store, spec)
-    inbox = Inbox(Topic.TRAJECTORIES)
     # g0 all solved: resampled; g1 has a signal: trained.
-    for group, rewards in ((0, (1.0, 1.0)), (1, (0.0, 1.0))):
-        for sample, reward in enumerate(rewards):
-            await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, reward, 0))
+    await job.hand(0, (1.0, 1.0), 0)
+    await job.hand(1, (0.0, 1.0), 0)
     assert await service.train_once()
     # g2 and g3 all failed: the cap counts again from the step; g2 resampled, g3 trained.
-    for group in (2, 3):
-        for sample in range(2):
-            await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, 0.0, 1))
+    await job.hand(2, (0.0, 0.0), 1)
+    await job.hand(3, (0.0, 0.0), 1)
     assert await service.train_once()
     assert not await service.train_once()
     assert inbox.committable == 8
@@ -392,25 +425,10 @@ async def test_trainer_stops_resampling_while_few_recent_groups_had_a_signal(
     cap each step for nothing: once a few groups are in, a uniform group is resampled only
     while at least MIN_SIGNAL_SHARE of the job's recent groups had a signal, far below its
     cap here, and resampling resumes when signal returns."""
-    spec = job_spec(
-        "solved",
-        group_size=2,
-        groups_per_step=1,
-        max_staleness=4,
-        max_steps=3,
-        resample_uniform_groups=8,
+    job = await ResamplingJob.start(
+        backend, tiny_dir, tmp_path, "solved", max_staleness=4, max_steps=3, cap=8
     )
-    job_id = spec.job_id
-    service = await trainer_service(backend, tiny_dir, tmp_path)
-    await register_running(backend.store, spec)
-    inbox = Inbox(Topic.TRAJECTORIES)
-
-    async def hand(group: int, rewards: tuple[float, float], version: int) -> None:
-        for sample, reward in enumerate(rewards):
-            await inbox.hand(
-                service.on_trajectory, trajectory(spec, group, sample, reward, version)
-            )
-
+    service, hand, job_id = job.service, job.hand, job.spec.job_id
     for group in (0, 1, 2):  # fewer than 4 groups in: resampled
         await hand(group, (1.0, 1.0), 0)
         assert not await service.train_once()
