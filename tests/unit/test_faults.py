@@ -721,10 +721,10 @@ async def test_a_step_that_raises_costs_only_its_own_job(
     good, bad = await running_job(backend, "good"), await running_job(backend, "bad")
     train_steps = service.policy.train_steps
 
-    def fragile(batches: Any) -> Any:
+    def fragile(batches: Any, versions: Any = None) -> Any:
         if bad.job_id in batches:
             raise RuntimeError("CPU out of memory")
-        return train_steps(batches)
+        return train_steps(batches, versions)
 
     monkeypatch.setattr(service.policy, "train_steps", fragile)
     inbox = Inbox(Topic.TRAJECTORIES)
@@ -909,10 +909,10 @@ async def step_in_progress(
     the returned event is set."""
     train_steps, started, release = service.policy.train_steps, threading.Event(), threading.Event()
 
-    def slow(batches: Any) -> Any:
+    def slow(batches: Any, versions: Any = None) -> Any:
         started.set()
         release.wait(10)
-        return train_steps(batches)
+        return train_steps(batches, versions)
 
     monkeypatch.setattr(service.policy, "train_steps", slow)
     for sample in range(2):
