@@ -93,7 +93,6 @@ def policy_loss(
     prox_BT = logprobs_BT.detach() if proximal_logprobs_BT is None else proximal_logprobs_BT
     log_ratio_BT = torch.where(mask_BT, logprobs_BT - prox_BT.detach(), zero_BT)
     log_is_BT = torch.where(mask_BT, prox_BT - behaviour_logprobs_BT, zero_BT).detach()
-    log_rho_BT = torch.where(mask_BT, logprobs_BT - behaviour_logprobs_BT, zero_BT).detach()
 
     ratio_BT = torch.exp(log_ratio_BT)
     is_weight_BT = torch.exp(log_is_BT).clamp(max=is_cap)
@@ -111,7 +110,7 @@ def policy_loss(
         clip_active_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
             (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
         )
-        k3_BT = k3_kl(log_rho_BT)
+        k3_BT = k3_kl(logprobs_BT.detach(), behaviour_logprobs_BT, mask_BT)
 
         def masked_mean(values_BT: torch.Tensor) -> float:
             return float((values_BT.to(torch.float32) * mask_BT).sum() / denominator)
@@ -129,9 +128,12 @@ def policy_loss(
     return loss, metrics
 
 
-def k3_kl(log_rho_BT: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(mu || pi) from log rho = log pi - log mu of tokens sampled
-    from mu: (rho - 1) - log rho, never negative, 0 where log rho is 0 (masked tokens)."""
+def k3_kl(
+    logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi) for tokens sampled from mu: (rho - 1) - log rho
+    with rho = pi / mu, never negative; 0 outside the mask (where garbage may sit)."""
+    log_rho_BT = torch.where(mask_BT.bool(), logprobs_BT - behaviour_logprobs_BT, 0.0)
     return torch.expm1(log_rho_BT) - log_rho_BT
 
 

@@ -363,6 +363,7 @@ class MultiAdapterPolicy:
         advantages_B = torch.tensor(
             [row.advantage for row in rows], dtype=torch.float32, device=self.device
         )
+        fresh_rows_B = torch.tensor([row.fresh for row in rows], device=self.device)
         objective: torch.Tensor | None = None
         for job_id in dict.fromkeys(owners):
             rl = jobs[job_id].rl
@@ -377,16 +378,11 @@ class MultiAdapterPolicy:
                 is_cap=rl.is_cap,
             )
             tally = tallies[job_id]
-            fresh_B = own_B & torch.tensor([row.fresh for row in rows], device=self.device)
+            fresh_B = own_B & fresh_rows_B
             if bool(fresh_B.any()):
                 with torch.no_grad():
-                    fresh_mask_BT = mask_BT[fresh_B].bool()
-                    log_rho_BT = torch.where(
-                        fresh_mask_BT,
-                        logprobs_BT[fresh_B].detach() - behaviour_BT[fresh_B],
-                        0.0,
-                    )
-                    tally.add_fresh(float(k3_kl(log_rho_BT).sum()), int(fresh_mask_BT.sum()))
+                    k3_BT = k3_kl(logprobs_BT[fresh_B], behaviour_BT[fresh_B], mask_BT[fresh_B])
+                tally.add_fresh(float(k3_BT.sum()), int(mask_BT[fresh_B].sum()))
             if metrics["tokens"] > 0:
                 weighted = loss * (metrics["tokens"] / max(tally.tokens, 1))
                 objective = weighted if objective is None else objective + weighted

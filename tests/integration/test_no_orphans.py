@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from common.models import tiny_model
+from tests.processes import alive, cmdline, descendants_of
 
 HOLD_ENGINE = """
 import asyncio, sys
@@ -50,32 +51,6 @@ GRACE_S = 60.0
 """Time the children get to stop after their parent died (the services stop gracefully)."""
 
 
-def parent_of(pid: int) -> int | None:
-    """The parent pid; None once the process is gone (a zombie counts as gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[1])
-
-
-def command_of(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:100].decode()
-    except OSError:
-        return "(gone)"
-
-
-def descendants(root: int) -> set[int]:
-    found: set[int] = set()
-    frontier = {root}
-    while frontier:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        frontier = {p for p in pids if parent_of(p) in frontier} - found
-        found |= frontier
-    return found
-
-
 def kill_9_leaves_nothing(script: str, *args: str, tmp_path: Path) -> None:
     """Run `script` until it prints "ready", kill it with SIGKILL, and check that every
     process it had started is gone within GRACE_S."""
@@ -95,22 +70,20 @@ def kill_9_leaves_nothing(script: str, *args: str, tmp_path: Path) -> None:
         while (line := holder.stdout.readline()) and line.strip() != "ready":
             lines.append(line)
         assert line, "the holder did not start:\n" + "".join(lines[-20:])
-        started = descendants(holder.pid)
+        started = set(descendants_of(holder.pid))
         assert started, "the holder started no process"
 
         holder.send_signal(signal.SIGKILL)
         holder.wait()
         deadline = time.monotonic() + GRACE_S
-        while (alive := {p for p in started if parent_of(p) is not None}) and (
-            time.monotonic() < deadline
-        ):
+        while (living := {p for p in started if alive(p)}) and (time.monotonic() < deadline):
             time.sleep(0.5)
-        names = {p: command_of(p) for p in alive}
-        assert not alive, f"processes outlived their parent by {GRACE_S:.0f}s: {names}"
+        names = {p: cmdline(p)[:100] for p in living}
+        assert not living, f"processes outlived their parent by {GRACE_S:.0f}s: {names}"
     finally:
         holder.kill()
         for pid in started:
-            if parent_of(pid) is not None:
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -20,46 +20,11 @@ from common.store import RedisStore
 from console.stack.children import free_port
 from console.stack.local import LocalStack
 from console.stack.topics import ensure_topics
+from tests.processes import alive, children_of, cmdline, descendants_of
 
 pytestmark = pytest.mark.kafka
 
 MARLAAS = str(Path(sys.executable).parent / "marlaas")
-
-
-def descendants_of(pid: int) -> list[int]:
-    found = children_of(pid)
-    for child in list(found):
-        found += descendants_of(child)
-    return found
-
-
-def children_of(pid: int) -> list[int]:
-    """Live (non-zombie) child processes of `pid`, from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == pid and state != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return b""
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def cli_env(state_dir: Path, **extra: str) -> dict[str, str]:
