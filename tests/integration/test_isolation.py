@@ -249,13 +249,15 @@ def digest(path: Path) -> str:
 async def test_limits_are_enforced_with_the_limit_named(
     api_url: str, operator_settings: SharedSettings, local_stack: LocalStack
 ) -> None:
-    limits = TenantLimits(max_concurrent_jobs=1, max_steps=5, max_samples_in_flight=64)
+    limits = TenantLimits(max_concurrent_jobs=1, max_steps=500, max_samples_in_flight=64)
     key = await add_tenant(local_stack.redis_url, f"small-{new_id()[:6]}", limits)
     base_model = operator_settings.base_model
     async with TenantClient(api_url, key) as client:
-        too_long = await refused(client.submit([tiny_job(base_model, max_steps=6)]), 422)
-        assert "quota max_steps: rl.max_steps 6 exceeds the limit 5 of tenant 'small-" in too_long
-        first = tiny_job(base_model, max_steps=2)
+        too_long = await refused(client.submit([tiny_job(base_model, max_steps=501)]), 422)
+        assert "quota max_steps: rl.max_steps 501 exceeds the limit 500 of tenant" in too_long
+        # Long enough to be live when the second arrives (a 2-step job on the tiny model once
+        # ended between two polls, and the second then fitted); cancelled once checked.
+        first = tiny_job(base_model, max_steps=500)
         await client.submit([first])
         deadline = time.monotonic() + 120
         while (await client.job(first.job_id))["status"] == "submitted":
@@ -263,6 +265,7 @@ async def test_limits_are_enforced_with_the_limit_named(
             await asyncio.sleep(0.5)
         second = await refused(client.submit([tiny_job(base_model, max_steps=2)]), 429)
         assert "quota max_concurrent_jobs" in second and "its limit is 1" in second
+        await client.command(first.job_id, "cancel")
         await wait_until_ended(client, first.job_id, timeout_s=600)
         await client.submit([tiny_job(base_model, max_steps=1)])  # the slot is free again
         # A job env_svc rejects (the API cannot know every environment): its status says why.
