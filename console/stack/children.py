@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import random
 import signal
 import socket
 import subprocess
@@ -34,11 +35,37 @@ class StackError(RuntimeError):
     """The local stack could not start; the message says which part and why."""
 
 
+_LOWEST_PORT = 10_000
+"""Ports handed out lie between this and the kernel's ephemeral range."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nobody holds right now, below the ephemeral range.
+
+    A port is picked here and bound later by the process that serves on it (rollout_svc binds
+    its chat port after its engine has started, ~20 s on). A port from the ephemeral range
+    (what binding port 0 gives) can meanwhile become the local end of any outbound connection,
+    a service's Kafka or Redis client, and then nobody can listen on it (CI saw `marlaas up`'s
+    rollout_svc fail to bind its chat port five times running). The kernel never picks a port
+    below that range on its own, so only another explicit bind can take one there."""
+    low, _ = _ephemeral_range()
+    for _ in range(64):
+        port = random.randrange(_LOWEST_PORT, low) if low > _LOWEST_PORT + 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise StackError(f"no free TCP port on 127.0.0.1 between {_LOWEST_PORT} and {low}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _die_with_parent() -> None:

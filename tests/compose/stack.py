@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,17 +18,12 @@ from typing import Any
 import httpx
 
 from common.bus import partition_of
+from console.stack.children import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LIB = ROOT / "deploy" / "airgap" / "lib.sh"
 METRICS_PORTS = {"env_svc": 9101, "rollout_svc": 9102, "trainer_svc": 9103}
 """Each service's /metrics port inside its container (compose.yaml)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 5.0) -> Any:

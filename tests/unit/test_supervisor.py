@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
 
+from console.stack import children
 from console.stack.children import ChildServer, RestartPolicy, StackError, Supervisor, spawn
 
 FAST = RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0.01, max_delay_s=0.05)
@@ -59,3 +61,18 @@ async def test_a_child_that_cannot_come_back_ends_the_stack(tmp_path: Path) -> N
     children = [child("tansu", "exit 9", tmp_path)]  # the in-memory broker: no respawn
     with pytest.raises(StackError, match="tansu exited with code 9"):
         await asyncio.wait_for(Supervisor(children, FAST, poll_s=0.01).run(), 10)
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_skip_a_held_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port picked now and bound seconds later must not be one the kernel can give an
+    outbound connection meanwhile (CI: rollout_svc's chat port taken by a client socket)."""
+    low, _ = children._ephemeral_range()
+    ports = {children.free_port() for _ in range(50)}
+    assert all(children._LOWEST_PORT <= port < low for port in ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", min(ports)))
+        picks = iter([min(ports), min(ports), max(ports)])
+        monkeypatch.setattr(children.random, "randrange", lambda *_: next(picks))
+        assert children.free_port() == max(ports)
