@@ -79,6 +79,8 @@ class Phase:
             "zero_advantage_share": _share(self.zero_advantage_samples, self.trainer_samples),
             "cpu": self.cpu,
             "work_bound_s": round(self.cpu.get("cpu_s", 0.0) / _cpus(), 1),
+            # The phase's time with no step in the trainer: how long it waited for work.
+            "trainer_idle_s": _idle_s(self.steps, self.wall_s),
             "jobs": self.jobs,
             "steps": sorted(self.steps, key=lambda step: step["at_s"]),
         }
@@ -182,7 +184,13 @@ async def measure(
                     "at_s": round(event.at - started, 1),
                     **{
                         key: round(metrics[key], 3)
-                        for key in ("step_s", "threads", "zero_advantage_share", "tokens")
+                        for key in (
+                            "step_s",
+                            "wall_step_s",
+                            "threads",
+                            "zero_advantage_share",
+                            "tokens",
+                        )
                         if key in metrics
                     },
                 }
@@ -275,6 +283,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "rollout_busy_gain": _share(conc["rollout_busy_share"], seq["rollout_busy_share"], 3),
         "trainer_busy_gain": _share(conc["trainer_busy_share"], seq["trainer_busy_share"], 3),
     }
+
+
+def _idle_s(steps: list[dict[str, Any]], wall_s: float) -> float | None:
+    """The time from 0 to `wall_s` covered by no step (each step from `at_s - wall_step_s`
+    to `at_s`); None when the steps do not say their wall time."""
+    spans = sorted(
+        (step["at_s"] - step["wall_step_s"], step["at_s"])
+        for step in steps
+        if "wall_step_s" in step
+    )
+    if len(spans) < len(steps) or not spans:
+        return None
+    idle, reached = 0.0, 0.0
+    for start, end in spans:
+        idle += max(0.0, start - reached)
+        reached = max(reached, end)
+    return round(idle + max(0.0, wall_s - reached), 1)
 
 
 def _mean_busy(phase: dict[str, Any]) -> float | None:

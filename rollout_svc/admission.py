@@ -1,13 +1,18 @@
 """Which waiting rollout request gets the next engine slot: a fair queue over tenants.
 
 The rule (docs/architecture.md, "Rollout admission"): the next slot goes to the next tenant in
-turn that has a request waiting; within that tenant, to its next job in turn; within that job,
-to its oldest request. A tenant with ten jobs, or a job with a long backlog, gets one turn per
+turn that has a request waiting; within that tenant, to its job in turn; within that job, to
+its oldest request. A tenant with ten jobs, or a job with a long backlog, gets one turn per
 round like every other tenant, so its backlog cannot sit ahead of another tenant's requests.
-A tenant (or job) whose last request leaves drops out of the turn and rejoins at the back
-with its next one. A tenant may be passed over while it holds its share of the slots
-(`pop(eligible)`: the service's fair-share cap, rollout_svc/service.py). Pure bookkeeping: no
-I/O, no waiting.
+Within a tenant a job keeps its turn until what it had waiting when the turn began is taken:
+a step's requests go into the engine together and its batch completes in one wave, instead
+of every job of the tenant holding a few slots and none completing a step before the last
+wave (the trainer, which waits for whole steps, then idled through the first round:
+bench/README.md, "Multi-task speed-up"). Flow control bounds a job's backlog (G x B x
+(S + 1) open episodes), and so the wait of the tenant's next job. A tenant (or job) whose
+last request leaves drops out of the turn and rejoins at the back with its next one. A
+tenant may be passed over while it holds its share of the slots (`pop(eligible)`: the
+service's fair-share cap, rollout_svc/service.py). Pure bookkeeping: no I/O, no waiting.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ T = TypeVar("T")
 
 
 class FairQueue(Generic[T]):
-    """Items by tenant and job, taken round-robin over tenants, then over a tenant's jobs,
-    first in first out within a job."""
+    """Items by tenant and job, taken round-robin over tenants, then over a tenant's jobs by
+    backlog (a job's turn takes what it had waiting when the turn began), first in first out
+    within a job."""
 
     def __init__(self) -> None:
         # Turn order is insertion order: the front tenant (job) is the next served, and one
-        # that was served moves to the back.
+        # whose turn is over moves to the back.
         self._tenants: OrderedDict[str, OrderedDict[str, deque[T]]] = OrderedDict()
+        self._turn_left: dict[tuple[str, str], int] = {}
+        """Items the job in its tenant's turn may still take in this turn."""
         self._size = 0
 
     def put(self, tenant: str, job_id: str, item: T) -> None:
@@ -44,12 +52,15 @@ class FairQueue(Generic[T]):
             raise LookupError("no waiting tenant is eligible")
         jobs = self._tenants[tenant]
         job_id, items = next(iter(jobs.items()))
+        turn_left = self._turn_left.pop((tenant, job_id), len(items)) - 1
         item = items.popleft()
         self._size -= 1
-        if items:
-            jobs.move_to_end(job_id)
-        else:
+        if not items:
             del jobs[job_id]
+        elif turn_left > 0:
+            self._turn_left[tenant, job_id] = turn_left
+        else:
+            jobs.move_to_end(job_id)
         if jobs:
             self._tenants.move_to_end(tenant)
         else:

@@ -47,6 +47,13 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _GIB = 1 << 30
 CPU_KV_CACHE_GIB = 1.0
 """KV cache of a CPU engine when none is set: vLLM's CPU backend cannot size it itself."""
+CPU_BLOCK_SIZE = 32
+"""KV cache block of a CPU engine, in tokens (vLLM's CPU default: 128; its attention takes
+multiples of 32). A group's G samples share one prompt, but the prefix cache only shares
+whole blocks: with 128, each sample recomputed up to 127 tokens of the prompt's tail. For
+16 samples of a 370-token prompt (SmolLM2, float32, AVX2 class): 1.9 s with 32 against
+5.6 s with 128, and 1.0 s for one; decoding as fast with either (88 vs 83 tok/s at 16
+sequences, 102 vs 107 at 64)."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,7 @@ class RolloutEngine:
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * _GIB),
+            block_size=CPU_BLOCK_SIZE if on_cpu else None,
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
             seed=self.seed,
             # Per-request stats carry the engine's queued/scheduled timestamps (queue_s).

@@ -51,13 +51,25 @@ def test_tenants_take_turns_whatever_their_backlog() -> None:
     assert len(queue) == 0 and queue.waiting() == {}
 
 
-def test_a_tenants_jobs_take_turns_within_its_turn_and_each_job_is_first_in_first_out() -> None:
+def test_a_tenants_jobs_take_turns_by_backlog_and_each_job_is_first_in_first_out() -> None:
     queue: FairQueue[str] = FairQueue()
     for job in ("a1", "a2", "a3"):
         for index in range(2):
             queue.put("acme", job, f"{job}-{index}")
     queue.put("globex", "g1", "g1-0")
-    assert drain(queue) == ["a1-0", "g1-0", "a2-0", "a3-0", "a1-1", "a2-1", "a3-1"]
+    # Tenants alternate item by item; within acme, a job's turn takes its whole backlog, so
+    # a1's step is admitted whole before a2's begins.
+    assert drain(queue) == ["a1-0", "g1-0", "a1-1", "a2-0", "a2-1", "a3-0", "a3-1"]
+
+
+def test_a_jobs_turn_takes_what_waited_when_it_began_and_no_more() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for index in range(2):
+        queue.put("acme", "a1", f"a1-{index}")
+    queue.put("acme", "a2", "a2-0")
+    assert queue.pop() == "a1-0"  # a1's turn: its two waiting items
+    queue.put("acme", "a1", "a1-2")  # arrives during the turn: waits for a1's next one
+    assert drain(queue) == ["a1-1", "a2-0", "a1-2"]
 
 
 def test_a_tenant_that_ran_out_rejoins_at_the_back() -> None:
@@ -191,20 +203,19 @@ async def test_a_tenants_backlog_does_not_sit_ahead_of_another_tenants_requests(
         # Every freed slot goes to globex while it waits; then, globex wanting no more than
         # its 8, the rest are acme's again (no slot is kept from a tenant that can use it).
         assert tenants[slots:] == ["globex"] * 8 + ["acme"] * 16
-        # acme's jobs take turns within acme's turns, each job in its own order.
+        # Within acme's turns its jobs take turns by backlog, each job in its own order:
+        # acme0's eight waiting requests, then acme1's.
         acme_after_fill = [r for r in engine.entered[slots:] if tenant_of[r.job_id] == "acme"]
-        assert [r.job_id for r in acme_after_fill] == [
-            spec.job_id for spec in (*acme, acme[0], acme[1], *acme[2:6])
-        ]
+        assert [r.job_id for r in acme_after_fill] == [acme[0].job_id] * 8 + [acme[1].job_id] * 8
         assert [r.request_id for r in acme_after_fill if r.job_id == acme[0].job_id] == [
-            f"{acme[0].job_id}/{index}/0/t0" for index in (32, 33)
+            f"{acme[0].job_id}/{index}/0/t0" for index in range(32, 40)
         ]
         # Results go out and commits move as before: only past what was sent.
         assert prompts.committable == 24
         assert await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=0) == []
         await stopped(service, engine)
         assert len(await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=8)) == 8
-        assert prompts.committable == 34  # acme0's 0..33 were sent, its 34 never started
+        assert prompts.committable == 48  # acme0's 40 and acme1's 0..7 sent, its 8 never started
 
 
 async def test_the_tenant_a_request_carries_is_the_one_admission_uses() -> None:
