@@ -51,9 +51,9 @@ CPU_BLOCK_SIZE = 32
 """KV cache block of a CPU engine, in tokens (vLLM's CPU default: 128; its attention takes
 multiples of 32). A group's G samples share one prompt, but the prefix cache only shares
 whole blocks: with 128, each sample recomputed up to 127 tokens of the prompt's tail. For
-16 samples of a 370-token prompt (SmolLM2, float32, AVX2 class): 1.9 s with 32 against
-5.6 s with 128, and 1.0 s for one; decoding as fast with either (88 vs 83 tok/s at 16
-sequences, 102 vs 107 at 64)."""
+16 samples of a 371-token prompt (SmolLM2, float32, AVX2 class): 1.97 s with 32 against
+5.53 s with 128, and 0.95 s for one; decoding as fast with either (77 vs 76 tok/s at 16
+sequences, 104 vs 106 at 64). bench/kv_blocks.py, results/kv-blocks-20261205-cpu2-avx2.json."""
 
 
 @dataclass(frozen=True)
