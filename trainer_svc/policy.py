@@ -380,9 +380,10 @@ class MultiAdapterPolicy:
             tally = tallies[job_id]
             fresh_B = own_B & fresh_rows_B
             if bool(fresh_B.any()):
+                fresh_mask_BT = mask_BT[fresh_B]
                 with torch.no_grad():
-                    k3_BT = k3_kl(logprobs_BT[fresh_B], behaviour_BT[fresh_B], mask_BT[fresh_B])
-                tally.add_fresh(float(k3_BT.sum()), int(mask_BT[fresh_B].sum()))
+                    k3_BT = k3_kl(logprobs_BT[fresh_B], behaviour_BT[fresh_B], fresh_mask_BT)
+                tally.add_fresh(float(k3_BT.sum()), int(fresh_mask_BT.sum()))
             if metrics["tokens"] > 0:
                 weighted = loss * (metrics["tokens"] / max(tally.tokens, 1))
                 objective = weighted if objective is None else objective + weighted
