@@ -60,7 +60,7 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
         resolve_base_model(config["model"]),
         compute_dtype=config["dtype"],
         torch_threads=config["threads"],
-        before_pass=compute.threads_for_next_pass if lent else None,
+        adjust_threads=compute.adjust if lent else None,
     )
     policy.add_job("job", LORA, RL)
     trajectories = batch(policy._base.config.vocab_size, seed=0)
@@ -76,8 +76,8 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     return {
         "step_s": step_s,
         "threads": threads,
-        "borrowed_passes": compute.borrowed_passes,
-        "passes": compute.passes,
+        "borrowed_calls": compute.borrowed_calls,
+        "calls": compute.calls,
     }
 
 

@@ -81,3 +81,44 @@ class Snapshot:
             "process_cpu_share": {k: round(v / wall_s, 3) for k, v in processes.items()},
             "unaccounted_cpu_s": round(sum(cores.values()) - sum(processes.values()), 1),
         }
+
+
+@dataclass
+class Timeline:
+    """Each core's busy share and each named process tree's CPU share, per interval of a
+    phase: where the idle time of `Snapshot.since`'s totals fell."""
+
+    roots: dict[str, int]
+    interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.at_s: list[float] = []
+        self.cores: dict[int, list[float]] = {}
+        self.processes: dict[str, list[float]] = {}
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        import asyncio
+        import time
+
+        started = last_at = time.monotonic()
+        last = Snapshot.take(self.roots)
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now, snap = time.monotonic(), Snapshot.take(self.roots)
+            span = now - last_at
+            self.at_s.append(round(now - started, 1))
+            for core, busy in snap.cores.items():
+                share = (busy - last.cores.get(core, busy)) / span
+                self.cores.setdefault(core, []).append(round(share, 2))
+            for name, cpu in snap.processes.items():
+                share = (cpu - last.processes.get(name, cpu)) / span
+                self.processes.setdefault(name, []).append(round(share, 2))
+            last, last_at = snap, now
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "at_s": self.at_s,
+            "core_busy_share": {str(k): v for k, v in sorted(self.cores.items())},
+            "process_cpu_share": self.processes,
+        }

@@ -8,8 +8,9 @@ as G requests: with vLLM's CPU default of 128-token blocks each sample recompute
 tail past its last whole block. For each block size (one engine each, one after the other,
 same process, SmolLM2 unless `--model`): the wall time of one prefill of a `--prompt-words`
 prompt, of G requests of one prompt at once (G = 8, 16), of G different prompts, and the
-decode rate of 16 and 64 sequences of 64 tokens each. rollout_svc/engine.py's
-`CPU_BLOCK_SIZE` is chosen from this.
+decode rate of `--decode-sequences` sequences (16, 32, 64) of 64 tokens each.
+rollout_svc/engine.py's `CPU_BLOCK_SIZE` is chosen from this, and `ROLLOUT_MAX_IN_FLIGHT`'s
+default on a CPU from the decode rates.
 
 Writes `bench/results/kv-blocks-<date>-<machine>.json`.
 """
@@ -27,7 +28,9 @@ from common.hardware import detect, engine_precision
 from common.models import resolve_base_model
 
 
-def measure(model: str, block_size: int, dtype: str, words: int) -> dict[str, Any]:
+def measure(
+    model: str, block_size: int, dtype: str, words: int, decode_sequences: list[int]
+) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -61,7 +64,7 @@ def measure(model: str, block_size: int, dtype: str, words: int) -> dict[str, An
         )
     short = " ".join(f"w{i}" for i in range(40))
     decode = SamplingParams(max_tokens=64, min_tokens=64, temperature=1.0, logprobs=0)
-    for sequences in (16, 64):
+    for sequences in decode_sequences:
         seconds = timed([f"decode {sequences} {i} {short}" for i in range(sequences)], decode)
         out[f"decode_x{sequences}_tokens_per_s"] = round(sequences * 64 / seconds, 1)
     return out
@@ -72,13 +75,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prompt-words", type=int, default=120)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--decode-sequences", type=int, nargs="+", default=[16, 32, 64])
     args = parser.parse_args()
     dtype = engine_precision("auto", detect(gpus=False), on_gpu=False).dtype  # as `auto` picks
     model = str(resolve_base_model(args.model))
     result = {
         "machine": machine_fields(engine=dtype),
         "model": args.model,
-        "runs": [measure(model, size, dtype, args.prompt_words) for size in args.block_sizes],
+        "runs": [
+            measure(model, size, dtype, args.prompt_words, args.decode_sequences)
+            for size in args.block_sizes
+        ],
     }
     out = result_path("kv-blocks")
     out.write_text(json.dumps(result, indent=2) + "\n")

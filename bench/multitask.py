@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from cpu_account import Snapshot  # bench/cpu_account.py
+from cpu_account import Snapshot, Timeline  # bench/cpu_account.py
 from machine import machine_fields, result_path  # bench/machine.py
 from rich.console import Console
 
@@ -58,6 +58,7 @@ class Phase:
     steps: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     cpu: dict[str, Any] = field(default_factory=dict)
+    timeline: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         rollout_busy = self.rollout.get("busy_s", 0.0)
@@ -83,6 +84,8 @@ class Phase:
             "trainer_idle_s": _idle_s(self.steps, self.wall_s),
             "jobs": self.jobs,
             "steps": sorted(self.steps, key=lambda step: step["at_s"]),
+            # Per second: each core's busy share and each service's CPU (cores' worth).
+            "timeline": self.timeline,
         }
 
 
@@ -168,6 +171,8 @@ async def measure(
     cpu_before = Snapshot.take(roots)
     trainer = roots.get("trainer_svc")
     spy = start_py_spy(trainer, py_spy / f"trainer-{name}.txt") if py_spy and trainer else None
+    timeline = Timeline(roots)
+    sampling = asyncio.create_task(timeline.run())
     started = time.time()
     for batch in batches:
         console.print(f"[bold]{name}[/]: {', '.join(spec.job_id for spec in batch)}")
@@ -207,6 +212,8 @@ async def measure(
         phase.jobs += [job.summary(REWARD_WINDOW) for job in jobs.values()]
     phase.wall_s = time.time() - started
     phase.cpu = Snapshot.take(roots).since(cpu_before, phase.wall_s)
+    sampling.cancel()
+    phase.timeline = timeline.to_json()
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         spy.wait(60)

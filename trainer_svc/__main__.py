@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             torch_threads=threads,
             compute_dtype=precision.dtype,
             device=settings.device,
-            before_pass=compute.threads_for_next_pass,
+            adjust_threads=compute.adjust,
         )
 
     # The model loads in start().

@@ -6,10 +6,13 @@ core was busy 93% of the time, the engine's 52% (bench/results/multitask-8x4-202
 cpu2-avx2.json). While the engine idles, a second trainer thread on its core makes a step
 x1.4 faster (`cores-20261204-cpu2-avx2.json`); while it generates, that thread halves both.
 So the trainer may be lent cores (`TRAINER_BORROW_CORES`, the engine's in the embedded stack)
-and, before each forward/backward pass, adds one OpenMP thread per lent core when other
-processes kept those cores less than `BORROW_BELOW` busy since its last look (/proc/stat,
-less the trainer's own helper threads): an idle engine keeps its core 5-15% busy, a
-generating one 100%, in runs of seconds, so the last pass's window predicts the next.
+and adds one OpenMP thread per lent core while other processes keep those cores less than
+`BORROW_BELOW` busy over the last `WINDOW_S` (/proc/stat, less the trainer's own helper
+threads): an idle engine keeps its core 5-15% busy, a generating one 100%, in runs of
+seconds. The policy asks before each pass and between its layers, forward and backward
+(`adjust`): a pass of a long multi-turn step runs for seconds, and deciding once per pass on
+the time since the last one left the engine's core idle for 10 s at a time, or shared with a
+generating engine (bench/README.md, "The trainer's borrowed core").
 
 Placement is what makes this work, and it needs one thread: OpenMP's thread count and its
 helper threads belong to the thread that runs the parallel regions. Every model call runs on
@@ -27,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,8 +43,13 @@ log = logging.getLogger(__name__)
 
 BORROW_BELOW = 0.3
 """Borrow while other processes kept the lent cores busy less than this share of the time."""
+WINDOW_S = 0.5
+"""The decision looks this far back: long enough to count (50 ticks of 10 ms), short enough
+that an engine starting or stopping shows in well under a second."""
 MIN_WINDOW_S = 0.2
 """Shorter windows keep the last choice (a tick is 10 ms; fewer say little)."""
+LOOK_EVERY_S = 0.05
+"""Calls closer together than this keep the last choice without reading /proc."""
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 P = ParamSpec("P")
@@ -57,8 +66,8 @@ class _Look:
 
 
 class ComputeThread:
-    """Runs the model's calls one at a time on one thread; says how many OpenMP threads the
-    next pass may use."""
+    """Runs the model's calls one at a time on one thread; says how many OpenMP threads what
+    it runs next may use."""
 
     def __init__(self, own: set[int], lent: set[int], threads: int) -> None:
         """`own`: the cores the trainer runs on (empty: whatever the process may use);
@@ -68,10 +77,12 @@ class ComputeThread:
         self.lent = lent - self.own
         self.threads = threads or len(self.own)
         self._helpers: set[int] = set()
-        self._last: _Look | None = None
+        self._looks: deque[_Look] = deque()
+        self._looked_at = -LOOK_EVERY_S
         self._borrowing = False
-        self.borrowed_passes = 0
-        self.passes = 0
+        self._ident: int | None = None
+        self.calls = 0
+        self.borrowed_calls = 0
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="trainer-compute", initializer=self._start
         )
@@ -89,37 +100,48 @@ class ComputeThread:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def threads_for_next_pass(self) -> int:
-        """Called on the compute thread before each pass: sets and returns its threads."""
+    def adjust(self) -> int:
+        """Sets and returns the OpenMP threads of what the compute thread runs next; the
+        policy calls it before each pass and between layers. Elsewhere it changes nothing."""
         import torch
 
-        self.passes += 1
+        if self._ident is not None and threading.get_ident() != self._ident:
+            return int(torch.get_num_threads())
+        self.calls += 1
         if self.lent:
             self._decide()
         threads = self.threads + (len(self.lent) if self._borrowing else 0)
-        self.borrowed_passes += self._borrowing
+        self.borrowed_calls += self._borrowing
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return threads
 
     def _decide(self) -> None:
-        """Borrow for the next pass when others left the lent cores idle since the last look."""
-        look = self._look()
-        if self._last is not None and look.at - self._last.at < MIN_WINDOW_S:
+        """Borrow while others left the lent cores idle over about the last `WINDOW_S`."""
+        now = time.monotonic()
+        if now - self._looked_at < LOOK_EVERY_S:
             return
-        if self._last is not None:
-            others = (look.core_busy - self._last.core_busy) - (look.helpers - self._last.helpers)
-            window = (look.at - self._last.at) * _TICKS_PER_S * len(self.lent)
-            borrowing = max(0, others) / window < BORROW_BELOW
-            if borrowing != self._borrowing:
-                log.debug(
-                    "others kept cores %s %.0f%% busy: %s",
-                    format_cores(self.lent),
-                    100 * others / window,
-                    "borrowing" if borrowing else "giving back",
-                )
-            self._borrowing = borrowing
-        self._last = look
+        self._looked_at = now
+        look = self._look()
+        looks = self._looks
+        looks.append(look)
+        # Keep one look at least WINDOW_S old as the window's start, none older.
+        while len(looks) > 2 and look.at - looks[1].at >= WINDOW_S:
+            looks.popleft()
+        first = looks[0]
+        if look.at - first.at < MIN_WINDOW_S:
+            return
+        others = (look.core_busy - first.core_busy) - (look.helpers - first.helpers)
+        window = (look.at - first.at) * _TICKS_PER_S * len(self.lent)
+        borrowing = max(0, others) / window < BORROW_BELOW
+        if borrowing != self._borrowing:
+            log.debug(
+                "others kept cores %s %.0f%% busy: %s",
+                format_cores(self.lent),
+                100 * others / window,
+                "borrowing" if borrowing else "giving back",
+            )
+        self._borrowing = borrowing
 
     def _start(self) -> None:
         """Thread initializer: start the OpenMP helpers with the lent cores allowed, then pin
@@ -141,6 +163,7 @@ class ComputeThread:
             )
         os.sched_setaffinity(0, self.own)
         torch.set_num_threads(self.threads)
+        self._ident = threading.get_ident()
 
     def _look(self) -> _Look:
         return _Look(time.monotonic(), _busy_ticks(self.lent), _thread_ticks(self._helpers))

@@ -178,7 +178,7 @@ class MultiAdapterPolicy:
         device: str = "cpu",
         share_prefixes: bool = True,
         skip_zero_advantages: bool = True,
-        before_pass: Callable[[], int] | None = None,
+        adjust_threads: Callable[[], int] | None = None,
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
@@ -188,8 +188,9 @@ class MultiAdapterPolicy:
         present). `share_prefixes`: run each group's common prompt once, not once per
         sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage
         is 0 out of the passes (their loss and gradient are 0; see `train_steps`).
-        `before_pass`: called before each forward/backward pass of a step, returns the threads
-        the pass runs on (trainer_svc/compute.py lends idle cores this way)."""
+        `adjust_threads`: called before each forward/backward pass and before each decoder
+        layer's forward and backward, returns the threads what follows runs on
+        (trainer_svc/compute.py lends idle cores this way)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -200,13 +201,22 @@ class MultiAdapterPolicy:
         self.compute_dtype = compute_dtype
         self.share_prefixes = share_prefixes
         self.skip_zero_advantages = skip_zero_advantages
-        self.before_pass = before_pass
+        self.adjust_threads = adjust_threads
+        self._threads = 0
+        """Threads since `_threads_since` (the last call of `adjust_threads`)."""
+        self._threads_since = 0.0
+        self._thread_s = 0.0
+        """Threads x seconds since the step began."""
         self.device = resolve_device(device)
         self._base = AutoModelForCausalLM.from_pretrained(
             self.base_model_dir, dtype=torch.float32, device_map=self.device
         ).eval()
         for param in self._base.parameters():
             param.requires_grad_(False)
+        if adjust_threads is not None:
+            for layer in self._base.get_decoder().layers:
+                layer.register_forward_pre_hook(self._before_layer)
+                layer.register_forward_hook(self._after_layer)
         # Created with the first job: a PeftModel cannot exist without an adapter config.
         self._peft: PeftModel | None = None
         self._jobs: dict[str, _Job] = {}
@@ -316,21 +326,44 @@ class MultiAdapterPolicy:
             for r in computed
         ]
         packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
-        threads: list[int] = []
+        self._thread_s, self._threads_since = 0.0, started
         for pack in packs:
-            if self.before_pass is not None:
-                threads.append(self.before_pass())
+            self._adjust_threads()
             self._pass(pack, computed, jobs, tallies)
         results = self._step_each(jobs, tallies)
+        self._adjust_threads()
         elapsed = time.monotonic() - started
         all_tokens = sum(tally.tokens for tally in tallies.values())
         for job_id, metrics in results.items():
             share = tallies[job_id].tokens / all_tokens if all_tokens else 1 / len(jobs)
             metrics["step_s"] = elapsed * share
             metrics["jobs_in_step"] = float(len(jobs))
-            if threads:
-                metrics["threads"] = sum(threads) / len(threads)
+            if self.adjust_threads is not None and elapsed > 0:
+                metrics["threads"] = self._thread_s / elapsed
         return results
+
+    def _adjust_threads(self) -> None:
+        """Let `adjust_threads` set the threads of what runs next; count the time at the last."""
+        if self.adjust_threads is None:
+            return
+        now = time.monotonic()
+        self._thread_s += (now - self._threads_since) * self._threads
+        self._threads_since = now
+        self._threads = self.adjust_threads()
+
+    def _before_layer(self, module: torch.nn.Module, args: Any) -> None:
+        self._adjust_threads()
+
+    def _after_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The layer's backward begins when its output's gradient is in: adjust there too."""
+        import torch
+
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._before_layer_backward)
+
+    def _before_layer_backward(self, grad: torch.Tensor) -> None:
+        self._adjust_threads()
 
     def _pass(
         self, pack: Pack, computed: list[_Row], jobs: Mapping[str, _Job], tallies: dict[str, _Tally]

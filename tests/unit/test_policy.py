@@ -108,6 +108,30 @@ def test_a_step_moves_only_its_own_job(base_dir: Path) -> None:
     assert policy.jobs == ["b.tenant/2"]
 
 
+def test_threads_are_asked_between_layers_forward_and_backward(base_dir: Path) -> None:
+    """trainer_svc/compute.py may lend a core mid-pass: the policy asks before each decoder
+    layer's forward and backward, the step says its time-weighted threads, and the update is
+    the one without asking."""
+    asked: list[bool] = []
+
+    def adjust() -> int:
+        asked.append(torch.is_grad_enabled())  # off while autograd runs the backward
+        return 1 + 2 * (len(asked) % 2)  # 1 and 3 threads, in turn
+
+    plain = MultiAdapterPolicy(base_dir)
+    asking = MultiAdapterPolicy(base_dir, adjust_threads=adjust)
+    for policy in (plain, asking):
+        policy.add_job("a", LORA, RL, seed=3)
+    trajectory = _batch()[0]
+    assert "threads" not in plain.train_step("a", [trajectory], [1.0])
+    metrics = asking.train_step("a", [trajectory], [1.0])
+
+    layers = len(asking._base.get_decoder().layers)
+    assert asked.count(True) >= layers and asked.count(False) >= layers
+    assert 1.0 < metrics["threads"] < 3.0
+    _assert_same_state(asking.adapter_state("a"), plain.adapter_state("a"), atol=0)
+
+
 def test_zero_advantages_change_nothing(base_dir: Path) -> None:
     policy = MultiAdapterPolicy(base_dir)
     policy.add_job("a", LORA, RL)
