@@ -12,7 +12,7 @@ threads): an idle engine keeps its core 5-15% busy, a generating one 100%, in ru
 seconds. The policy asks before each pass and between its layers, forward and backward
 (`adjust`): a pass of a long multi-turn step runs for seconds, and deciding once per pass on
 the time since the last one left the engine's core idle for 10 s at a time, or shared with a
-generating engine (bench/README.md, "The trainer's borrowed core").
+generating engine (bench/README.md, "The trainer's borrowed core, decided per layer").
 
 Placement is what makes this work, and it needs one thread: OpenMP's thread count and its
 helper threads belong to the thread that runs the parallel regions. Every model call runs on
