@@ -7,7 +7,9 @@ the phase is missed, which the per-core totals still catch.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +100,6 @@ class Timeline:
 
     async def run(self) -> None:
         """Sample until cancelled."""
-        import asyncio
-        import time
-
         started = last_at = time.monotonic()
         last = Snapshot.take(self.roots)
         while True:

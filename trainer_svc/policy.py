@@ -202,7 +202,7 @@ class MultiAdapterPolicy:
         self.share_prefixes = share_prefixes
         self.skip_zero_advantages = skip_zero_advantages
         self.adjust_threads = adjust_threads
-        self._threads = 0
+        self._threads = torch.get_num_threads()
         """Threads since `_threads_since` (the last call of `adjust_threads`)."""
         self._threads_since = 0.0
         self._thread_s = 0.0
