@@ -128,7 +128,8 @@ def test_threads_are_asked_between_layers_forward_and_backward(base_dir: Path) -
 
     layers = len(asking._base.get_decoder().layers)
     assert asked.count(True) >= layers and asked.count(False) >= layers
-    assert 1.0 < metrics["threads"] < 3.0
+    # Time-weighted: between the two counts (torch's own count runs until the first ask).
+    assert 1.0 < metrics["threads"] < max(3.0, torch.get_num_threads())
     _assert_same_state(asking.adapter_state("a"), plain.adapter_state("a"), atol=0)
 
 
