@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TICK = os.sysconf("SC_CLK_TCK")
 PROC = Path("/proc")
@@ -72,7 +73,7 @@ class Snapshot:
     def take(cls, roots: dict[str, int]) -> Snapshot:
         return cls(core_busy_s(), tree_cpu_s(roots))
 
-    def since(self, before: Snapshot, wall_s: float) -> dict[str, object]:
+    def since(self, before: Snapshot, wall_s: float) -> dict[str, Any]:
         """Busy share of each core and CPU seconds of each process between two snapshots."""
         processes = {k: v - before.processes.get(k, 0.0) for k, v in self.processes.items()}
         cores = {k: v - before.cores.get(k, 0.0) for k, v in self.cores.items()}
@@ -95,7 +96,7 @@ class Timeline:
 
     def __post_init__(self) -> None:
         self.at_s: list[float] = []
-        self.cores: dict[int, list[float]] = {}
+        self.cores: dict[str, list[float]] = {}
         self.processes: dict[str, list[float]] = {}
 
     async def run(self) -> None:
@@ -105,19 +106,17 @@ class Timeline:
         while True:
             await asyncio.sleep(self.interval_s)
             now, snap = time.monotonic(), Snapshot.take(self.roots)
-            span = now - last_at
+            shares = snap.since(last, now - last_at)
             self.at_s.append(round(now - started, 1))
-            for core, busy in snap.cores.items():
-                share = (busy - last.cores.get(core, busy)) / span
-                self.cores.setdefault(core, []).append(round(share, 2))
-            for name, cpu in snap.processes.items():
-                share = (cpu - last.processes.get(name, cpu)) / span
-                self.processes.setdefault(name, []).append(round(share, 2))
+            for core, share in shares["core_busy_share"].items():
+                self.cores.setdefault(core, []).append(share)
+            for name, share in shares["process_cpu_share"].items():
+                self.processes.setdefault(name, []).append(share)
             last, last_at = snap, now
 
     def to_json(self) -> dict[str, object]:
         return {
             "at_s": self.at_s,
-            "core_busy_share": {str(k): v for k, v in sorted(self.cores.items())},
+            "core_busy_share": self.cores,
             "process_cpu_share": self.processes,
         }

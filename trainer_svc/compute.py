@@ -9,10 +9,10 @@ So the trainer may be lent cores (`TRAINER_BORROW_CORES`, the engine's in the em
 and adds one OpenMP thread per lent core while other processes keep those cores less than
 `BORROW_BELOW` busy over the last `WINDOW_S` (/proc/stat, less the trainer's own helper
 threads): an idle engine keeps its core 5-15% busy, a generating one 100%, in runs of
-seconds. The policy asks before each pass and between its layers, forward and backward
-(`adjust`): a pass of a long multi-turn step runs for seconds, and deciding once per pass on
-the time since the last one left the engine's core idle for 10 s at a time, or shared with a
-generating engine (bench/README.md, "The trainer's borrowed core, decided per layer").
+seconds. The policy asks before each of its layers, forward and backward (`adjust`): a
+pass of a long multi-turn step runs for seconds, and deciding once per pass on the time since
+the last one left the engine's core idle for 10 s at a time, or shared with a generating
+engine (bench/README.md, "The trainer's borrowed core, decided per layer").
 
 Placement is what makes this work, and it needs one thread: OpenMP's thread count and its
 helper threads belong to the thread that runs the parallel regions. Every model call runs on
@@ -78,7 +78,6 @@ class ComputeThread:
         self.threads = threads or len(self.own)
         self._helpers: set[int] = set()
         self._looks: deque[_Look] = deque()
-        self._looked_at = -LOOK_EVERY_S
         self._borrowing = False
         self._ident: int | None = None
         self.calls = 0
@@ -102,7 +101,7 @@ class ComputeThread:
 
     def adjust(self) -> int:
         """Sets and returns the OpenMP threads of what the compute thread runs next; the
-        policy calls it before each pass and between layers. Elsewhere it changes nothing."""
+        policy calls it before each layer. Elsewhere it changes nothing."""
         import torch
 
         if self._ident is not None and threading.get_ident() != self._ident:
@@ -118,12 +117,10 @@ class ComputeThread:
 
     def _decide(self) -> None:
         """Borrow while others left the lent cores idle over about the last `WINDOW_S`."""
-        now = time.monotonic()
-        if now - self._looked_at < LOOK_EVERY_S:
-            return
-        self._looked_at = now
-        look = self._look()
         looks = self._looks
+        if looks and time.monotonic() - looks[-1].at < LOOK_EVERY_S:
+            return
+        look = self._look()
         looks.append(look)
         # Keep one look at least WINDOW_S old as the window's start, none older.
         while len(looks) > 2 and look.at - looks[1].at >= WINDOW_S:

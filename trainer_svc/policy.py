@@ -188,9 +188,8 @@ class MultiAdapterPolicy:
         present). `share_prefixes`: run each group's common prompt once, not once per
         sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage
         is 0 out of the passes (their loss and gradient are 0; see `train_steps`).
-        `adjust_threads`: called before each forward/backward pass and before each decoder
-        layer's forward and backward, returns the threads what follows runs on
-        (trainer_svc/compute.py lends idle cores this way)."""
+        `adjust_threads`: called before each decoder layer's forward and backward, returns
+        the threads what follows runs on (trainer_svc/compute.py lends idle cores this way)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -327,11 +326,10 @@ class MultiAdapterPolicy:
         ]
         packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
         self._thread_s, self._threads_since = 0.0, started
-        for pack in packs:
-            self._adjust_threads()
+        for pack in packs:  # each decoder layer asks for its threads (`_before_layer`)
             self._pass(pack, computed, jobs, tallies)
         results = self._step_each(jobs, tallies)
-        self._adjust_threads()
+        self._adjust_threads()  # closes the step's last span of threads
         elapsed = time.monotonic() - started
         all_tokens = sum(tally.tokens for tally in tallies.values())
         for job_id, metrics in results.items():
