@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 SERVICE: ServiceName = "rollout_svc"
 STATS_INTERVAL_S = 5.0
+ENGINE_LOOK_S = 5.0
+"""How often the replica looks whether its engine is still alive while no request fails."""
 READ_AHEAD_PER_SLOT = 16
 """Requests read and waiting for an engine slot, per slot, before the poll loop stops reading
 (docs/architecture.md, "Rollout admission"). Fair admission needs the waiting requests of every
@@ -245,10 +247,18 @@ class RolloutService(Service):
         hardware = getattr(self.engine, "hardware", None) or detect(gpus=False)
         return runtime_fields(hardware, getattr(self.engine, "precision", None))
 
-    async def _watch_engine(self) -> None:
+    async def _watch_engine(self, look_every_s: float = ENGINE_LOOK_S) -> None:
         """End the replica when its engine dies: a restart serves the requests it held (their
-        offsets were not committed), where staying up would fail every request it reads."""
-        await self._engine_died.wait()
+        offsets were not committed), where staying up would fail every request it reads. A
+        request failing says so at once; an engine that died idle (its core process killed,
+        say by the kernel's OOM killer) only in its state, looked at every `look_every_s`:
+        the replica stayed up, unready, and no orchestrator restarts an unready container."""
+        while not self._engine_died.is_set():
+            try:
+                await asyncio.wait_for(self._engine_died.wait(), look_every_s)
+            except TimeoutError:
+                if not self.engine.ready:
+                    self._engine_died.set()
         raise RuntimeError("the generation engine died; the replica stops to be restarted")
 
     def request_stop(self) -> None:

@@ -313,6 +313,19 @@ async def test_rollout_leaves_requests_to_a_restart_when_its_engine_dies(
     assert await backend.sent(Topic.ROLLOUTS, job_id, expect=0) == []  # no aborts
 
 
+async def test_rollout_stops_when_its_engine_dies_idle(backend: Backend) -> None:
+    """No request in flight fails, so only the engine's state says it died: before, the
+    replica stayed up and unready, and its jobs waited for it forever."""
+    engine = GatedEngine()
+    service = rollout_service(backend, engine)
+    watch = asyncio.create_task(service._watch_engine(look_every_s=0.01))
+    await asyncio.sleep(0.05)
+    assert not watch.done()  # a live engine keeps the replica up
+    engine.ready = False
+    with pytest.raises(RuntimeError, match="engine died"):
+        await asyncio.wait_for(watch, 10)
+
+
 # --- trainer_svc: a trained step is published even when Redis blips ----------------------
 
 
