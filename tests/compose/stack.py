@@ -26,14 +26,27 @@ METRICS_PORTS = {"env_svc": 9101, "rollout_svc": 9102, "trainer_svc": 9103}
 """Each service's /metrics port inside its container (compose.yaml)."""
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 5.0) -> Any:
-    """`check()` until it returns something truthy; AssertionError naming `what` on timeout."""
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout_s: float,
+    every_s: float = 5.0,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """`check()` until it returns something truthy; AssertionError naming `what` on timeout,
+    with what `explain()` says of the state then (a CI log is all a failure leaves)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if result := check():
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+            said = ""
+            if explain is not None:
+                try:
+                    said = "\n" + explain()
+                except Exception as exc:  # the diagnosis must not hide the failure
+                    said = f"\n(no diagnosis: {exc!r})"
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s{said}")
         time.sleep(every_s)
 
 
@@ -116,6 +129,19 @@ class Stack:
     def logs(self, container: str) -> str:
         """What the container wrote, stdout and stderr (the services log to stderr)."""
         return self._run(_sourced("docker", ("logs", container)), 120, stderr=True)
+
+    def diagnosis(self, job_ids: Sequence[str], services: Sequence[str], lines: int = 15) -> str:
+        """What a failed wait leaves in a CI log: every container's state, the jobs' states
+        and the last `lines` log lines of each service container (dead ones too)."""
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        out = [self.docker("ps", "-a", *filters, "--format", "{{.Names}} {{.Status}}", check=False)]
+        out.append(json.dumps(self.job_states(job_ids), default=str)[:3000])
+        for service in services:
+            for name in self.containers(service, running=False):
+                tail = self._run(_sourced("docker", ("logs", "--tail", str(lines), name)), 60,
+                                 stderr=True, check=False)  # fmt: skip
+                out.append(f"--- {name}\n" + "\n".join(line[:240] for line in tail.splitlines()))
+        return "\n".join(out)
 
     def processed(self, container: str, service: str, topic: str) -> int:
         """Records of `topic` the replica has handled, from its /metrics (common/metrics.py)."""

@@ -146,11 +146,17 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     def states() -> dict[str, dict[str, Any]]:
         return stack.job_states(jobs)
 
+    def explain() -> str:
+        return stack.diagnosis([*jobs, *upgraded], SERVICES)
+
+    upgraded: list[str] = []  # the job of the rolling upgrade, once submitted
+
     # Mid-run: once every job has trained a version, kill a trainer and a rollout replica.
     wait_for(
         "every job trained a first version",
         lambda: all(s.get("step", 0) >= 1 for s in states().values()),
         timeout_s=900,
+        explain=explain,
     )
     stack.timings["first_versions_s"] = time.monotonic() - t0
     # Both replicas of each scaled service took part (a replica's /metrics: the records it
@@ -166,6 +172,7 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
         "every job completed after the kills",
         lambda: all(s.get("state") in DONE for s in states().values()),
         timeout_s=1500,
+        explain=explain,
     )
     stack.timings["jobs_done_s"] = time.monotonic() - t0
     for job_id in api_jobs:
@@ -201,8 +208,9 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     stack.compose("build", "--build-arg", "MARLAAS_REVISION=upgrade-1", "env_svc")
     stack.timings["upgrade_build_s"] = time.monotonic() - t0
     upgraded_job = tenant.submit(job(4, STEPS))
+    upgraded.append(upgraded_job)
     wait_for("the job to upgrade under started", lambda: tenant.job(upgraded_job)["version"] >= 1,
-             timeout_s=600)  # fmt: skip
+             timeout_s=600, explain=explain)  # fmt: skip
     t0 = time.monotonic()
     stack.compose("up", "-d", "--no-deps", "--scale", "env_svc=2", "env_svc")
     stack.timings["upgrade_recreate_s"] = time.monotonic() - t0
@@ -215,7 +223,8 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     assert set(revisions.values()) == {"upgrade-1"} and len(revisions) == 2, revisions
     assert {s: stack.containers(s) for s in others} == others
     wait_for("the job completed across the upgrade",
-             lambda: tenant.job(upgraded_job)["status"] == "completed", timeout_s=900)  # fmt: skip
+             lambda: tenant.job(upgraded_job)["status"] == "completed", timeout_s=900,
+             explain=explain)  # fmt: skip
     audit = stack.cli("audit", upgraded_job, check=False)
     assert "0 lost, 0 trained twice, 0 unexpected" in audit and "problem" not in audit, audit
 
