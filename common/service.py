@@ -180,10 +180,20 @@ async def announce_runtime(
             if not is_transient(exc):
                 raise
             log.warning("%s runtime record not refreshed (%r)", service, exc)
-        try:
-            await asyncio.wait_for(stopping.wait(), RUNTIME_INTERVAL_S)
-        except TimeoutError:
-            pass
+        await wait_any(stopping, timeout_s=RUNTIME_INTERVAL_S)
+
+
+async def wait_any(*events: asyncio.Event, timeout_s: float) -> bool:
+    """Until one of `events` is set or `timeout_s` has passed; whether one is set. A
+    service's periodic task sleeps so, on its stop event too: a plain sleep kept it past
+    `request_stop`, and the service's stop waited out its whole grace period for it."""
+    waits = {asyncio.ensure_future(event.wait()) for event in events}
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return any(event.is_set() for event in events)
 
 
 def exit_code(service: str, main: Callable[[], int]) -> int:

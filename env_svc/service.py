@@ -66,7 +66,7 @@ from common.messages import (
 )
 from common.ports import Sender
 from common.registry import JobRecord
-from common.service import Connections, Service
+from common.service import Connections, Service, wait_any
 from common.store import RedisStore
 from common.tenants import QuotaError
 from common.wire import job_named_in
@@ -109,6 +109,7 @@ class EnvService(Service):
         self._envs: dict[str, Environment[Any]] = {}
         self._ended: set[str] = set()
         """Ended jobs whose state was set to expire: the sweeps skip them."""
+        self._stopping = asyncio.Event()
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
 
     async def start(self) -> None:
@@ -122,6 +123,7 @@ class EnvService(Service):
         return {"env-consume": self.consumer.run(), "env-claims": self._sweep_loop()}
 
     def request_stop(self) -> None:
+        self._stopping.set()
         if self.consumer is not None:
             self.consumer.stop()
 
@@ -485,8 +487,7 @@ class EnvService(Service):
 
     async def _sweep_loop(self) -> None:
         interval = self.settings.claim_sweep_s
-        while True:
-            await asyncio.sleep(interval)
+        while not await wait_any(self._stopping, timeout_s=interval):
             try:
                 await self.sweep_claims()
             except Exception as exc:

@@ -45,7 +45,7 @@ from common.metrics import (
     export_service_metrics,
 )
 from common.ports import Sender
-from common.service import Connections, Service, announce_runtime, runtime_fields
+from common.service import Connections, Service, announce_runtime, runtime_fields, wait_any
 from common.store import RedisStore
 from common.wire import dead_letter, encode
 from rollout_svc.admission import FairQueue, water_fill
@@ -252,14 +252,13 @@ class RolloutService(Service):
         offsets were not committed), where staying up would fail every request it reads. A
         request failing says so at once; an engine that died idle (its core process killed,
         say by the kernel's OOM killer) only in its state, looked at every `look_every_s`:
-        the replica stayed up, unready, and no orchestrator restarts an unready container."""
-        while not self._engine_died.is_set():
-            try:
-                await asyncio.wait_for(self._engine_died.wait(), look_every_s)
-            except TimeoutError:
-                if not self.engine.ready:
-                    self._engine_died.set()
-        raise RuntimeError("the generation engine died; the replica stops to be restarted")
+        the replica stayed up, unready, and no orchestrator restarts an unready container.
+        Returns when the replica stops."""
+        while not self._stopping.is_set():
+            if self._engine_died.is_set() or not self.engine.ready:
+                self._engine_died.set()
+                raise RuntimeError("the generation engine died; the replica stops to be restarted")
+            await wait_any(self._engine_died, self._stopping, timeout_s=look_every_s)
 
     def request_stop(self) -> None:
         self._stopping.set()

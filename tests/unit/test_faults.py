@@ -326,6 +326,31 @@ async def test_rollout_stops_when_its_engine_dies_idle(backend: Backend) -> None
         await asyncio.wait_for(watch, 10)
 
 
+async def test_the_periodic_tasks_end_when_their_service_stops(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """Before, rollout's engine watch and env_svc's claim sweep slept through request_stop,
+    and each service's stop waited out its whole grace period (30 s in every run's logs: a
+    stack's shutdown, a compose upgrade's recreate)."""
+    rollout = rollout_service(backend, GatedEngine())
+    env = EnvService(
+        SharedSettings(base_model=BASE_MODEL),
+        EnvServiceSettings(claim_sweep_s=60),
+        tokenizer,
+        producer=backend.producer,
+        store=backend.store,
+    )
+    tasks = [
+        asyncio.create_task(rollout._watch_engine(look_every_s=60)),
+        asyncio.create_task(env._sweep_loop()),
+    ]
+    await asyncio.sleep(0.05)
+    assert not any(task.done() for task in tasks)
+    rollout.request_stop()
+    env.request_stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)  # ended, neither raised
+
+
 # --- trainer_svc: a trained step is published even when Redis blips ----------------------
 
 
