@@ -1,17 +1,26 @@
 """Where a batched multi-job trainer step spends its time, beside the same jobs in turn.
 
     .venv/bin/python bench/trainer_profile.py [--jobs 8]
+    .venv/bin/python bench/trainer_profile.py --threads 1,2
 
 torch.profiler over one step of `--jobs` jobs run one after another and over one
-`train_steps` of the same jobs in shared passes (bf16, shared prompts, the trainer bench's
-batch), after a warm-up of each. Writes both operator tables, sorted by self CPU time, to
-`bench/results/trainer-batched-profile-<date>-<machine>.txt`.
+`train_steps` of the same jobs in shared passes (the trainer's precision on this machine,
+shared prompts, the trainer bench's batch), after a warm-up of each. Writes both operator
+tables, sorted by self CPU time, to `bench/results/trainer-batched-profile-<date>-<machine>.txt`.
+
+`--threads`: one job's step at each of those thread counts instead (the median of 3 timed
+steps, then one profiled), each operator's time at every count side by side: which part of a
+step a borrowed core speeds up (docs/architecture.md, "the trainer's borrowed core"); and two
+jobs' steps in turn and in one shared pass at each count. Writes
+`bench/results/trainer-threads-profile-<date>-<machine>.txt`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,14 +41,75 @@ def table(step: Callable[[], object], rows: int) -> tuple[float, str]:
     return total_us / 1e6, averages.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def op_times(step: Callable[[], object], repeats: int = 3) -> tuple[float, dict[str, float]]:
+    """The median wall seconds of `repeats` steps after a warm-up, and one profiled step's
+    self CPU milliseconds by operator (on the calling thread: wall time of each operator)."""
+    step()
+    walls = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - started)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return statistics.median(walls), {
+        event.key: event.self_cpu_time_total / 1e3 for event in prof.key_averages()
+    }
+
+
+def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) -> str:
+    """One job's step at each thread count: the step's wall and each operator's, side by side."""
+    policy.add_job("job", LORA, RL, seed=0)
+    trajectories = batch(policy._base.config.vocab_size, seed=0)
+    advantages = [t.reward - 0.5 for t in trajectories]
+    policy.add_job("other", LORA, RL, seed=1)
+    both = {job: (trajectories, advantages) for job in ("job", "other")}
+    walls, ops, pairs = [], [], []
+    for count in threads:
+        torch.set_num_threads(count)
+        wall, by_op = op_times(lambda: policy.train_step("job", trajectories, advantages))
+        walls.append(wall)
+        ops.append(by_op)
+        in_turn, _ = op_times(lambda: [policy.train_step(j, *both[j]) for j in both])
+        one_pass, _ = op_times(lambda: policy.train_steps(both))
+        pairs.append(f"{count} threads: in turn {in_turn:.3f}, in one pass {one_pass:.3f}")
+    first = ops[0]
+    lines = [
+        "step wall s (median of 3): "
+        + ", ".join(f"{n} threads {w:.3f}" for n, w in zip(threads, walls, strict=True)),
+        "two jobs' steps, wall s (median of 3): " + "; ".join(pairs),
+        "operator self time, ms (" + " / ".join(f"{n} threads" for n in threads) + "), "
+        f"and the speed-up at {threads[-1]} threads:",
+    ]
+    totals = [sum(by_op.values()) for by_op in ops]
+    lines.append(f"{'all operators':60s}" + "".join(f"{t:10.1f}" for t in totals))
+    for key in sorted(first, key=lambda k: -first[k])[:rows]:
+        times = [by_op.get(key, 0.0) for by_op in ops]
+        lines.append(
+            f"{key[:60]:60s}" + "".join(f"{t:10.1f}" for t in times)
+            + f"{times[0] / max(times[-1], 1e-9):8.2f}x"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--threads", default="", help="e.g. 1,2: one job's step per count")
     args = parser.parse_args()
     dtype = trainer_dtype()
     policy = MultiAdapterPolicy(resolve_base_model(args.model), compute_dtype=dtype)
+    if args.threads:
+        report = thread_scaling(policy, [int(n) for n in args.threads.split(",")], args.rows)
+        out = result_path("trainer-threads-profile", ".txt")
+        out.write_text(
+            f"one job's step, {dtype}, shared prompts\n"
+            f"machine: {json.dumps(machine_fields(trainer=dtype))}\n{report}\n"
+        )
+        print(f"{report}\nwritten to {out}")
+        return
     job_ids = [f"job{i}" for i in range(args.jobs)]
     for index, job_id in enumerate(job_ids):
         policy.add_job(job_id, LORA, RL, seed=index)
