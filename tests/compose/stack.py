@@ -135,7 +135,11 @@ class Stack:
         and the last `lines` log lines of each service container (dead ones too)."""
         filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
         out = [self.docker("ps", "-a", *filters, "--format", "{{.Names}} {{.Status}}", check=False)]
-        out.append(json.dumps(self.job_states(job_ids), default=str)[:3000])
+        if job_ids:
+            try:  # through the CLI's container: may fail where the stack is what failed
+                out.append(json.dumps(self.job_states(job_ids), default=str)[:3000])
+            except Exception as exc:
+                out.append(f"(no job states: {exc!r})"[:500])
         for service in services:
             for name in self.containers(service, running=False):
                 tail = self._run(_sourced("docker", ("logs", "--tail", str(lines), name)), 60,
