@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 from torch.profiler import ProfilerActivity, profile
-from trainer import LORA, RL, batch  # bench/trainer.py
+from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
 from common.models import resolve_base_model
 from trainer_svc.policy import MultiAdapterPolicy
@@ -41,20 +40,16 @@ def table(step: Callable[[], object], rows: int) -> tuple[float, str]:
     return total_us / 1e6, averages.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def op_times(step: Callable[[], object], repeats: int = 3) -> tuple[float, dict[str, float]]:
-    """The median wall seconds of `repeats` steps after a warm-up, and one profiled step's
-    self CPU milliseconds by operator (on the calling thread: wall time of each operator)."""
-    step()
-    walls = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - started)
+REPEATS = 3
+"""Timed steps per figure of `--threads` (their median, after a warm-up)."""
+
+
+def op_times(step: Callable[[], object]) -> dict[str, float]:
+    """One profiled step's self CPU milliseconds by operator (on the calling thread: wall
+    time of each operator); run after the step was warmed up."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    return statistics.median(walls), {
-        event.key: event.self_cpu_time_total / 1e3 for event in prof.key_averages()
-    }
+    return {event.key: event.self_cpu_time_total / 1e3 for event in prof.key_averages()}
 
 
 def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) -> str:
@@ -67,17 +62,19 @@ def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) ->
     walls, ops, pairs = [], [], []
     for count in threads:
         torch.set_num_threads(count)
-        wall, by_op = op_times(lambda: policy.train_step("job", trajectories, advantages))
-        walls.append(wall)
-        ops.append(by_op)
-        in_turn, _ = op_times(lambda: [policy.train_step(j, *both[j]) for j in both])
-        one_pass, _ = op_times(lambda: policy.train_steps(both))
+        one = partial(policy.train_step, "job", trajectories, advantages)
+        walls.append(timed(one, REPEATS, policy.device))
+        ops.append(op_times(one))
+        in_turn = timed(
+            lambda: [policy.train_step(j, *both[j]) for j in both], REPEATS, policy.device
+        )
+        one_pass = timed(lambda: policy.train_steps(both), REPEATS, policy.device)
         pairs.append(f"{count} threads: in turn {in_turn:.3f}, in one pass {one_pass:.3f}")
     first = ops[0]
     lines = [
-        "step wall s (median of 3): "
+        f"step wall s (median of {REPEATS}): "
         + ", ".join(f"{n} threads {w:.3f}" for n, w in zip(threads, walls, strict=True)),
-        "two jobs' steps, wall s (median of 3): " + "; ".join(pairs),
+        f"two jobs' steps, wall s (median of {REPEATS}): " + "; ".join(pairs),
         "operator self time, ms (" + " / ".join(f"{n} threads" for n in threads) + "), "
         f"and the speed-up at {threads[-1]} threads:",
     ]

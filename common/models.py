@@ -205,7 +205,7 @@ def build_same_shape(shape_dir: Path, out_dir: Path, *, seed: int = 0) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(shape_dir).save_pretrained(out_dir)
-    shape = json.loads((shape_dir / MARKER_FILE).read_text()).get("shape_of", str(shape_dir))
+    shape = (model_source(shape_dir) or {}).get("shape_of", str(shape_dir))
     (out_dir / MARKER_FILE).write_text(
         json.dumps({"random_weights_in_the_shape_of": shape, "seed": seed}) + "\n"
     )

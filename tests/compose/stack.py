@@ -126,9 +126,11 @@ class Stack:
         state = self.inspect(container)["State"]
         return str(state.get("Health", {}).get("Status", state["Status"]))
 
-    def logs(self, container: str) -> str:
-        """What the container wrote, stdout and stderr (the services log to stderr)."""
-        return self._run(_sourced("docker", ("logs", container)), 120, stderr=True)
+    def logs(self, container: str, tail: int | None = None, *, check: bool = True) -> str:
+        """What the container wrote (its last `tail` lines), stdout and stderr (the services
+        log to stderr)."""
+        args = ("logs", container) if tail is None else ("logs", "--tail", str(tail), container)
+        return self._run(_sourced("docker", args), 120, stderr=True, check=check)
 
     def diagnosis(self, job_ids: Sequence[str], services: Sequence[str], lines: int = 15) -> str:
         """What a failed wait leaves in a CI log: every container's state, the jobs' states
@@ -142,8 +144,7 @@ class Stack:
                 out.append(f"(no job states: {exc!r})"[:500])
         for service in services:
             for name in self.containers(service, running=False):
-                tail = self._run(_sourced("docker", ("logs", "--tail", str(lines), name)), 60,
-                                 stderr=True, check=False)  # fmt: skip
+                tail = self.logs(name, lines, check=False)
                 out.append(f"--- {name}\n" + "\n".join(line[:240] for line in tail.splitlines()))
         return "\n".join(out)
 

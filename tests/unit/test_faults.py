@@ -48,6 +48,7 @@ from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     BASE_MODEL,
     GatedEngine,
+    env_service,
     events,
     job_spec,
     register_running,
@@ -78,16 +79,6 @@ def chaos_job(
     )
     return msgspec.structs.replace(
         spec, env=EnvSettings(name="chaos", params={"fail": fail, **params})
-    )
-
-
-def env_service(backend: Backend, tokenizer: ChatTokenizer, **settings: Any) -> EnvService:
-    return EnvService(
-        SharedSettings(base_model=BASE_MODEL),
-        EnvServiceSettings(**settings),
-        tokenizer,
-        producer=backend.producer,
-        store=backend.store,
     )
 
 
@@ -333,13 +324,7 @@ async def test_the_periodic_tasks_end_when_their_service_stops(
     and each service's stop waited out its whole grace period (30 s in every run's logs: a
     stack's shutdown, a compose upgrade's recreate)."""
     rollout = rollout_service(backend, GatedEngine())
-    env = EnvService(
-        SharedSettings(base_model=BASE_MODEL),
-        EnvServiceSettings(claim_sweep_s=60),
-        tokenizer,
-        producer=backend.producer,
-        store=backend.store,
-    )
+    env = env_service(backend, tokenizer, claim_sweep_s=60)
     tasks = [
         asyncio.create_task(rollout._watch_engine(look_every_s=60)),
         asyncio.create_task(env._sweep_loop()),
