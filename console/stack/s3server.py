@@ -9,6 +9,16 @@ at 100% of a core, fetches timing out after ~10 minutes). Every key that starts 
 prefix lies in the prefix's directory, so this handler walks only that directory; the
 listing is otherwise localbucket's (tests/unit/test_s3server.py compares them). Requests
 are logged only when they fail.
+
+It also honours `If-Match` on PutObject, which localbucket ignores. Tansu's s3 engine keeps
+each partition's high watermark in one object and moves it by compare-and-swap (PUT with
+`If-Match: <etag>`, on 412 read it again and retry); two produces to one partition that
+race (two clients, one broker) both won the swap, took the same offset, and the second's
+batch then failed to be written while the watermark counted it: acknowledged records lost
+and gaps in the offsets (tests/integration/test_durable_broker.py; CI's compose run stalled
+on it). And a GET sends the ETag of what it sends: localbucket opens the file, then hashes
+the path again, so a write in between paired old content with the new ETag, and the next
+swap on that pair succeeded on stale data (the same lost records, rarer).
 """
 
 from __future__ import annotations
@@ -17,12 +27,23 @@ import argparse
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import BinaryIO
 
 import localbucket
 
 Entries = tuple[list[tuple[str, Path]], list[str], bool, str]
+
+# Writes and reads of one key take its lock (striped: a key maps to one of these), so no
+# write comes between a conditional write's check and its write, or a GET's content and ETag.
+_KEY_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def _key_lock(bucket: str, key: str) -> threading.Lock:
+    return _KEY_LOCKS[hash((bucket, key)) % len(_KEY_LOCKS)]
 
 
 class ScopedListingHandler(localbucket.S3Handler):
@@ -63,6 +84,26 @@ class ScopedListingHandler(localbucket.S3Handler):
                 contents.append((key, path))
                 last_entry = "K:" + key
         return contents, common_prefixes, truncated, last_entry
+
+    def _write_object(self, bucket: str, key: str, write: Callable[[BinaryIO], str]) -> str:
+        """localbucket's write, `If-Match` honoured: 412 unless the object exists with one
+        of the listed ETags (S3's conditional write; object_store reads 412 as Precondition)."""
+        if_match = self.headers.get("If-Match")
+        with _key_lock(bucket, key):
+            if if_match is not None:
+                target = self._object_path(bucket, key)
+                if not target.is_file() or not localbucket.etag_matches(
+                    if_match, localbucket.object_etag(target)
+                ):
+                    raise self._precondition_failed_error()
+            etag: str = super()._write_object(bucket, key, write)
+            return etag
+
+    def _get(self, bucket: str, key: str, include_body: bool) -> None:
+        """localbucket's GET/HEAD, with no write to the key between reading its content and
+        its ETag."""
+        with _key_lock(bucket, key):
+            super()._get(bucket, key, include_body)
 
     def log_message(self, format: str, *args: object) -> None:
         if len(args) >= 2 and str(args[1]).startswith(("2", "3")):

@@ -1,9 +1,13 @@
-"""The embedded S3 server's scoped listings return exactly what localbucket's full walk
-does, for prefixes, delimiters, markers and page sizes as Tansu's s3 engine uses them."""
+"""The embedded S3 server: its scoped listings return exactly what localbucket's full walk
+does, for prefixes, delimiters, markers and page sizes as Tansu's s3 engine uses them, and
+its conditional writes are compare-and-swap."""
 
 from __future__ import annotations
 
+import http.client
 import random
+import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import localbucket
@@ -52,3 +56,49 @@ def test_scoped_listings_equal_localbuckets(tmp_path: Path) -> None:
                     assert scoped._list_entries(*args) == full._list_entries(*args), args
                     compared += 1
     assert compared > 200
+
+
+def test_compare_and_swap_holds_under_contention(tmp_path: Path) -> None:
+    """Tansu's s3 engine moves each partition's watermark by GET, then PUT `If-Match: <etag>`
+    (again on 412): under contention every increment must land exactly once."""
+    (tmp_path / "bucket").mkdir()
+    ScopedListingHandler.data_root = tmp_path
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ScopedListingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+
+    def request(method: str, body: bytes = b"", **headers: str) -> tuple[int, str, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request(method, "/bucket/watermark.json", body=body, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.getheader("ETag", ""), response.read()
+        finally:
+            connection.close()
+
+    def increment(times: int) -> None:
+        for _ in range(times):
+            while True:
+                status, etag, body = request("GET")
+                assert status == 200, status
+                status, _, _ = request("PUT", str(int(body) + 1).encode(), **{"If-Match": etag})
+                if status == 200:
+                    break
+                assert status == 412, status
+
+    try:
+        assert request("PUT", b"0", **{"If-Match": '"nothing"'})[0] == 412  # no such object
+        assert request("PUT", b"0", **{"If-None-Match": "*"})[0] == 200
+        assert request("PUT", b"9", **{"If-None-Match": "*"})[0] == 412  # exists
+        _, etag, _ = request("GET")
+        assert request("PUT", b"0", **{"If-Match": '"stale"'})[0] == 412
+        assert request("PUT", b"0", **{"If-Match": etag})[0] == 200  # same content, same ETag
+        threads = [threading.Thread(target=increment, args=(40,)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert request("GET")[2] == b"320"
+    finally:
+        server.shutdown()
+        server.server_close()
