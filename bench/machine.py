@@ -8,6 +8,7 @@ and the precision each part computed in.
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from common.hardware import ComputeDtype, Hardware, detect
 from console.stack.services import service_precisions
 
 RESULTS = Path(__file__).parent / "results"
+SETTING_PREFIXES = ("ROLLOUT_", "TRAINER_", "ENV_SVC_", "ONEDNN_", "ATEN_", "OMP_")
+"""Environment variables a result records when set: the services' settings and the kernels'
+caps, so two runs that differ in one are told apart by their JSON, not only their names."""
 
 
 def machine_tag(hardware: Hardware | None = None) -> str:
@@ -29,7 +33,22 @@ def machine_tag(hardware: Hardware | None = None) -> str:
 def machine_fields(**precision: str) -> dict[str, Any]:
     """The `machine` block of a result: the hardware, and what each named part (trainer,
     engine, ...) computed in."""
-    return {**detect().record(), "tag": machine_tag(), "precision": precision}
+    return {
+        **detect().record(),
+        "tag": machine_tag(),
+        "precision": precision,
+        "settings": settings_set(),
+    }
+
+
+def settings_set() -> dict[str, str]:
+    """The `SETTING_PREFIXES` variables set in this environment (none of them a secret)."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith(SETTING_PREFIXES)
+        and not any(word in name for word in ("PASSWORD", "SECRET", "KEY", "TOKEN"))
+    }
 
 
 def result_path(what: str, suffix: str = ".json", *, date: str | None = None) -> Path:
