@@ -4,7 +4,9 @@
 
 Both phases run on the same embedded stack and services (one rollout engine, one trainer),
 after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
-jobs, cycled, seeds differ per job); only the job ids differ between phases. Reported per
+jobs, cycled, seeds differ per job; sampling seeded too, `rl.sampling.seed`, so both phases
+draw the same tokens wherever their adapters agree, and compare the same work rather than
+two draws of it); only the job ids differ between phases. Reported per
 phase: wall time from the first submission to the last job's end, the rollout engine's busy
 share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
 trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
@@ -97,7 +99,8 @@ def _share(part: float | None, whole: float | None, digits: int = 4) -> float | 
 
 
 def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[JobSpec]:
-    """`count` jobs cycling through `base`, `steps` steps each, seed i, ids tagged."""
+    """`count` jobs cycling through `base`, `steps` steps each, task and sampling seeds
+    100 + i, ids tagged."""
     specs = []
     for index in range(count):
         template = base[index % len(base)]
@@ -106,7 +109,11 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
                 template,
                 job_id=f"{tag}-{index}-{template.env.name}",
                 env=msgspec.structs.replace(template.env, seed=100 + index),
-                rl=msgspec.structs.replace(template.rl, max_steps=steps),
+                rl=msgspec.structs.replace(
+                    template.rl,
+                    max_steps=steps,
+                    sampling=msgspec.structs.replace(template.rl.sampling, seed=100 + index),
+                ),
                 eval=EvalSettings(tasks=0),  # training throughput only
             )
         )

@@ -26,12 +26,13 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
 `JobSpec.eval` and `GenerationRequest.pinned_adapter_version`; 4 adds
 `GenerationRequest.tenant`; 5 adds `RLSettings.score_cut_off`; 6 adds
 `RLSettings.resample_uniform_groups` (and with it the drop kind and event
-`dropped_uniform`). Up by one with every field added to any message."""
+`dropped_uniform`); 7 adds `SamplingSettings.seed`. Up by one with every field added to any
+message."""
 
 
 class Topic(StrEnum):
@@ -108,6 +109,7 @@ MAX_CONTEXT_TOKENS = 131_072
 MAX_LORA_RANK = 512
 MAX_TARGET_MODULES = 32
 MAX_EVAL_TASKS = 1024
+MAX_SEED = 2**63 - 1
 
 
 class EnvSettings(_Part):
@@ -150,6 +152,12 @@ class SamplingSettings(_Part):
     stop: list[str] = []
     """Strings that end a turn early, besides the end-of-turn token; empty = none (rollout_svc
     then skips detokenizing)."""
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
+    """Seeds sampling, in [0, 2^63): each turn draws from its own stream, named by this seed,
+    the group's place in its job (not the job's id), the sample and the turn
+    (`rollout_svc.engine.turn_seed`), so the same spec samples the same tokens wherever the
+    adapter gives the same probabilities: a rerun, the other phase of a benchmark. None:
+    unseeded."""
 
 
 class RLSettings(_Part):

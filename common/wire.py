@@ -277,9 +277,12 @@ _V1_FIELDS: dict[str, tuple[str, ...]] = {
 """Each message's fields in schema-1 order (the `schema` field followed them)."""
 _V1_NESTED_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("job_spec", "rl"): {"score_cut_off": False, "resample_uniform_groups": 0},
+    ("job_spec", "rl.sampling"): {"seed": None},
+    ("generation_request", "sampling"): {"seed": None},
 }
-"""Fields added since schema 1 inside a message's settings blocks, at their defaults (which
-are not written): how a schema-1 record leaves them out."""
+"""Fields added since schema 1 inside a message's settings blocks (a dotted path reaches into
+a nested one), at their defaults (which are not written): how a schema-1 record leaves them
+out."""
 
 
 def _v1_layout(kind: type[Message]) -> type[msgspec.Struct]:
@@ -331,7 +334,16 @@ def _to_v1(message: Message) -> msgspec.Struct:
     layout = _V1_LAYOUTS[type(message)]
     tag = str(type(message).__struct_config__.tag)
     values = {name: getattr(message, name) for name in _V1_FIELDS[tag]}
-    for (kind, name), defaults in _V1_NESTED_DEFAULTS.items():
+    for (kind, path), defaults in _V1_NESTED_DEFAULTS.items():
         if kind == tag:
-            values[name] = msgspec.structs.replace(values[name], **defaults)
+            head, *rest = path.split(".")
+            values[head] = _replaced(values[head], rest, defaults)
     return layout(**values, schema=1)
+
+
+def _replaced(block: Any, path: list[str], defaults: dict[str, Any]) -> Any:
+    """`block` with `defaults` set in its nested block at `path` ([]: in itself)."""
+    if not path:
+        return msgspec.structs.replace(block, **defaults)
+    head, *rest = path
+    return msgspec.structs.replace(block, **{head: _replaced(getattr(block, head), rest, defaults)})

@@ -22,7 +22,13 @@ from typing import Any
 from aiohttp import web
 
 from common.chat import MAX_PROMPT_CHARS, MAX_TOKENS
-from common.messages import GenerationRequest, GenerationResult, SamplingSettings, new_id
+from common.messages import (
+    MAX_SEED,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    new_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +73,17 @@ def sampling_of(body: dict[str, Any]) -> SamplingSettings:
         raise ChatError(400, "temperature must be >= 0 and top_p in (0, 1]")
     if not all(isinstance(s, str) for s in stop):
         raise ChatError(400, "stop must be a string or a list of strings")
+    seed = body.get("seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
+    ):
+        raise ChatError(400, f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
     return SamplingSettings(
-        temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, stop=list(stop)
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_tokens,
+        stop=list(stop),
+        seed=seed,
     )
 
 

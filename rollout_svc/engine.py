@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -321,7 +322,7 @@ class RolloutEngine:
                 f"request {request.request_id}: context of {context_len} tokens leaves no room "
                 f"to generate within max_model_len={self.max_model_len}"
             )
-        params = self._sampling_params(request.sampling)
+        params = self._sampling_params(request.sampling, turn_seed(request))
         # Unique even when at-least-once delivery hands us the same request twice at once.
         engine_request_id = f"{request.request_id}#{next(self._request_seq)}"
         lora = self._acquire(adapter)
@@ -372,13 +373,14 @@ class RolloutEngine:
             generate_s=max(0.0, elapsed - queue_s),
         )
 
-    def _sampling_params(self, sampling: SamplingSettings) -> SamplingParams:
+    def _sampling_params(self, sampling: SamplingSettings, seed: int | None) -> SamplingParams:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            seed=seed,
             max_tokens=sampling.max_new_tokens,
             stop=list(sampling.stop) or None,
             logprobs=0,  # the sampled token's logprob only
@@ -519,6 +521,19 @@ class RolloutEngine:
         if self._engine is None:
             raise RuntimeError("RolloutEngine is not started")
         return self._engine
+
+
+def turn_seed(request: GenerationRequest) -> int | None:
+    """The sampler's seed for one turn: None when the job's sampling is unseeded, else one
+    of 2^63 named by the job's seed, the group's place in the job (its id without the job's:
+    `g<index>`), the sample and the turn. The job id stays out, so the same spec submitted
+    again under another id draws the same."""
+    seed = request.sampling.seed
+    if seed is None:
+        return None
+    group = request.group_id.removeprefix(f"{request.job_id}/")
+    name = f"{seed}:{group}:{request.sample_index}:{request.turn}".encode()
+    return int.from_bytes(hashlib.sha256(name).digest()[:8], "big") >> 1
 
 
 def _finish_reason(vllm_reason: str | None) -> FinishReason:

@@ -35,6 +35,7 @@ ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     3: {"generation_request": {"tenant": ""}},
     4: {"job_spec": {"rl.score_cut_off": False}},
     5: {"job_spec": {"rl.resample_uniform_groups": 0}},
+    6: {"job_spec": {"rl.sampling.seed": None}, "generation_request": {"sampling.seed": None}},
 }
 """Fields each schema's writers did not know yet, by schema and kind (a dotted path reaches
 into a settings block): read from such a writer's bytes, they hold their defaults."""
@@ -58,7 +59,7 @@ def _with(struct: S, path: list[str], value: object) -> S:
     return msgspec.structs.replace(struct, **{head: value})
 
 
-SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=["\n\n"])
+SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=["\n\n"], seed=11)
 
 SAMPLES: dict[str, Message] = {
     "job_spec": JobSpec(

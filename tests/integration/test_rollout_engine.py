@@ -97,18 +97,21 @@ def request(
     temperature: float = 0.0,
     stop: list[str] | None = None,
     context: list[int] = CONTEXT,
+    seed: int | None = None,
+    job_id: str = "job",
+    sample_index: int = 0,
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=new_id(),
-        job_id="job",
+        job_id=job_id,
         episode_id=new_id(),
-        group_id="g",
-        sample_index=0,
+        group_id=f"{job_id}/g0",
+        sample_index=sample_index,
         turn=0,
         context_token_ids=context,
         env_state=b"state",
         sampling=SamplingSettings(
-            temperature=temperature, max_new_tokens=max_new_tokens, stop=stop or []
+            temperature=temperature, max_new_tokens=max_new_tokens, stop=stop or [], seed=seed
         ),
     )
 
@@ -144,6 +147,23 @@ async def test_greedy_generation_is_repeatable(engine: RolloutEngine) -> None:
     assert first.logprobs == pytest.approx(second.logprobs, abs=1e-6)
     assert first.adapter_version == 0
     assert first.env_state == b"state" and first.context_token_ids == CONTEXT
+
+
+async def test_a_seeded_job_samples_the_same_tokens_under_any_job_id(
+    engine: RolloutEngine,
+) -> None:
+    """Temperature 1: a seed names each sample's draws (not the job's id), beside other
+    requests in the batch; another sample of the group, or no seed, draws otherwise."""
+
+    async def sample(job_id: str, seed: int | None = None, sample_index: int = 0) -> list[int]:
+        turn = request(16, 1.0, seed=seed, job_id=job_id, sample_index=sample_index)
+        return (await engine.generate(turn)).completion_token_ids
+
+    first = await sample("seq-0", seed=7)
+    again = await asyncio.gather(sample("conc-0", seed=7), *(sample(f"x-{i}") for i in range(3)))
+    assert again[0] == first
+    others = [await sample("seq-0", seed=7, sample_index=1), *again[1:]]
+    assert all(tokens != first for tokens in others)
 
 
 async def test_logprobs_are_the_base_models_log_softmax(

@@ -25,6 +25,11 @@ def test_model_names() -> None:
         ({"max_tokens": "lots"}, "bad sampling parameter"),
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"stop": [1]}, "stop must be a string"),
+        ({"seed": "7"}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": True}, "seed must be an integer"),
+        ({"seed": -1}, "seed must be an integer in"),
+        ({"seed": 2**63}, "seed must be an integer in"),
     ],
 )
 def test_bad_sampling_is_a_clear_400(body: dict[str, Any], message: str) -> None:
@@ -36,6 +41,7 @@ def test_bad_sampling_is_a_clear_400(body: dict[str, Any], message: str) -> None
 def test_defaults_decode_greedily() -> None:
     sampling = sampling_of({"stop": "\n"})
     assert (sampling.temperature, sampling.max_new_tokens, sampling.stop) == (0.0, 64, ["\n"])
+    assert sampling.seed is None and sampling_of({"seed": 0}).seed == 0  # OpenAI's `seed`
 
 
 @pytest.mark.parametrize(
