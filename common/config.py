@@ -221,11 +221,6 @@ class RolloutSettings(BaseSettings):
     """Kafka consumer group shared by all rollout_svc replicas."""
     max_in_flight: int = Field(default=64, ge=1)
     """Requests in the engine at once; consumption pauses beyond it (back-pressure)."""
-    first_wave: int = Field(default=16, ge=0)
-    """Slots an idle engine opens first (slow start): each generation that ends opens one
-    more, up to `max_in_flight`, so the first requests of a burst finish in a small batch
-    and the trainer starts early instead of after one full-size wave (docs/architecture.md,
-    "Rollout admission"). 0, or >= `max_in_flight`: all slots at once."""
     fair_share_grace_s: float = Field(default=10.0, ge=0)
     """Each tenant may hold at most its max-min fair share of the `max_in_flight` slots over
     the tenants' demands (docs/architecture.md, "Rollout admission"); a tenant's demand is its

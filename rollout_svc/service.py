@@ -155,10 +155,7 @@ class RolloutService(Service):
         self._room = asyncio.Event()
         """Set when a request left `_waiting`: a poll loop held back may read again."""
         self._in_engine = 0
-        """Rollout requests admitted and not finished: at most `_window`."""
-        self._window = self._idle_window()
-        """Slots open now: `first_wave` while the engine is idle, one more per generation that
-        ends, up to `max_in_flight` (slow start)."""
+        """Rollout requests admitted and not finished: at most `max_in_flight`."""
         self._generations: set[asyncio.Task[None]] = set()
         self._started_at = time.monotonic()
         self._stopping = asyncio.Event()
@@ -328,7 +325,7 @@ class RolloutService(Service):
         released, so a restart reads them again."""
         while (
             self._waiting
-            and self._in_engine < self._window
+            and self._in_engine < self.settings.max_in_flight
             and not self._stopping.is_set()
             and not self._engine_died.is_set()
         ):
@@ -347,18 +344,6 @@ class RolloutService(Service):
             )
             self._generations.add(task)
             task.add_done_callback(self._generations.discard)
-
-    def _idle_window(self) -> int:
-        first = self.settings.first_wave
-        return min(first, self.settings.max_in_flight) if first else self.settings.max_in_flight
-
-    def _ended_one(self) -> None:
-        """A generation ended: one more slot opens; an engine left with nothing to do closes
-        back to the first wave."""
-        if self._in_engine == 0 and not self._waiting:
-            self._window = self._idle_window()
-        else:
-            self._window = min(self._window + 1, self.settings.max_in_flight)
 
     def _below(self, shares: dict[str, int], tenant: str) -> bool:
         return self._tenant_in_engine.get(tenant, 0) < shares.get(tenant, 0)
@@ -407,7 +392,6 @@ class RolloutService(Service):
         finally:
             self._in_engine -= 1
             self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 1) - 1
-            self._ended_one()
             self._note_demand(tenant)
             self._admit()
 

@@ -138,12 +138,10 @@ class TurnstileEngine(GatedEngine):
         await asyncio.wait_for(wait(), 10)
 
 
-def service_with(
-    backend: MemoryBackend, engine: TurnstileEngine, slots: int, first_wave: int = 0
-) -> RolloutService:
+def service_with(backend: MemoryBackend, engine: TurnstileEngine, slots: int) -> RolloutService:
     return RolloutService(
         SharedSettings(),
-        RolloutSettings(max_in_flight=slots, first_wave=first_wave),
+        RolloutSettings(max_in_flight=slots),
         engine,
         producer=backend.producer,
         store=backend.store,
@@ -218,38 +216,6 @@ async def test_a_tenants_backlog_does_not_sit_ahead_of_another_tenants_requests(
         await stopped(service, engine)
         assert len(await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=8)) == 8
         assert prompts.committable == 48  # acme0's 40 and acme1's 0..7 sent, its 8 never started
-
-
-async def test_an_idle_engine_opens_its_first_wave_then_a_slot_per_generation_ended() -> None:
-    """Slow start: 3 of 8 slots while idle; each generation that ends opens one more, so the
-    first wave's requests finish in a small batch; drained, the engine closes back to 3."""
-    async with memory_backend() as backend:
-        spec = spec_of("burst", "acme")
-        await registered(backend, spec)
-        engine = TurnstileEngine()
-        service = service_with(backend, engine, slots=8, first_wave=3)
-        prompts = Inbox(Topic.PROMPTS)
-        await read(prompts, service, [request_for(spec.job_id, index, 0) for index in range(12)])
-        await engine.until_entered(3)
-        await asyncio.sleep(0)  # an admission that ignored the first wave would be done by now
-        assert len(engine.entered) == 3 and len(service._waiting) == 9
-        in_engine = []
-        for ended in range(1, 6):
-            engine.let_out(engine.entered[ended - 1])  # the window: 3 + ended, at most 8
-            await engine.until_entered(min(3 + 2 * ended, 12))
-            await asyncio.sleep(0)
-            in_engine.append(len(engine.entered) - ended)
-        assert in_engine == [4, 5, 6, 7, 7] and service._window == 8  # the last 7 of the 12
-        for request in engine.entered[5:]:
-            engine.let_out(request)
-        # Every generation ended and nothing waits: idle again.
-        await asyncio.wait_for(asyncio.gather(*service._generations), 10)
-        assert service._window == 3
-        await read(prompts, service, [request_for(spec.job_id, 12 + i, 0) for i in range(5)])
-        await engine.until_entered(15)
-        await asyncio.sleep(0)
-        assert len(engine.entered) == 15 and len(service._waiting) == 2
-        await stopped(service, engine)
 
 
 async def test_the_tenant_a_request_carries_is_the_one_admission_uses() -> None:
