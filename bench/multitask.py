@@ -201,6 +201,7 @@ async def measure(
                             "wall_step_s",
                             "threads",
                             "zero_advantage_share",
+                            "staleness_mean",
                             "tokens",
                         )
                         if key in metrics
