@@ -5,8 +5,8 @@
 Both phases run on the same embedded stack and services (one rollout engine, one trainer),
 after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
 jobs, cycled, seeds differ per job; sampling seeded too, `rl.sampling.seed`, so both phases
-draw the same tokens wherever their adapters agree, and compare the same work rather than
-two draws of it); only the job ids differ between phases. Reported per
+draw the same tokens wherever their probabilities agree: closer to the same work than two
+independent draws, not equal to it); only the job ids differ between phases. Reported per
 phase: wall time from the first submission to the last job's end, the rollout engine's busy
 share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
 trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
