@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Mapping, Sequence
 from functools import reduce
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -337,13 +338,16 @@ def _to_v1(message: Message) -> msgspec.Struct:
     for (kind, path), defaults in _V1_NESTED_DEFAULTS.items():
         if kind == tag:
             head, *rest = path.split(".")
-            values[head] = _replaced(values[head], rest, defaults)
+            values[head] = replaced_at(values[head], rest, defaults)
     return layout(**values, schema=1)
 
 
-def _replaced(block: Any, path: list[str], defaults: dict[str, Any]) -> Any:
-    """`block` with `defaults` set in its nested block at `path` ([]: in itself)."""
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def replaced_at(block: S, path: Sequence[str], fields: Mapping[str, Any]) -> S:
+    """`block` with `fields` set in its nested block at `path` ([]: in itself)."""
     if not path:
-        return msgspec.structs.replace(block, **defaults)
+        return msgspec.structs.replace(block, **fields)
     head, *rest = path
-    return msgspec.structs.replace(block, **{head: _replaced(getattr(block, head), rest, defaults)})
+    return msgspec.structs.replace(block, **{head: replaced_at(getattr(block, head), rest, fields)})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 
@@ -27,8 +26,7 @@ from common.messages import (
     SamplingSettings,
     Trajectory,
 )
-
-S = TypeVar("S", bound=msgspec.Struct)
+from common.wire import replaced_at
 
 ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     2: {"job_spec": {"eval": EvalSettings()}, "generation_request": {"pinned_adapter_version": -1}},
@@ -47,16 +45,9 @@ def as_read_from(schema: int, kind: str) -> Message:
     for older, kinds in ADDED_AFTER.items():
         if schema <= older:
             for path, default in kinds.get(kind, {}).items():
-                read = _with(read, path.split("."), default)
+                *block, field = path.split(".")
+                read = replaced_at(read, block, {field: default})
     return read
-
-
-def _with(struct: S, path: list[str], value: object) -> S:
-    """`struct` with the field at `path` (a field, or a field of a nested struct) set."""
-    head, *rest = path
-    if rest:
-        value = _with(getattr(struct, head), rest, value)
-    return msgspec.structs.replace(struct, **{head: value})
 
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=["\n\n"], seed=11)
