@@ -11,7 +11,9 @@ tables, sorted by self CPU time, to `bench/results/trainer-batched-profile-<date
 `--threads`: one job's step at each of those thread counts instead (the median of 3 timed
 steps, then one profiled), each operator's time at every count side by side: which part of a
 step a borrowed core speeds up (docs/architecture.md, "the trainer's borrowed core"); and two
-jobs' steps in turn and in one shared pass at each count. Writes
+jobs' steps in turn and in one shared pass at each count, and (on 2 cores or more) in two
+passes at once, one thread and core each: what a borrowed core would give as a second pass
+instead of a second thread. Writes
 `bench/results/trainer-threads-profile-<date>-<machine>.txt`.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -27,6 +31,7 @@ from machine import machine_fields, result_path, trainer_dtype  # bench/machine.
 from torch.profiler import ProfilerActivity, profile
 from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
+from common.messages import Trajectory
 from common.models import resolve_base_model
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -52,6 +57,37 @@ def op_times(step: Callable[[], object]) -> dict[str, float]:
     return {event.key: event.self_cpu_time_total / 1e3 for event in prof.key_averages()}
 
 
+def parallel_passes(
+    policy: MultiAdapterPolicy, both: dict[str, tuple[list[Trajectory], list[float]]]
+) -> str | None:
+    """The two jobs' steps at once, each pass on its own thread and core with one OpenMP
+    thread (None on fewer than 2 cores). The second job runs on a copy of the model: one
+    model's adapter routing (peft's forward hooks) is not per thread."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        return None
+    twin = MultiAdapterPolicy(policy.base_model_dir, compute_dtype=policy.compute_dtype)
+    twin.add_job("other", LORA, RL, seed=1)
+
+    def step(owner: MultiAdapterPolicy, job: str, core: int) -> None:
+        os.sched_setaffinity(0, {core})  # this thread only
+        torch.set_num_threads(1)
+        owner.train_step(job, *both[job])
+
+    def at_once() -> None:
+        threads = [
+            threading.Thread(target=step, args=(policy, "job", cores[0])),
+            threading.Thread(target=step, args=(twin, "other", cores[1])),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    wall = timed(at_once, REPEATS, policy.device)
+    return f"in parallel passes, 1 thread each on cores {cores[0]} and {cores[1]}: {wall:.3f}"
+
+
 def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) -> str:
     """One job's step at each thread count: the step's wall and each operator's, side by side."""
     policy.add_job("job", LORA, RL, seed=0)
@@ -70,6 +106,8 @@ def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) ->
         )
         one_pass = timed(lambda: policy.train_steps(both), REPEATS, policy.device)
         pairs.append(f"{count} threads: in turn {in_turn:.3f}, in one pass {one_pass:.3f}")
+    if parallel := parallel_passes(policy, both):
+        pairs.append(parallel)
     first = ops[0]
     lines = [
         f"step wall s (median of {REPEATS}): "
