@@ -123,3 +123,70 @@ def test_busy_ticks_leave_out_idle_iowait_and_guest(tmp_path: Path) -> None:
     assert _busy_ticks({0}, stat) == 30 + 1 + 10 + 2 + 3 + 0
     assert _busy_ticks({0, 1}, stat) == 46 + 30
     assert compute._busy_ticks({5}, stat) == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_second_pass_runs_on_the_lent_core_while_it_is_idle_else_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    own, lent = sorted(os.sched_getaffinity(0))[-1:], sorted(os.sched_getaffinity(0))[:1]
+    thread = ComputeThread(set(own), set(lent), 1)
+    # available() looks; the pass is placed as it starts; before a layer, the engine is back.
+    idle = iter([True, True, False])
+    monkeypatch.setattr(thread, "lent_idle", lambda: next(idle))
+    second = thread.second_pass
+    assert second is not None
+    where: list[tuple[set[int], int]] = []
+
+    def a_pass() -> None:
+        where.append((_affinity(0), torch.get_num_threads()))
+        thread.adjust()  # what the policy calls before each layer
+        where.append((_affinity(0), torch.get_num_threads()))
+
+    try:
+        assert second.available()
+        second.submit(a_pass).result()
+        assert where == [(set(lent), 1), (set(own), 1)]
+        assert not second.busy and second.passes == 1
+    finally:
+        thread.shutdown()
+
+
+def test_the_compute_thread_leaves_the_lent_core_to_a_running_second_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    thread = _scripted(monkeypatch, [(0.0, 0, 0), (1.0, 0, 0), (2.0, 0, 0)])
+    second = thread.second_pass
+    assert second is not None
+    try:
+        assert thread.adjust() == 1  # the first look only starts the window
+        second.busy = True
+        assert thread.adjust() == 1  # idle lent core, but the second pass has it
+        second.busy = False
+        assert thread.adjust() == 2
+        assert thread.borrowed_calls == 1
+    finally:
+        thread.shutdown()
+
+
+def test_a_second_pass_counts_as_the_trainer_only_while_on_the_lent_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its ticks on the lent core are the trainer's own in the borrowing decision (else its
+    own pass would look like the engine and stop it); its ticks elsewhere are not."""
+    thread = ComputeThread({1}, {0}, 1)
+    second = thread.second_pass
+    assert second is not None
+    ticks = iter([100, 130, 150, 400])
+    monkeypatch.setattr(compute, "_thread_ticks", lambda tids: next(ticks))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None)  # pytest's thread
+    second._tid = 1
+    try:
+        second._place(True)  # at 100 ticks
+        assert second.ticks_on_lent() == 30  # at 130
+        second._place(False)  # at 150: 50 on the lent core
+        assert second.ticks_on_lent() == 50
+        second._place(True)  # at 400: none of the 250 since counts
+        assert second._ticks_before == 50
+    finally:
+        thread.shutdown()
