@@ -273,10 +273,6 @@ class TrainerSettings(BaseSettings):
     """CPU cores the trainer adds a thread on for each pass while other processes leave
     them idle (trainer_svc/compute.py); empty: none. The embedded stack lends the trainer
     the rollout service's cores."""
-    second_pass: bool = True
-    """While others leave the lent cores idle and two jobs or more are ready, train some of
-    them in a pass of their own on the lent cores, beside the step's other pass, instead of
-    adding a thread to one pass (trainer_svc/compute.py says what that gains)."""
     device: str = "auto"
     """Where the trainer computes: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     "cuda" or "cuda:N"."""

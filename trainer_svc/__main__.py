@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
             compute_dtype=precision.dtype,
             device=settings.device,
             adjust_threads=compute.adjust,
-            second_pass=compute.second_pass if settings.second_pass else None,
         )
 
     # The model loads in start().

@@ -20,15 +20,6 @@ helper threads belong to the thread that runs the parallel regions. Every model 
 never lands on a lent core. Its OpenMP helpers are started once, while the thread is briefly
 allowed the lent cores too, and keep that wider mask: when they run, the scheduler puts them
 where the pinned thread is not.
-
-A second pass instead of a second thread: when a step has several jobs, one of them can run
-its own pass on the lent cores at the same time (`second_pass`), each pass on one thread.
-Two passes at once did two jobs' steps 1.85x as fast as one thread, one pass on two threads
-1.61x (bench/results/trainer-threads-profile-20261206-cpu2-avx2.txt): a matmul split over
-two threads does not scale as well as two matmuls. That pass runs on `LentPass`'s thread,
-pinned to the lent cores while others leave them idle and moved to the trainer's own cores
-(sharing them with the compute thread) as soon as they do not; its time on the lent cores
-is the trainer's own in the borrowing decision, like the helpers'.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -94,9 +85,6 @@ class ComputeThread:
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="trainer-compute", initializer=self._start
         )
-        self._decide_lock = threading.Lock()
-        self.second_pass = LentPass(self) if self.lent else None
-        """Runs a pass on the lent cores beside the compute thread's; None when none are lent."""
 
     async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` on the compute thread."""
@@ -110,41 +98,25 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.second_pass is not None:
-            self.second_pass.shutdown()
-
-    def lent_idle(self) -> bool:
-        """Whether others leave the lent cores idle now (a fresh look; any thread)."""
-        if not self.lent:
-            return False
-        self._decide()
-        return self._borrowing
 
     def adjust(self) -> int:
         """Sets and returns the OpenMP threads of what the compute thread runs next; the
         policy calls it before each layer. Elsewhere it changes nothing."""
         import torch
 
-        if self.second_pass is not None and self.second_pass.on_its_thread():
-            return self.second_pass.adjust()
         if self._ident is not None and threading.get_ident() != self._ident:
             return int(torch.get_num_threads())
         self.calls += 1
         if self.lent:
             self._decide()
-        lent_free = self._borrowing and not (self.second_pass and self.second_pass.busy)
-        threads = self.threads + (len(self.lent) if lent_free else 0)
-        self.borrowed_calls += lent_free
+        threads = self.threads + (len(self.lent) if self._borrowing else 0)
+        self.borrowed_calls += self._borrowing
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return threads
 
     def _decide(self) -> None:
         """Borrow while others left the lent cores idle over about the last `WINDOW_S`."""
-        with self._decide_lock:  # the compute thread, the lent pass's and the service's
-            self._decide_locked()
-
-    def _decide_locked(self) -> None:
         looks = self._looks
         if looks and time.monotonic() - looks[-1].at < LOOK_EVERY_S:
             return
@@ -191,92 +163,7 @@ class ComputeThread:
         self._ident = threading.get_ident()
 
     def _look(self) -> _Look:
-        ours = _thread_ticks(self._helpers)
-        if self.second_pass is not None:
-            ours += self.second_pass.ticks_on_lent()
-        return _Look(time.monotonic(), _busy_ticks(self.lent), ours)
-
-
-class LentPass:
-    """One thread that runs a pass on the lent cores beside the compute thread's pass, with
-    one OpenMP thread per lent core while others leave them idle, else on the trainer's own
-    cores with one (decided, like the compute thread's threads, before each layer)."""
-
-    def __init__(self, owner: ComputeThread) -> None:
-        self._owner = owner
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="trainer-lent-pass", initializer=self._start
-        )
-        self._ident: int | None = None
-        self._tid: int | None = None
-        self._on_lent = False
-        self._ticks_before = 0
-        """Ticks this thread spent on the lent cores before its current placement."""
-        self._placed_at_ticks = 0
-        """Its ticks when it was last placed on the lent cores."""
-        self.busy = False
-        self.passes = 0
-
-    def available(self) -> bool:
-        """Whether a pass submitted now would start at once (on the lent cores while others
-        leave them idle, else on the trainer's own beside the compute thread's pass)."""
-        return not self.busy
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]:
-        """Run `fn` (a pass) on this thread; `busy` until it returns."""
-        self.busy = True
-        self.passes += 1
-        return self._executor.submit(self._run, fn)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def on_its_thread(self) -> bool:
-        return self._ident is not None and threading.get_ident() == self._ident
-
-    def adjust(self) -> int:
-        """On this thread, before a layer: the lent cores while others leave them idle, else
-        the trainer's own (where the compute thread runs too); returns its threads."""
-        import torch
-
-        self._place(self._owner.lent_idle())
-        threads = len(self._owner.lent) if self._on_lent else 1
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return threads
-
-    def ticks_on_lent(self) -> int:
-        """User + system ticks this thread spent on the lent cores (the borrowing decision
-        counts them as the trainer's, not as others')."""
-        if self._tid is None:
-            return 0
-        if not self._on_lent:
-            return self._ticks_before
-        return self._ticks_before + _thread_ticks([self._tid]) - self._placed_at_ticks
-
-    def _run(self, fn: Callable[[], None]) -> None:
-        try:
-            self.adjust()
-            fn()
-        finally:
-            self.busy = False
-
-    def _place(self, on_lent: bool) -> None:
-        if on_lent == self._on_lent:
-            return
-        assert self._tid is not None
-        ticks = _thread_ticks([self._tid])
-        if on_lent:
-            self._placed_at_ticks = ticks
-        else:
-            self._ticks_before += ticks - self._placed_at_ticks
-        os.sched_setaffinity(0, self._owner.lent if on_lent else self._owner.own)
-        self._on_lent = on_lent
-
-    def _start(self) -> None:
-        self._ident = threading.get_ident()
-        self._tid = threading.get_native_id()
-        os.sched_setaffinity(0, self._owner.own)
+        return _Look(time.monotonic(), _busy_ticks(self.lent), _thread_ticks(self._helpers))
 
 
 def _task_ids() -> set[int]:

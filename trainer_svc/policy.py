@@ -18,14 +18,11 @@ import contextlib
 import hashlib
 import json
 import math
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.hardware import ComputeDtype
@@ -42,29 +39,6 @@ OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE, TRAINER_STATE)
 MAX_GRAD_NORM = 1.0
-
-
-class SecondPass(Protocol):
-    """Runs a pass beside the calling thread's (trainer_svc/compute.py's `LentPass`)."""
-
-    def available(self) -> bool:
-        """Whether a pass submitted now would have cores of its own."""
-        ...
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]: ...
-
-
-_route = threading.local()
-"""`names`: the adapter of each row of the calling thread's next forward pass (or unset)."""
-
-
-def _routed(module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """A LoRA layer's forward pre-hook: this thread's routing, as peft's `adapter_names`."""
-    names = getattr(_route, "names", None)
-    if names is not None:
-        kwargs["adapter_names"] = names
-    return args, kwargs
-
 
 # policy_loss metrics that are means over masked tokens: combined across micro-batches
 # weighted by each micro-batch's token count. All but the loss compare the trained policy
@@ -205,7 +179,6 @@ class MultiAdapterPolicy:
         share_prefixes: bool = True,
         skip_zero_advantages: bool = True,
         adjust_threads: Callable[[], int] | None = None,
-        second_pass: SecondPass | None = None,
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
@@ -216,9 +189,7 @@ class MultiAdapterPolicy:
         sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage
         is 0 out of the passes (their loss and gradient are 0; see `train_steps`).
         `adjust_threads`: called before each decoder layer's forward and backward, returns
-        the threads what follows runs on (trainer_svc/compute.py lends idle cores this way).
-        `second_pass`: where a step of several jobs may run some of them in a pass of their
-        own at the same time (see `train_steps`)."""
+        the threads what follows runs on (trainer_svc/compute.py lends idle cores this way)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -230,9 +201,6 @@ class MultiAdapterPolicy:
         self.share_prefixes = share_prefixes
         self.skip_zero_advantages = skip_zero_advantages
         self.adjust_threads = adjust_threads
-        self.second_pass = second_pass
-        self._step_thread: int | None = None
-        """The thread running `train_steps` (a second pass's layers keep no thread count)."""
         self._threads = torch.get_num_threads()
         """Threads since `_threads_since` (the last call of `adjust_threads`)."""
         self._threads_since = 0.0
@@ -251,9 +219,6 @@ class MultiAdapterPolicy:
         # Created with the first job: a PeftModel cannot exist without an adapter config.
         self._peft: PeftModel | None = None
         self._jobs: dict[str, _Job] = {}
-        self._routed_layers: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._beside_s = 0.0
-        """Seconds of this step's second pass (counted as one more thread)."""
 
     @property
     def jobs(self) -> list[str]:
@@ -289,7 +254,6 @@ class MultiAdapterPolicy:
             else:
                 self._peft.add_adapter(name, config)
         self._peft.eval()
-        self._install_routing()
         params = [p for n, p in self._peft.named_parameters() if f".{name}." in n]
         # No weight decay: with zero advantages the update must be exactly zero.
         optimizer = torch.optim.AdamW(params, lr=rl.learning_rate, weight_decay=0.0)
@@ -329,12 +293,6 @@ class MultiAdapterPolicy:
         means over the rows that were computed (absent when none was); the entropy is over
         every row. `zero_advantage_share` says how many rows were left out.
 
-        With a `second_pass` whose cores are idle and two jobs or more with rows to compute,
-        the jobs are split in two: the lighter share (by tokens) runs its passes on the second
-        pass's thread while this thread runs the rest, each job's rows on one thread only
-        (its gradient accumulates in one order, as alone). Two single-thread passes at once
-        beat one pass on two threads (trainer_svc/compute.py).
-
         `versions`: the adapter version each job holds now. The computed rows sampled (every
         turn) with exactly that version give `fresh_kl`, the KL between the sampler's and
         the trainer's logprobs of the same weights: float rounding only (~1e-3 with bf16 on
@@ -360,20 +318,16 @@ class MultiAdapterPolicy:
         for row in computed:
             tallies[row.job_id].add_computed(row)
         self._train_only(jobs.values())
+        pack_rows = [
+            PackRow(
+                (r.job_id, r.trajectory.group_id), r.trajectory.token_ids, r.trajectory.loss_mask
+            )
+            for r in computed
+        ]
+        packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
         self._thread_s, self._threads_since = 0.0, started
-        self._step_thread = threading.get_ident()
-        here, there = self._split(computed)
-        beside: Future[None] | None = None
-        if there:
-            beside = self._beside(there, jobs, tallies)
-        try:
-            self._passes(here, jobs, tallies)
-        finally:
-            if beside is not None:
-                beside.exception()  # waits: no gradient may still be accumulating
-        if beside is not None:
-            beside.result()  # its error, if any, once ours is not the one raised
-            self._thread_s += self._beside_s
+        for pack in packs:  # each decoder layer asks for its threads (`_before_layer`)
+            self._pass(pack, computed, jobs, tallies)
         results = self._step_each(jobs, tallies)
         self._adjust_threads()  # closes the step's last span of threads
         elapsed = time.monotonic() - started
@@ -386,63 +340,9 @@ class MultiAdapterPolicy:
                 metrics["threads"] = self._thread_s / elapsed
         return results
 
-    def _split(self, computed: list[_Row]) -> tuple[list[_Row], list[_Row]]:
-        """The rows this thread computes and those a second pass does (none unless it is
-        available and two jobs or more have rows): whole jobs, the lighter share there."""
-        tokens: dict[str, int] = {}
-        for row in computed:
-            tokens[row.job_id] = tokens.get(row.job_id, 0) + len(row.trajectory.token_ids)
-        if len(tokens) < 2 or self.second_pass is None or not self.second_pass.available():
-            return computed, []
-        # Heaviest first, each to the lighter side; this thread takes the heavier side, since
-        # it can add the lent cores' threads once the second pass is done.
-        sides: tuple[set[str], set[str]] = (set(), set())
-        load = [0, 0]
-        for job_id in sorted(tokens, key=lambda j: -tokens[j]):
-            side = 0 if load[0] <= load[1] else 1
-            sides[side].add(job_id)
-            load[side] += tokens[job_id]
-        heavy = sides[0] if load[0] >= load[1] else sides[1]
-        return (
-            [r for r in computed if r.job_id in heavy],
-            [r for r in computed if r.job_id not in heavy],
-        )
-
-    def _passes(
-        self, rows: list[_Row], jobs: Mapping[str, _Job], tallies: dict[str, _Tally]
-    ) -> None:
-        """Forward/backward passes over `rows`, packed (trainer_svc/packing.py)."""
-        pack_rows = [
-            PackRow(
-                (r.job_id, r.trajectory.group_id), r.trajectory.token_ids, r.trajectory.loss_mask
-            )
-            for r in rows
-        ]
-        packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
-        for pack in packs:  # each decoder layer asks for its threads (`_before_layer`)
-            self._pass(pack, rows, jobs, tallies)
-
-    def _beside(
-        self, rows: list[_Row], jobs: Mapping[str, _Job], tallies: dict[str, _Tally]
-    ) -> Future[None]:
-        """`_passes` over `rows` on the second pass's thread; its time counts one thread."""
-        assert self.second_pass is not None
-
-        def run() -> None:
-            started = time.monotonic()
-            try:
-                self._passes(rows, jobs, tallies)
-            finally:
-                self._beside_s = time.monotonic() - started
-
-        return self.second_pass.submit(run)
-
     def _adjust_threads(self) -> None:
         """Let `adjust_threads` set the threads of what runs next; count the time at the last."""
         if self.adjust_threads is None:
-            return
-        if threading.get_ident() != self._step_thread:  # a second pass: its own placement
-            self.adjust_threads()
             return
         now = time.monotonic()
         self._thread_s += (now - self._threads_since) * self._threads
@@ -746,26 +646,16 @@ class MultiAdapterPolicy:
             )
 
     def _routing(self, adapter_names_B: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
-        """Route row b of the calling thread's next forward pass through adapter
-        `adapter_names_B[b]`."""
+        """Route row b of the next forward pass through adapter `adapter_names_B[b]`."""
         peft = self._peft_model()
         if set(adapter_names_B) == {peft.active_adapter}:
             return contextlib.nullcontext()
-        return _routing_of_this_thread(list(adapter_names_B))
-
-    def _install_routing(self) -> None:
-        """peft's mixed-adapter batch: each LoRA layer adds each row's own adapter when its
-        forward gets `adapter_names`. PeftModel.forward passes them through hooks it adds
-        and removes around the call; we call the decoder directly (logits only at the loss
-        positions), and two passes may run at once with different rows, so each LoRA layer
-        keeps one hook that reads the calling thread's routing. (set_adapter instead would
-        freeze the other jobs of a step.)"""
-        from peft.tuners.lora import LoraLayer
-
-        for module in self._peft_model().modules():
-            if isinstance(module, LoraLayer) and module not in self._routed_layers:
-                module.register_forward_pre_hook(_routed, with_kwargs=True)
-                self._routed_layers.add(module)
+        # peft's mixed-adapter batch: each LoRA layer adds each row's own adapter. The hooks
+        # are what PeftModel.forward installs for `adapter_names`; we call the decoder
+        # directly (logits only at the loss positions), so install them here. (set_adapter
+        # instead would freeze the other jobs of this step.)
+        hooks: Any = peft._enable_peft_forward_hooks
+        return hooks(adapter_names=list(adapter_names_B))  # type: ignore[no-any-return]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -814,13 +704,3 @@ def _pad(
     # prefix's, and packing never cuts before a loss position).
     mask_BT[:, 0] = 0.0
     return token_ids_BT, attention_BT, mask_BT, behaviour_BT
-
-
-@contextlib.contextmanager
-def _routing_of_this_thread(names: list[str]) -> Iterator[None]:
-    before = getattr(_route, "names", None)
-    _route.names = names
-    try:
-        yield
-    finally:
-        _route.names = before

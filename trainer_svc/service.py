@@ -352,8 +352,7 @@ class TrainerService(Service):
 
     async def train_once(self) -> bool:
         """Drop unusable groups, then train one step of every job that has B groups ready
-        (up to `max_jobs_per_step`, twice that while a second pass has idle lent cores), in
-        shared forward/backward passes (two at once with the second pass).
+        (up to `max_jobs_per_step`), all of them in shared forward/backward passes.
 
         Returns whether a step ran.
         """
@@ -429,15 +428,11 @@ class TrainerService(Service):
             return []
         start = next(self._turn) % len(candidates)
         ready: list[OwnedJob] = []
-        most = self.settings.max_jobs_per_step
-        second = self.policy.second_pass
-        if self.settings.second_pass and second is not None and second.available():
-            most *= 2  # a second pass on the idle lent cores takes about half (`train_steps`)
         for job in candidates[start:] + candidates[:start]:
             await self._drop_unusable(job)
             if len(job.ready) >= job.spec.rl.groups_per_step and job.not_before <= time.monotonic():
                 ready.append(job)
-                if len(ready) == most:
+                if len(ready) == self.settings.max_jobs_per_step:
                     break
         return ready
 

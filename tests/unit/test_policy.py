@@ -4,9 +4,6 @@ arithmetic, adapter export that peft and vLLM load, and bit-identical checkpoint
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -428,79 +425,6 @@ def test_a_batched_step_gives_each_job_its_solo_update(
             policies["batched"].adapter_state(job_id), policies["solo"].adapter_state(job_id), 5e-5
         )
         assert any(t.abs().sum() > 0 for t in policies["batched"].adapter_state(job_id).values())
-
-
-class _Beside:
-    """A second pass on a thread of its own, always available (trainer_svc/compute.py's
-    LentPass, without the cores)."""
-
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1)
-        self.threads: set[int] = set()
-        self.passes = 0
-
-    def available(self) -> bool:
-        return True
-
-    def submit(self, fn: Callable[[], None]) -> Future[None]:
-        def run() -> None:
-            self.threads.add(threading.get_ident())
-            fn()
-
-        self.passes += 1
-        return self.pool.submit(run)
-
-
-def test_a_step_split_over_two_passes_at_once_gives_each_job_its_solo_update(
-    base_dir: Path,
-) -> None:
-    """Three jobs in one step with a second pass: the lighter share of the jobs runs on the
-    second pass's thread while the step's thread runs the rest, the two passes at once and
-    routed each by its own thread's adapters; every job ends where it ends trained alone."""
-    jobs = {
-        "a": (LORA, RL),
-        "b": (LoraSettings(rank=2, alpha=4), RLSettings(learning_rate=5e-3)),
-        "c": (LORA, RLSettings(learning_rate=2e-2, clip_high=0.1)),
-    }
-    advantages = [1.0, -0.5, 0.25, -1.0]
-    beside = _Beside()
-    policies = {
-        "solo": MultiAdapterPolicy(base_dir),
-        "split": MultiAdapterPolicy(base_dir, second_pass=beside),
-    }
-    for policy in policies.values():
-        for seed, (job_id, (lora, rl)) in enumerate(jobs.items()):
-            policy.add_job(job_id, lora, rl, seed=seed)
-    for step in range(2):  # the first step moves LoRA B off zero, so A gets gradients too
-        batches = {
-            job_id: (_job_batch(10 * step + seed), advantages) for seed, job_id in enumerate(jobs)
-        }
-        solo = {
-            job_id: policies["solo"].train_step(job_id, *batch) for job_id, batch in batches.items()
-        }
-        split = policies["split"].train_steps(batches)
-        for job_id in jobs:
-            assert split[job_id]["loss"] == pytest.approx(solo[job_id]["loss"], abs=1e-5)
-            assert split[job_id]["tokens"] == solo[job_id]["tokens"]
-    assert beside.passes == 2 and threading.get_ident() not in beside.threads
-    for job_id in jobs:
-        _assert_same_state(
-            policies["split"].adapter_state(job_id), policies["solo"].adapter_state(job_id), 5e-5
-        )
-    beside.pool.shutdown()
-
-
-def test_one_job_or_a_busy_second_pass_keeps_the_step_on_its_thread(base_dir: Path) -> None:
-    beside = _Beside()
-    policy = MultiAdapterPolicy(base_dir, second_pass=beside)
-    policy.add_job("a", LORA, RL, seed=0)
-    policy.add_job("b", LORA, RL, seed=1)
-    policy.train_steps({"a": (_job_batch(0), [1.0, -0.5, 0.25, -1.0])})
-    assert beside.passes == 0
-    beside.available = lambda: False  # type: ignore[method-assign]
-    policy.train_steps({j: (_job_batch(i), [1.0, -0.5, 0.25, -1.0]) for i, j in enumerate("ab")})
-    assert beside.passes == 0
-    beside.pool.shutdown()
 
 
 def test_the_device_setting_resolves_or_says_why_not() -> None:
