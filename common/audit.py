@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.flow import group_index_of
+
 
 @dataclass
 class Audit:
@@ -54,13 +56,6 @@ class Audit:
     def from_json(cls, fields: Mapping[str, Any]) -> Audit:
         """The audit `to_json` wrote (a job's summary, kept after its ledger expired)."""
         return cls(**{name: value for name, value in fields.items() if name != "ok"})
-
-
-def group_index(job_id: str, group_id: str) -> int | None:
-    """`<job>/g<n>` -> n; None for an id that is not one of the job's groups."""
-    prefix = f"{job_id}/g"
-    tail = group_id.removeprefix(prefix)
-    return int(tail) if group_id.startswith(prefix) and tail.isdigit() else None
 
 
 def audit(
@@ -141,7 +136,7 @@ def audit(
 
 
 def _index_or_note(report: Audit, job_id: str, group_id: str, kind: str) -> int | None:
-    index = group_index(job_id, group_id)
+    index = group_index_of(job_id, group_id)
     if index is None:
         report.unexpected.append(f"{kind} {group_id!r}, which is not a group of {job_id}")
     return index

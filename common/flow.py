@@ -38,6 +38,16 @@ def group_id_of(job_id: str, index: int) -> str:
     return f"{job_id}/g{index}"
 
 
+def group_index_of(job_id: str, group_id: str) -> int | None:
+    """The inverse of `group_id_of`: n for `<job>/g<n>`, None for an id `group_id_of` never
+    makes for this job (another job's, a leading zero, anything but ASCII digits)."""
+    tail = group_id.removeprefix(f"{job_id}/g")
+    if tail == group_id or not (tail.isascii() and tail.isdigit()):
+        return None
+    index = int(tail)
+    return index if group_id_of(job_id, index) == group_id else None
+
+
 def issue_limit(trained_version: int, max_staleness: int, groups_per_step: int) -> int:
     """How many live groups a job may have issued: `(trained_version + S + 1) * B`."""
     return (trained_version + max_staleness + 1) * groups_per_step

@@ -9,6 +9,7 @@ from typing import Literal
 
 import msgspec
 
+from common.flow import group_index_of
 from common.messages import DropKind, JobSpec, Trajectory
 
 Verdict = Literal["train"] | DropKind
@@ -100,21 +101,13 @@ def verdict(
 def not_of_job(t: Trajectory, spec: JobSpec) -> str | None:
     """Why a trajectory cannot belong to one of the job's groups (it is then not held at
     all), or None."""
-    if group_index(t.group_id, spec.job_id) is None:
+    if group_index_of(spec.job_id, t.group_id) is None:
         return f"group {t.group_id!r} is not one of job {spec.job_id!r}"
     if not 0 <= t.sample_index < spec.rl.group_size:
         return f"sample_index {t.sample_index} outside the job's group of {spec.rl.group_size}"
     if t.group_size != spec.rl.group_size:
         return f"group_size {t.group_size}, the job's is {spec.rl.group_size}"
     return None
-
-
-def group_index(group_id: str, job_id: str) -> int | None:
-    """n of `<job>/g<n>`, the job's n-th issued group; None for any other id."""
-    index = group_id.removeprefix(f"{job_id}/g")
-    if index == group_id or not index.isdigit() or (len(index) > 1 and index[0] == "0"):
-        return None
-    return int(index)
 
 
 def checked(trajectory: Trajectory, spec: JobSpec, vocab_size: int) -> Trajectory:

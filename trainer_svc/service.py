@@ -26,6 +26,7 @@ from common.bus import ConsumerLoop, Delivery
 from common.config import SharedSettings, TrainerSettings
 from common.dedup import DROPPED, TRAINED
 from common.faults import fault_point
+from common.flow import group_index_of
 from common.hardware import Precision, detect
 from common.health import redis_ready
 from common.keyspace import dedup_key, fence_key, flow_key, ledger_key
@@ -62,7 +63,6 @@ from trainer_svc.groups import (
     SIGNAL_WINDOW,
     Group,
     checked,
-    group_index,
     not_of_job,
     verdict,
     worth_resampling,
@@ -248,7 +248,7 @@ class TrainerService(Service):
     async def _unissued(self, job: OwnedJob, group_id: str) -> str | None:
         """Why a group's first trajectory is not of a group env_svc issued (the ledger's
         count in Redis, which only env_svc writes), or None."""
-        index = group_index(group_id, job.spec.job_id)
+        index = group_index_of(job.spec.job_id, group_id)
         issued = (await self.io.require_store().flow(job.spec.job_id)).issued_groups
         if index is None or index >= issued:
             return f"group {group_id!r} was never issued ({issued} groups so far)"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.audit import audit, group_index
+from common.audit import audit
+from common.flow import group_index_of
 
 JOB = "acme-job"
 
@@ -81,5 +82,6 @@ def test_groups_in_flight_are_not_lost_while_the_job_runs() -> None:
 
 
 def test_group_ids_belong_to_their_job() -> None:
-    assert group_index(JOB, f"{JOB}/g12") == 12
-    assert group_index(JOB, "other/g1") is None and group_index(JOB, f"{JOB}/gx") is None
+    assert group_index_of(JOB, f"{JOB}/g12") == 12 and group_index_of(JOB, f"{JOB}/g0") == 0
+    for not_ours in ("other/g1", f"{JOB}/gx", f"{JOB}/g05", f"{JOB}/g", f"{JOB}/g\u0661", "g1"):
+        assert group_index_of(JOB, not_ours) is None, not_ours
