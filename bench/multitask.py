@@ -4,9 +4,9 @@
 
 Both phases run on the same embedded stack and services (one rollout engine, one trainer),
 after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
-jobs, cycled, seeds differ per job; sampling seeded too, `rl.sampling.seed`, so both phases
-draw the same tokens wherever their probabilities agree: closer to the same work than two
-independent draws, not equal to it); only the job ids differ between phases. Reported per
+jobs, cycled, job i's seed `--seed-base` + i; sampling seeded too, `rl.sampling.seed`, so
+both phases draw the same tokens wherever their probabilities agree: closer to the same work
+than two independent draws, not equal to it); only the job ids differ between phases. Reported per
 phase: wall time from the first submission to the last job's end, the rollout engine's busy
 share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
 trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
@@ -98,9 +98,11 @@ def _share(part: float | None, whole: float | None, digits: int = 4) -> float | 
     return round(part / whole, digits)
 
 
-def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[JobSpec]:
+def bench_jobs(
+    base: list[JobSpec], count: int, steps: int, tag: str, seed_base: int = 100
+) -> list[JobSpec]:
     """`count` jobs cycling through `base`, `steps` steps each, task and sampling seeds
-    100 + i, ids tagged."""
+    `seed_base` + i, ids tagged."""
     specs = []
     for index in range(count):
         template = base[index % len(base)]
@@ -108,11 +110,11 @@ def bench_jobs(base: list[JobSpec], count: int, steps: int, tag: str) -> list[Jo
             msgspec.structs.replace(
                 template,
                 job_id=f"{tag}-{index}-{template.env.name}",
-                env=msgspec.structs.replace(template.env, seed=100 + index),
+                env=msgspec.structs.replace(template.env, seed=seed_base + index),
                 rl=msgspec.structs.replace(
                     template.rl,
                     max_steps=steps,
-                    sampling=msgspec.structs.replace(template.rl.sampling, seed=100 + index),
+                    sampling=msgspec.structs.replace(template.rl.sampling, seed=seed_base + index),
                 ),
                 eval=EvalSettings(tasks=0),  # training throughput only
             )
@@ -239,8 +241,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.envs:
         base = [spec for spec in base if spec.env.name in args.envs.split(",")]
     warmup = bench_jobs(base, 1, 1, f"warm-{run_id}")
-    sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}")
-    concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}")
+    sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}", args.seed_base)
+    concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}", args.seed_base)
     async with LocalStack(settings, services=SERVICES) as stack:
         precisions = stack.dtypes
         stack_settings = stack.client_settings
@@ -286,6 +288,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "base_model": settings.base_model,
         "jobs": args.jobs,
         "steps_per_job": args.steps,
+        "seed_base": args.seed_base,
         "specs": [msgspec.to_builtins(spec) for spec in concurrent],
         "sequential": seq,
         "concurrent": conc,
@@ -335,6 +338,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per job")
     parser.add_argument("--envs", default="", help="only these demo environments, e.g. arithmetic")
     parser.add_argument("--timeout-s", type=float, default=3600, help="per batch of jobs")
+    parser.add_argument(
+        "--seed-base",
+        type=int,
+        default=100,
+        help="job i's task and sampling seed: this + i, in both phases (another draw)",
+    )
     parser.add_argument(
         "--py-spy",
         type=Path,
