@@ -33,24 +33,55 @@ def core_busy_s() -> dict[int, float]:
     return busy
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system seconds) of one live process."""
+@dataclass(frozen=True)
+class _Stat:
+    parent: int
+    cpu_s: float
+    """User + system seconds."""
+    name: str
+    """The command name (vLLM names its processes, e.g. `VLLM::Worker`)."""
+
+
+def _stat(pid: int) -> _Stat | None:
+    """One live process's parent, CPU seconds and name."""
     try:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    return _Stat(int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK, name)
+
+
+def _processes() -> tuple[dict[int, _Stat], dict[int, list[int]]]:
+    """Every live process's stat, and each pid's children."""
+    pids = [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+    stats = {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, stat in stats.items():
+        children.setdefault(stat.parent, []).append(pid)
+    return stats, children
+
+
+def cpu_s_by_name(root: int, root_name: str) -> dict[str, float]:
+    """User + system seconds of `root` (as `root_name`) and of each live descendant, summed by
+    command name."""
+    stats, children = _processes()
+    totals: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if (stat := stats.get(pid)) is not None:
+            name = root_name if pid == root else stat.name
+            totals[name] = totals.get(name, 0.0) + stat.cpu_s
+        todo += children.get(pid, [])
+    return totals
 
 
 def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
     """User + system seconds of each named process and its live descendants that are not
     themselves named (so this process can be one root and the servers it started others)."""
-    pids = [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
-    stats = {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
+    stats, children = _processes()
     named = set(roots.values())
     totals: dict[str, float] = {}
     for name, root in roots.items():
@@ -58,7 +89,7 @@ def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
         while todo:
             pid = todo.pop()
             if pid in stats:
-                total += stats[pid][1]
+                total += stats[pid].cpu_s
             todo += [child for child in children.get(pid, []) if child not in named]
         totals[name] = total
     return totals

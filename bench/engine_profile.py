@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpu_account import cpu_s_by_name  # bench/cpu_account.py
 from machine import engine_dtype, machine_fields, result_path  # bench/machine.py
 
 from common.cores import format_cores, parse_cores
@@ -38,19 +39,8 @@ _TIME = re.compile(r"^([0-9.]+)(us|ms|s)$")
 
 
 def process_cpu_s() -> dict[str, float]:
-    """CPU seconds of this process and its descendants, by name (vLLM names its own)."""
-    import psutil
-
-    me = psutil.Process()
-    seconds: dict[str, float] = {}
-    for process in [me, *me.children(recursive=True)]:
-        try:
-            name = "front end" if process.pid == me.pid else process.name()
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        seconds[name] = seconds.get(name, 0.0) + times.user + times.system
-    return seconds
+    """CPU seconds of this process (the front end) and its descendants, by name."""
+    return cpu_s_by_name(os.getpid(), "front end")
 
 
 def timed_round(run: Any) -> dict[str, Any]:
@@ -126,12 +116,10 @@ def main() -> None:
     decode_round = timed_round(lambda: llm.generate(prompts, decode, use_tqdm=False))
     llm.stop_profile()
     generated = args.sequences * args.new_tokens
-    tables = list(profile_dir.glob("*profiler_out*.txt"))
     for _ in range(60):  # the worker writes its table after stop_profile returns
-        if tables:
+        if tables := list(profile_dir.glob("*profiler_out*.txt")):
             break
         time.sleep(1)
-        tables = list(profile_dir.glob("*profiler_out*.txt"))
     table = tables[0].read_text() if tables else ""
     operators = operator_ms(table)
     total_ms = sum(operators.values())
