@@ -2,7 +2,12 @@
 
 The rule (docs/architecture.md, "Rollout admission"): the next slot goes to the next tenant in
 turn that has a request waiting; within that tenant, to its job in turn; within that job, to
-its oldest request. A tenant with ten jobs, or a job with a long backlog, gets one turn per
+the request of its oldest group (then the oldest request). An episode's later turns come back
+after the job has issued younger groups; taken in arrival order they waited behind those
+groups' first turns, the younger groups completed first and trained the job on, and the older
+group, started on an earlier version, outran the staleness bound and was dropped, its samples
+wasted and the job's last step waiting for a replacement (bench/README.md, "Multi-task
+speed-up"). A tenant with ten jobs, or a job with a long backlog, gets one turn per
 round like every other tenant, so its backlog cannot sit ahead of another tenant's requests.
 Within a tenant a job keeps its turn until what it had waiting when the turn began is taken:
 a step's requests go into the engine together and its batch completes in one wave, instead
@@ -17,7 +22,8 @@ service's fair-share cap, rollout_svc/service.py). Pure bookkeeping: no I/O, no 
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -26,20 +32,28 @@ T = TypeVar("T")
 
 class FairQueue(Generic[T]):
     """Items by tenant and job, taken round-robin over tenants, then over a tenant's jobs by
-    backlog (a job's turn takes what it had waiting when the turn began), first in first out
-    within a job."""
+    backlog (a job's turn takes what it had waiting when the turn began), within a job by
+    rank, then first in first out."""
 
     def __init__(self) -> None:
         # Turn order is insertion order: the front tenant (job) is the next served, and one
         # whose turn is over moves to the back.
-        self._tenants: OrderedDict[str, OrderedDict[str, deque[T]]] = OrderedDict()
+        self._tenants: OrderedDict[str, OrderedDict[str, list[tuple[int, int, T]]]] = OrderedDict()
+        """Each job's items as a heap of (rank, arrival, item)."""
+        self._arrivals = 0
         self._turn_left: dict[tuple[str, str], int] = {}
         """Items the job in its tenant's turn may still take in this turn."""
         self._size = 0
 
-    def put(self, tenant: str, job_id: str, item: T) -> None:
+    def put(self, tenant: str, job_id: str, item: T, rank: int | None = None) -> None:
+        """Queue `item`; within its job, lower ranks leave first (a group's index). None: the
+        highest rank its job has waiting, so it leaves after what waits now (0 if nothing)."""
         jobs = self._tenants.setdefault(tenant, OrderedDict())
-        jobs.setdefault(job_id, deque()).append(item)
+        items = jobs.setdefault(job_id, [])
+        if rank is None:
+            rank = max((waiting[0] for waiting in items), default=0)
+        self._arrivals += 1
+        heapq.heappush(items, (rank, self._arrivals, item))
         self._size += 1
 
     def pop(self, eligible: Callable[[str], bool] | None = None) -> T:
@@ -53,7 +67,7 @@ class FairQueue(Generic[T]):
         jobs = self._tenants[tenant]
         job_id, items = next(iter(jobs.items()))
         turn_left = self._turn_left.pop((tenant, job_id), len(items)) - 1
-        item = items.popleft()
+        _, _, item = heapq.heappop(items)
         self._size -= 1
         if not items:
             del jobs[job_id]

@@ -23,6 +23,7 @@ from common.bus import ConsumerLoop, Delivery
 from common.chat import CHAT
 from common.config import RolloutSettings, SharedSettings
 from common.faults import fault_point
+from common.flow import group_index_of
 from common.hardware import detect
 from common.health import redis_ready
 from common.lifecycle import RolloutReplicaStats, ServiceName
@@ -302,7 +303,12 @@ class RolloutService(Service):
         if request.tenant:  # schema 4 on: carried, no registry read
             self._tenants.setdefault(request.job_id, request.tenant)
         tenant = await self._tenant_of(request.job_id)
-        self._waiting.put(tenant, request.job_id, (request, delivery.hold_commit(), tenant))
+        self._waiting.put(
+            tenant,
+            request.job_id,
+            (request, delivery.hold_commit(), tenant),
+            rank=group_index_of(request.job_id, request.group_id),  # None: an evaluation's
+        )
         self._note_demand(tenant)
         self._admit()
 

@@ -123,6 +123,15 @@ class OwnedJob:
     """Whether each of the job's last complete groups had a signal: resampling stops while
     few did (`groups.worth_resampling`). Kept here only, as `resampled` is."""
 
+    def take_ready(self) -> list[Group]:
+        """The step's B groups: those sampled with the oldest version first, then in the order
+        they became ready. A group left behind one sampled later would wait a step more and
+        could outrun the staleness bound (dropped, its samples wasted)."""
+        ordered = sorted(self.ready, key=lambda group: group.oldest_version)
+        count = self.spec.rl.groups_per_step
+        self.ready = deque(ordered[count:])
+        return ordered[:count]
+
 
 class TrainerService(Service):
     name = SERVICE
@@ -575,10 +584,7 @@ class TrainerService(Service):
         if not live:
             return
         started = time.monotonic()
-        taken = {
-            job.spec.job_id: [job.ready.popleft() for _ in range(job.spec.rl.groups_per_step)]
-            for job in live
-        }
+        taken = {job.spec.job_id: job.take_ready() for job in live}
         try:
             metrics = await self._train(live, taken)
         except Exception as exc:  # a bad batch or a full disk must not stop other tenants

@@ -72,6 +72,21 @@ def test_a_jobs_turn_takes_what_waited_when_it_began_and_no_more() -> None:
     assert drain(queue) == ["a1-1", "a2-0", "a1-2"]
 
 
+def test_within_a_job_the_oldest_group_goes_first() -> None:
+    """An episode's second turn of group 5 arrives after group 6's first turns: it goes first,
+    so the older group completes before it outruns the staleness bound."""
+    queue: FairQueue[str] = FairQueue()
+    for sample in range(2):
+        queue.put("acme", "a1", f"g6-t0-{sample}", rank=6)
+    queue.put("acme", "a1", "g5-t1-0", rank=5)
+    queue.put("acme", "a1", "eval-v1", rank=None)  # with the newest group waiting, after it
+    queue.put("acme", "a1", "g5-t1-1", rank=5)
+    assert drain(queue) == ["g5-t1-0", "g5-t1-1", "g6-t0-0", "g6-t0-1", "eval-v1"]
+    queue.put("acme", "a1", "eval-v2")  # nothing waits: rank 0
+    queue.put("acme", "a1", "g7-t0-0", rank=7)
+    assert drain(queue) == ["eval-v2", "g7-t0-0"]
+
+
 def test_a_tenant_that_ran_out_rejoins_at_the_back() -> None:
     queue: FairQueue[str] = FairQueue()
     queue.put("acme", "a1", "acme-0")
@@ -241,6 +256,33 @@ async def test_the_tenant_a_request_carries_is_the_one_admission_uses() -> None:
         await registered(backend, old)
         await read(Inbox(Topic.PROMPTS), service, [request_for(old.job_id, 0, 0)])
         assert service._waiting.waiting() == {"acme": 3, "globex": 2, "one": 1}
+        await stopped(service, engine)
+
+
+async def test_an_older_groups_later_turn_enters_before_younger_groups_first_turns() -> None:
+    """Group 5's second turn comes back after groups 6 and 7 were issued; it takes the next
+    free slot. In arrival order it entered last, and with a staleness bound group 5 was
+    dropped once 6 and 7 had trained the job on."""
+    async with memory_backend() as backend:
+        spec = spec_of("turns", "acme")
+        await registered(backend, spec)
+        engine = TurnstileEngine()
+        service = service_with(backend, engine, slots=1)
+        second_turn = msgspec.structs.replace(
+            request_for(spec.job_id, 5, 0), request_id=f"{spec.job_id}/5/0/t1", turn=1
+        )
+        arrivals = [request_for(spec.job_id, index, 0) for index in (4, 6, 7)] + [second_turn]
+        await read(Inbox(Topic.PROMPTS), service, arrivals)
+        for entered in range(1, len(arrivals)):
+            await engine.until_entered(entered)
+            engine.let_out(engine.entered[-1])
+        await engine.until_entered(len(arrivals))
+        assert [r.request_id.removeprefix(spec.job_id) for r in engine.entered] == [
+            "/4/0/t0",
+            "/5/0/t1",
+            "/6/0/t0",
+            "/7/0/t0",
+        ]
         await stopped(service, engine)
 
 

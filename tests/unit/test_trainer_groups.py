@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 
 from common.messages import Trajectory
+from tests.handler_kit import job_spec
 from trainer_svc.groups import MIN_SIGNAL_SHARE, SIGNAL_WINDOW, Group, verdict, worth_resampling
+from trainer_svc.service import OwnedJob
 
 
 def trajectory(
@@ -111,3 +113,17 @@ def test_completion_and_releasing_holds() -> None:
     assert released == ["a", "b", "c"]
     g.release()  # releasing twice commits nothing twice
     assert released == ["a", "b", "c"]
+
+
+def test_a_step_takes_the_groups_sampled_with_the_oldest_version_first() -> None:
+    """Ready in the order they completed; a step takes the oldest-sampled two (then in that
+    order), so g5, sampled with v2, is not left to outrun the bound behind g6 and g7 (v3)."""
+    spec = job_spec("order", group_size=1, groups_per_step=2, max_staleness=1, max_steps=9)
+    job = OwnedJob(spec, partition=0, version=3)
+    for name, version in (("g6", 3), ("g5", 2), ("g7", 3), ("g4", 2)):
+        ready = Group(name)
+        ready.add(trajectory(name, [version, 3]), lambda: None)
+        job.ready.append(ready)
+    assert [g.group_id for g in job.take_ready()] == ["g5", "g4"]
+    assert [g.group_id for g in job.ready] == ["g6", "g7"]
+    assert [g.group_id for g in job.take_ready()] == ["g6", "g7"] and not job.ready
