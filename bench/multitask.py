@@ -4,9 +4,13 @@
 
 Both phases run on the same embedded stack and services (one rollout engine, one trainer),
 after a one-step warm-up job, with the same job specs (the demo's arithmetic and calculator
-jobs, cycled, job i's seed `--seed-base` + i; sampling seeded too, `rl.sampling.seed`, so
+jobs, cycled, job j's seed `--seed-base` + j; sampling seeded too, `rl.sampling.seed`, so
 both phases draw the same tokens wherever their probabilities agree: closer to the same work
-than two independent draws, not equal to it); only the job ids differ between phases. Reported per
+than two independent draws, not equal to it); only the job ids differ between phases.
+`--draws` (default 3) repeats the pair with other seeds (+100 each), every other pair
+concurrent first, and the headline ratios are over the summed times: one draw's work depends
+on its seeds (which groups carry an advantage), and a shared host's speed drifts between
+phases minutes apart (bench/README.md, "Multi-task speed-up"). Reported per
 phase: wall time from the first submission to the last job's end, the rollout engine's busy
 share and tokens/s over the phase (its cumulative Redis stats, before vs after), the
 trainer's busy share (sum of its steps' wall time / phase wall time) and each job's reward
@@ -45,6 +49,13 @@ from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
 
 console = Console()
+
+PHASES = {"sequential": "seq", "concurrent": "conc"}
+"""Each phase and the tag of its jobs' ids."""
+DRAW_SEED_STRIDE = 100
+"""Draw i's jobs take seeds `--seed-base` + 100 i + j: 100-107, 200-207, 300-307 by default."""
+DRAW_SUMMARY = ("seed_base", "sequential_s", "marlaas_s", "time_ratio", "time_over_work_bound")
+"""What the summary printed at the end shows of each draw."""
 
 
 @dataclass
@@ -241,63 +252,89 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.envs:
         base = [spec for spec in base if spec.env.name in args.envs.split(",")]
     warmup = bench_jobs(base, 1, 1, f"warm-{run_id}")
-    sequential = bench_jobs(base, args.jobs, args.steps, f"seq-{run_id}", args.seed_base)
-    concurrent = bench_jobs(base, args.jobs, args.steps, f"conc-{run_id}", args.seed_base)
+    draws: list[dict[str, Any]] = []
     async with LocalStack(settings, services=SERVICES) as stack:
         precisions = stack.dtypes
-        stack_settings = stack.client_settings
-        async with MarlaasClient(stack_settings) as client:
+        async with MarlaasClient(stack.client_settings) as client:
             await measure(client, stack, "warm-up", [warmup], args.timeout_s)
-            phases = [
-                await measure(
-                    client,
-                    stack,
-                    "sequential",
-                    [[spec] for spec in sequential],
-                    args.timeout_s,
-                    args.py_spy,
-                ),
-                await measure(
-                    client, stack, "concurrent", [concurrent], args.timeout_s, args.py_spy
-                ),
-            ]
-    seq, conc = (phase.to_json() for phase in phases)
-    util = {name: _mean_busy(phase) for name, phase in (("sequential", seq), ("concurrent", conc))}
-    final_rewards = {
-        name: {job["job_id"].split("-", 2)[-1]: job["reward_end"] for job in phase["jobs"]}
-        for name, phase in (("sequential", seq), ("concurrent", conc))
-    }
+            for index in range(args.draws):
+                seed_base = args.seed_base + DRAW_SEED_STRIDE * index
+                tag = run_id if args.draws == 1 else f"{run_id}-d{index}"
+                specs = {
+                    name: bench_jobs(
+                        base, args.jobs, args.steps, f"{PHASES[name]}-{tag}", seed_base
+                    )
+                    for name in PHASES
+                }
+                batches = {
+                    "sequential": [[spec] for spec in specs["sequential"]],
+                    "concurrent": [specs["concurrent"]],
+                }
+                phases: dict[str, Phase] = {}
+                # Every other draw the other way round: a host that slows down (or speeds up)
+                # over the run weighs on both phases alike.
+                for name in list(PHASES)[:: 1 if index % 2 == 0 else -1]:
+                    phases[name] = await measure(
+                        client, stack, name, batches[name], args.timeout_s, args.py_spy
+                    )
+                draws.append(
+                    _draw(seed_base, list(phases), phases["sequential"], phases["concurrent"])
+                    | {"specs": [msgspec.to_builtins(spec) for spec in specs["concurrent"]]}
+                )
+    seq_s = sum(draw["sequential"]["wall_s"] for draw in draws)
+    conc_s = sum(draw["concurrent"]["wall_s"] for draw in draws)
+    work_s = sum(draw["concurrent"]["work_bound_s"] for draw in draws)
     return {
-        "runs": [
-            {
-                "n_jobs": args.jobs,
-                "model": settings.base_model,
-                "sequential_s": seq["wall_s"],
-                "marlaas_s": conc["wall_s"],
-                "time_ratio": _share(conc["wall_s"], seq["wall_s"]),
-                "time_over_work_bound": _share(conc["wall_s"], conc["work_bound_s"]),
-                "util_sequential": util["sequential"],
-                "util_marlaas": util["concurrent"],
-                "util_ratio": _share(util["concurrent"], util["sequential"]),
-                "reward_sequential": final_rewards["sequential"],
-                "reward_marlaas": final_rewards["concurrent"],
-            }
-        ],
+        "runs": [draw["run"] | {"model": settings.base_model} for draw in draws],
         "run_id": run_id,
         "machine": machine_fields(**precisions),
         "base_model": settings.base_model,
         "jobs": args.jobs,
         "steps_per_job": args.steps,
         "seed_base": args.seed_base,
-        "specs": [msgspec.to_builtins(spec) for spec in concurrent],
+        # Over every draw: the phases' summed wall times. Each draw is one sample of the work
+        # (the jobs' rewards, so which groups carry an advantage, differ with the seeds and
+        # with the timing), and the host's speed drifts between phases.
+        "sequential_s": round(seq_s, 1),
+        "concurrent_s": round(conc_s, 1),
+        "time_ratio": _share(conc_s, seq_s),
+        "speedup": _share(seq_s, conc_s),
+        "time_saved": _share(seq_s - conc_s, seq_s),
+        # The concurrent phases' own CPU time over the cores: their wall time were every core
+        # busy throughout. time_over_work_bound is how far the run is from that.
+        "work_bound_s": round(work_s, 1),
+        "time_over_work_bound": _share(conc_s, work_s),
+        "draws": draws,
+    }
+
+
+def _draw(seed_base: int, order: list[str], seq_phase: Phase, conc_phase: Phase) -> dict[str, Any]:
+    """One draw's two phases and their ratios; `run` in the cross-bench format."""
+    seq, conc = seq_phase.to_json(), conc_phase.to_json()
+    util = {"sequential": _mean_busy(seq), "concurrent": _mean_busy(conc)}
+    final_rewards = {
+        name: {job["job_id"].split("-", 2)[-1]: job["reward_end"] for job in phase["jobs"]}
+        for name, phase in (("sequential", seq), ("concurrent", conc))
+    }
+    return {
+        "seed_base": seed_base,
+        "order": order,
+        "run": {
+            "n_jobs": len(conc["jobs"]),
+            "seed_base": seed_base,
+            "sequential_s": seq["wall_s"],
+            "marlaas_s": conc["wall_s"],
+            "time_ratio": _share(conc["wall_s"], seq["wall_s"]),
+            "time_over_work_bound": _share(conc["wall_s"], conc["work_bound_s"]),
+            "util_sequential": util["sequential"],
+            "util_marlaas": util["concurrent"],
+            "util_ratio": _share(util["concurrent"], util["sequential"]),
+            "reward_sequential": final_rewards["sequential"],
+            "reward_marlaas": final_rewards["concurrent"],
+        },
         "sequential": seq,
         "concurrent": conc,
         "speedup": _share(seq["wall_s"], conc["wall_s"]),
-        # The concurrent phase's own CPU time over the cores: its wall time were every core
-        # busy throughout. time_over_work_bound is how far the run is from that.
-        "work_bound_s": conc["work_bound_s"],
-        "time_over_work_bound": _share(conc["wall_s"], conc["work_bound_s"]),
-        "time_saved": _share(seq["wall_s"] - conc["wall_s"], seq["wall_s"]),
         "rollout_busy_gain": _share(conc["rollout_busy_share"], seq["rollout_busy_share"], 3),
         "trainer_busy_gain": _share(conc["trainer_busy_share"], seq["trainer_busy_share"], 3),
     }
@@ -345,6 +382,13 @@ def main() -> None:
         help="job i's task and sampling seed: this + i, in both phases (another draw)",
     )
     parser.add_argument(
+        "--draws",
+        type=int,
+        default=3,
+        help="draws of the work (seed sets 100 apart), each run both ways, every other one "
+        "concurrent first; the ratios are over their summed times",
+    )
+    parser.add_argument(
         "--py-spy",
         type=Path,
         default=None,
@@ -367,11 +411,15 @@ def main() -> None:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = ("time_ratio", "speedup", "time_saved", "time_over_work_bound")
     console.print_json(
         json.dumps(
-            {
-                k: result[k]
-                for k in ("speedup", "time_saved", "time_over_work_bound", "rollout_busy_gain")
+            {k: result[k] for k in summary}
+            | {
+                "draws": [
+                    {k: draw["run"][k] for k in DRAW_SUMMARY} | {"order": draw["order"]}
+                    for draw in result["draws"]
+                ]
             }
         )
     )

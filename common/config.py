@@ -288,6 +288,11 @@ class TrainerSettings(BaseSettings):
     replacements: their missing trajectories are not coming (a record the broker lost, an
     episode that never ended), and a job whose window is full would wait forever. Longer
     than any episode takes."""
+    stale_wait_s: float = Field(default=30.0, ge=0)
+    """How long a job's step may wait for an older group it would leave too stale to train:
+    one still filling, sampled with an older version than a ready group the step would take
+    in its place. Trained at once, the step drops that group (its samples wasted, a
+    replacement generated); 0: never wait. Other jobs train meanwhile."""
     max_jobs_per_step: int = Field(default=1, ge=1)
     """Jobs trained together in one step (shared forward/backward passes, each job's own
     loss and optimizer step) when several have their groups ready; 1 trains one at a time."""

@@ -116,6 +116,8 @@ class OwnedJob:
     trajectories are not held, so they cannot pin the partition's commits."""
     not_before: float = 0.0
     """Monotonic time before which the job is not stepped (after a step it could not save)."""
+    waiting_since: float | None = None
+    """Monotonic time since which the job's ready step waits for an older group (`waits`)."""
     resampled: int = 0
     """Groups dropped as uniform since the job's last step (`rl.resample_uniform_groups`
     caps it; kept here only, so a replica that takes the job over starts again at 0)."""
@@ -123,12 +125,33 @@ class OwnedJob:
     """Whether each of the job's last complete groups had a signal: resampling stops while
     few did (`groups.worth_resampling`). Kept here only, as `resampled` is."""
 
+    def waits(self, now: float, limit_s: float) -> bool:
+        """Whether the job's next step waits for a group still filling that the step would
+        leave too stale to train (sampled with a version S + 1 behind the one the step makes)
+        while it takes a younger ready group in its place; at most `limit_s`. Were the step
+        to take only groups as old, the filling one could not be trained anyway."""
+        bound = self.version + 1 - self.spec.rl.max_staleness
+        doomed = [
+            group.oldest_version
+            for group in self.filling.values()
+            if group.trajectories and group.oldest_version < bound
+        ]
+        taken = sorted(group.oldest_version for group in self.ready)
+        younger = taken[: self.spec.rl.groups_per_step][-1:]
+        if not doomed or not younger or younger[0] <= min(doomed):
+            self.waiting_since = None
+            return False
+        if self.waiting_since is None:
+            self.waiting_since = now
+        return now - self.waiting_since < limit_s
+
     def take_ready(self) -> list[Group]:
         """The step's B groups: those sampled with the oldest version first, then in the order
         they became ready. A group left behind one sampled later would wait a step more and
         could outrun the staleness bound (dropped, its samples wasted)."""
         ordered = sorted(self.ready, key=lambda group: group.oldest_version)
         count = self.spec.rl.groups_per_step
+        self.waiting_since = None
         self.ready = deque(ordered[count:])
         return ordered[:count]
 
@@ -439,7 +462,12 @@ class TrainerService(Service):
         ready: list[OwnedJob] = []
         for job in candidates[start:] + candidates[:start]:
             await self._drop_unusable(job)
-            if len(job.ready) >= job.spec.rl.groups_per_step and job.not_before <= time.monotonic():
+            now = time.monotonic()
+            if (
+                len(job.ready) >= job.spec.rl.groups_per_step
+                and job.not_before <= now
+                and not job.waits(now, self.settings.stale_wait_s)
+            ):
                 ready.append(job)
                 if len(ready) == self.settings.max_jobs_per_step:
                     break

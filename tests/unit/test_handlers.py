@@ -335,6 +335,39 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     assert inbox.committable == 7 and not await service.train_once()
 
 
+@pytest.mark.parametrize("stale_wait_s", [30.0, 0.0])
+async def test_a_step_waits_for_an_older_group_it_would_leave_too_stale(
+    backend: Backend, tiny_dir: Path, tmp_path: Path, stale_wait_s: float
+) -> None:
+    """S = 1, B = 1, at v1: group 1 (first sample with v0) is still filling when group 2
+    (v1) completes. Trained at once, group 2 makes v2 and group 1, two versions behind, is
+    dropped; the step waits for group 1 and trains it first, then group 2. With
+    TRAINER_STALE_WAIT_S = 0 it does not wait."""
+    spec = job_spec("wait", group_size=2, groups_per_step=1, max_staleness=1, max_steps=3)
+    service = await trainer_service(backend, tiny_dir, tmp_path, stale_wait_s=stale_wait_s)
+    await register_running(backend.store, spec)
+    inbox = Inbox(Topic.TRAJECTORIES)
+    for sample, reward in enumerate((0.0, 1.0)):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, version=0))
+    assert await service.train_once()  # v1
+    await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, version=0))
+    for sample, reward in enumerate((0.0, 1.0)):
+        await inbox.hand(service.on_trajectory, trajectory(spec, 2, sample, reward, version=1))
+    if stale_wait_s:
+        assert not await service.train_once()  # group 2 is ready, but waits for group 1
+        await inbox.hand(service.on_trajectory, trajectory(spec, 1, 1, 1.0, version=0))
+        assert await service.train_once() and await service.train_once()  # g1, then g2
+        assert await backend.sent(Topic.CONTROL, spec.job_id, expect=0) == []
+        steps = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=4), "step")
+        assert [s.metrics["staleness_mean"] for s in steps] == [0.0, 1.0, 1.0]
+    else:
+        assert await service.train_once()  # group 2 at once: v2
+        await inbox.hand(service.on_trajectory, trajectory(spec, 1, 1, 1.0, version=0))
+        assert not await service.train_once()
+        (dropped,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
+        assert isinstance(dropped, GroupDropped) and dropped.group_id == f"{spec.job_id}/g1"
+
+
 @dataclass
 class ResamplingJob:
     """A running job with dynamic sampling on a trainer, fed whole groups of two."""

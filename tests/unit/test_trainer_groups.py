@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 from common.messages import Trajectory
 from tests.handler_kit import job_spec
@@ -127,3 +128,33 @@ def test_a_step_takes_the_groups_sampled_with_the_oldest_version_first() -> None
     assert [g.group_id for g in job.take_ready()] == ["g5", "g4"]
     assert [g.group_id for g in job.ready] == ["g6", "g7"]
     assert [g.group_id for g in job.take_ready()] == ["g6", "g7"] and not job.ready
+
+
+def filled(name: str, version: int) -> Group:
+    built = Group(name)
+    built.add(trajectory(name, [version]), lambda: None)
+    return built
+
+
+def test_a_step_waits_a_while_for_an_older_group_it_would_leave_too_stale() -> None:
+    """At v2 with S = 1, g5 (sampled with v1) is still filling while g6 and g7 (v2) are
+    ready: trained now, the step makes v3 and g5 is dropped 2 versions behind. The step
+    waits for it, up to the limit; not when what it takes is as old as g5."""
+    spec = job_spec("wait", group_size=2, groups_per_step=2, max_staleness=1, max_steps=9)
+    job = OwnedJob(spec, partition=0, version=2)
+    job.filling["g5"] = filled("g5", 1)
+    job.ready.extend([filled("g6", 2), filled("g7", 2)])
+    assert job.waits(100.0, limit_s=30) and job.waits(129.0, limit_s=30)
+    assert not job.waits(130.0, limit_s=30)  # waited long enough: g5 is left behind
+    assert not job.waits(131.0, limit_s=0)  # never waits
+    job.waiting_since = None
+    job.ready.appendleft(filled("g4", 1))  # g4 + g6: g6 would still take g5's place
+    assert job.waits(200.0, limit_s=30)
+    job.ready.remove(next(g for g in job.ready if g.group_id == "g6"))
+    job.ready.appendleft(filled("g3", 1))  # g3 + g4, both as old as g5: nothing to gain
+    assert not job.waits(201.0, limit_s=30) and job.waiting_since is None
+    job.filling["g5"] = filled("g5", 2)  # sampled with v2: still trainable after the step
+    job.ready = deque([filled("g6", 2), filled("g7", 2)])
+    assert not job.waits(202.0, limit_s=30)
+    del job.filling["g5"]
+    assert not job.waits(203.0, limit_s=30)
