@@ -136,20 +136,24 @@ class OwnedJob:
             for group in self.filling.values()
             if group.trajectories and group.oldest_version < bound
         ]
-        taken = sorted(group.oldest_version for group in self.ready)
-        younger = taken[: self.spec.rl.groups_per_step][-1:]
-        if not doomed or not younger or younger[0] <= min(doomed):
+        taken = self._oldest_first()[: self.spec.rl.groups_per_step]
+        if not doomed or not taken or taken[-1].oldest_version <= min(doomed):
             self.waiting_since = None
             return False
         if self.waiting_since is None:
             self.waiting_since = now
         return now - self.waiting_since < limit_s
 
+    def _oldest_first(self) -> list[Group]:
+        """The ready groups in the order steps take them: sampled with the oldest version
+        first, then in the order they became ready. A group left behind one sampled later
+        would wait a step more and could outrun the staleness bound (dropped, its samples
+        wasted)."""
+        return sorted(self.ready, key=lambda group: group.oldest_version)
+
     def take_ready(self) -> list[Group]:
-        """The step's B groups: those sampled with the oldest version first, then in the order
-        they became ready. A group left behind one sampled later would wait a step more and
-        could outrun the staleness bound (dropped, its samples wasted)."""
-        ordered = sorted(self.ready, key=lambda group: group.oldest_version)
+        """The step's B groups, the first of `_oldest_first`."""
+        ordered = self._oldest_first()
         count = self.spec.rl.groups_per_step
         self.waiting_since = None
         self.ready = deque(ordered[count:])

@@ -116,24 +116,23 @@ def test_completion_and_releasing_holds() -> None:
     assert released == ["a", "b", "c"]
 
 
+def filled(name: str, version: int) -> Group:
+    built = Group(name)
+    built.add(trajectory(name, [version]), lambda: None)
+    return built
+
+
 def test_a_step_takes_the_groups_sampled_with_the_oldest_version_first() -> None:
     """Ready in the order they completed; a step takes the oldest-sampled two (then in that
     order), so g5, sampled with v2, is not left to outrun the bound behind g6 and g7 (v3)."""
     spec = job_spec("order", group_size=1, groups_per_step=2, max_staleness=1, max_steps=9)
     job = OwnedJob(spec, partition=0, version=3)
-    for name, version in (("g6", 3), ("g5", 2), ("g7", 3), ("g4", 2)):
-        ready = Group(name)
-        ready.add(trajectory(name, [version, 3]), lambda: None)
-        job.ready.append(ready)
+    job.ready.extend(
+        filled(name, version) for name, version in (("g6", 3), ("g5", 2), ("g7", 3), ("g4", 2))
+    )
     assert [g.group_id for g in job.take_ready()] == ["g5", "g4"]
     assert [g.group_id for g in job.ready] == ["g6", "g7"]
     assert [g.group_id for g in job.take_ready()] == ["g6", "g7"] and not job.ready
-
-
-def filled(name: str, version: int) -> Group:
-    built = Group(name)
-    built.add(trajectory(name, [version]), lambda: None)
-    return built
 
 
 def test_a_step_waits_a_while_for_an_older_group_it_would_leave_too_stale() -> None:
