@@ -216,6 +216,8 @@ async def measure(
                             "zero_advantage_share",
                             "staleness_mean",
                             "tokens",
+                            "positions",
+                            "padding_share",
                         )
                         if key in metrics
                     },

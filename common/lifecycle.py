@@ -139,6 +139,11 @@ class StepMetrics(_Numbers):
     shared with other jobs."""
     jobs_in_step: float | None = None
     """Jobs trained in the same forward/backward passes (1: alone)."""
+    positions: float | None = None
+    """Token positions the step's forward passes computed (all its jobs: shared prefixes,
+    suffixes and the padding that evens a pack's suffixes out)."""
+    padding_share: float | None = None
+    """Of `positions`, the share that was padding."""
     wall_step_s: float | None = None
     """Whole step: training, saving and publishing."""
     threads: float | None = None
@@ -166,6 +171,12 @@ class RolloutReplicaStats(_Numbers):
     uptime_s: float | None = None
     generated_tokens: float | None = None
     """Tokens generated since the replica started."""
+    prompt_tokens: float | None = None
+    """Context tokens of the requests finished since the replica started."""
+    cached_prompt_tokens: float | None = None
+    """Of `prompt_tokens`, those found in the prefix cache (not prefilled)."""
+    preemptions: float | None = None
+    """Times finished requests were preempted (KV cache full: freed, recomputed later)."""
     utilisation: float | None = None
     """busy_s / uptime_s."""
     recent_utilisation: float | None = None
@@ -180,5 +191,12 @@ class RolloutReplicaStats(_Numbers):
     """When reported (unix s); set on samples read from the history."""
 
 
-REPLICA_COUNTERS = ("busy_s", "uptime_s", "generated_tokens")
+REPLICA_COUNTERS = (
+    "busy_s",
+    "uptime_s",
+    "generated_tokens",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "preemptions",
+)
 """Cumulative since the replica process started: one going down means it restarted."""

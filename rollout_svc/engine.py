@@ -198,6 +198,12 @@ class RolloutEngine:
         """Wall time `start()` took, warm-up request included."""
         self.generated_tokens = 0
         """Completion tokens returned since start (the warm-up request excluded)."""
+        self.prompt_tokens = 0
+        """Context tokens of the finished requests: prefilled, or found in the prefix cache."""
+        self.cached_prompt_tokens = 0
+        """Of `prompt_tokens`, those the prefix cache held (not computed again)."""
+        self.preemptions = 0
+        """Times a finished request was preempted (its KV cache freed, recomputed later)."""
         self.completed_requests = 0
         self._in_flight = 0
         self._busy_seconds = 0.0
@@ -362,6 +368,9 @@ class RolloutEngine:
         if metrics is not None and getattr(metrics, "scheduled_ts", 0.0) > 0.0:
             queue_s = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
         self.generated_tokens += len(token_ids)
+        self.prompt_tokens += context_len
+        self.cached_prompt_tokens += final.num_cached_tokens or 0
+        self.preemptions += getattr(metrics, "num_preemptions", 0) if metrics is not None else 0
         self.completed_requests += 1
         return result_for(
             request,

@@ -88,6 +88,15 @@ class GenerationEngine(Protocol):
     @property
     def generated_tokens(self) -> int: ...
 
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def cached_prompt_tokens(self) -> int: ...
+
+    @property
+    def preemptions(self) -> int: ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -536,6 +545,9 @@ class RolloutService(Service):
                 utilisation=busy_s / uptime if uptime > 0 else 0.0,
                 recent_utilisation=recent_busy,
                 generated_tokens=float(tokens),
+                prompt_tokens=float(engine.prompt_tokens),
+                cached_prompt_tokens=float(engine.cached_prompt_tokens),
+                preemptions=float(engine.preemptions),
                 tokens_per_s=recent_tokens_per_s,
                 in_flight=float(engine.in_flight),
                 max_model_len=float(self.settings.max_model_len),

@@ -150,6 +150,9 @@ class GatedEngine:
     ready = True
     loaded_adapters = 0
     busy_seconds = 0.0
+    prompt_tokens = 0
+    cached_prompt_tokens = 0
+    preemptions = 0
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()

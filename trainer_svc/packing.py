@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 MIN_SHARED_PREFIX = 4
 """Shorter common prefixes are not worth a second forward pass."""
+SUB_BATCH_OVERHEAD = 32
+"""What one more pass over a pack's suffixes costs, in positions: a batch of fewer rows runs its
+matmuls a little slower, and every layer is one more call."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,47 @@ class Pack:
             return 0
         longest_suffix = max(lengths[i] for i in self.rows) - self.prefix_len
         return self.prefix_len * len(self.prefix_rows) + len(self.rows) * longest_suffix
+
+    def positions(self, lengths: Sequence[int], overhead: int = SUB_BATCH_OVERHEAD) -> int:
+        """Positions the pack's passes compute: prefixes + suffixes, in batches of similar
+        length (`length_batches`), each padded to its longest."""
+        suffixes = [lengths[i] - self.prefix_len for i in self.rows]
+        batches = length_batches(suffixes, overhead)
+        return self.prefix_len * len(self.prefix_rows) + sum(
+            len(batch) * max(suffixes[i] for i in batch) for batch in batches
+        )
+
+    def padding(self, lengths: Sequence[int], overhead: int = SUB_BATCH_OVERHEAD) -> int:
+        """Of `positions`, those that only pad a suffix to its batch's longest."""
+        real = self.prefix_len * len(self.prefix_rows) + sum(
+            lengths[i] - self.prefix_len for i in self.rows
+        )
+        return self.positions(lengths, overhead) - real
+
+
+def length_batches(lengths: Sequence[int], overhead: int = SUB_BATCH_OVERHEAD) -> list[list[int]]:
+    """Indices of `lengths` in batches, longest first, each batch padded to its own longest:
+    the split with the fewest padded positions + `overhead` per batch.
+
+    A multi-turn group's suffixes differ several-fold (an answer in one turn, or a tool call,
+    its result and a second turn): padded to the longest together, a third of a calculator
+    step's positions were padding (bench/README.md). Exact: with the rows sorted, the best
+    split is contiguous, found by dynamic programming over where each batch ends."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    # best[j]: the least cost of the first j rows; cut[j]: where the last of its batches begins.
+    best = [0] + [0] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        best[end], cut[end] = min(
+            (best[start] + (end - start) * lengths[order[start]] + overhead, start)
+            for start in range(end)
+        )
+    batches: list[list[int]] = []
+    end = len(order)
+    while end > 0:
+        batches.append(order[cut[end] : end])
+        end = cut[end]
+    return batches[::-1]
 
 
 def shared_prefix_len(rows: Sequence[PackRow]) -> int:

@@ -28,7 +28,13 @@ from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.hardware import ComputeDtype
 from common.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import k3_kl, masked_token_logprobs, policy_loss, token_logprobs
-from trainer_svc.packing import Pack, PackRow, plan_packs
+from trainer_svc.packing import (
+    SUB_BATCH_OVERHEAD,
+    Pack,
+    PackRow,
+    length_batches,
+    plan_packs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -179,6 +185,7 @@ class MultiAdapterPolicy:
         share_prefixes: bool = True,
         skip_zero_advantages: bool = True,
         adjust_threads: Callable[[], int] | None = None,
+        sub_batch_overhead: int = SUB_BATCH_OVERHEAD,
     ) -> None:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
@@ -189,7 +196,9 @@ class MultiAdapterPolicy:
         sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage
         is 0 out of the passes (their loss and gradient are 0; see `train_steps`).
         `adjust_threads`: called before each decoder layer's forward and backward, returns
-        the threads what follows runs on (trainer_svc/compute.py lends idle cores this way)."""
+        the threads what follows runs on (trainer_svc/compute.py lends idle cores this way).
+        `sub_batch_overhead`: what one more batch of a pack's suffixes costs, in positions
+        (`length_batches`; 0 splits wherever lengths differ)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -201,6 +210,7 @@ class MultiAdapterPolicy:
         self.share_prefixes = share_prefixes
         self.skip_zero_advantages = skip_zero_advantages
         self.adjust_threads = adjust_threads
+        self.sub_batch_overhead = sub_batch_overhead
         self._threads = torch.get_num_threads()
         """Threads since `_threads_since` (the last call of `adjust_threads`)."""
         self._threads_since = 0.0
@@ -325,6 +335,10 @@ class MultiAdapterPolicy:
             for r in computed
         ]
         packs = plan_packs(pack_rows, self.micro_batch_tokens, share_prefixes=self.share_prefixes)
+        lengths = [len(row.token_ids) for row in pack_rows]
+        overhead = self.sub_batch_overhead
+        positions = sum(pack.positions(lengths, overhead) for pack in packs)
+        padding = sum(pack.padding(lengths, overhead) for pack in packs)
         self._thread_s, self._threads_since = 0.0, started
         for pack in packs:  # each decoder layer asks for its threads (`_before_layer`)
             self._pass(pack, computed, jobs, tallies)
@@ -336,6 +350,8 @@ class MultiAdapterPolicy:
             share = tallies[job_id].tokens / all_tokens if all_tokens else 1 / len(jobs)
             metrics["step_s"] = elapsed * share
             metrics["jobs_in_step"] = float(len(jobs))
+            metrics["positions"] = float(positions)
+            metrics["padding_share"] = padding / positions if positions else 0.0
             if self.adjust_threads is not None and elapsed > 0:
                 metrics["threads"] = self._thread_s / elapsed
         return results
@@ -612,38 +628,65 @@ class MultiAdapterPolicy:
         """Trainer logprobs at the loss positions (0 elsewhere), with the gradient; row b
         goes through adapter `adapter_names_B[b]`. With `prefix`, the rows continue the
         prefix rows' tokens (computed once per group, trainer_svc/packing.py): the tensors
-        hold only what follows them."""
+        hold only what follows them. The rows run in batches of similar length
+        (`length_batches`), each padded only to its own longest."""
         import torch
+        from transformers import DynamicCache
 
         # The causal LM with the LoRA layers injected (typed loosely in peft's stubs).
         model: Any = self._peft_model().get_base_model()
         decoder = model.get_decoder()
+        lengths_B = attention_BT.sum(dim=1).tolist()
         with torch.autocast(
             self.device.type,
             dtype=getattr(torch, self.compute_dtype),
             enabled=self.compute_dtype != "float32",
         ):
-            past = None
+            prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
             if prefix is not None:
                 with self._routing(prefix.adapter_names_G):
                     past = decoder(input_ids=prefix.token_ids_GP, use_cache=True).past_key_values
-                # Each row attends to its group's keys and values; the gradient of every
-                # row's loss flows back through this copy into the one prefix pass.
-                past.reorder_cache(prefix.group_of_row_B)
-                prefix_attention_BP = attention_BT.new_ones(
-                    (attention_BT.shape[0], prefix.token_ids_GP.shape[1])
+                prefix_kv = [(layer.keys, layer.values) for layer in past.layers]
+            logprobs_B: list[torch.Tensor] = [mask_BT.new_zeros(0)] * len(lengths_B)
+            for batch in length_batches(lengths_B, self.sub_batch_overhead):
+                rows_b = torch.tensor(batch, device=self.device)
+                length = max(lengths_B[b] for b in batch)
+                attention_bT = attention_BT[rows_b, :length]
+                cache = None
+                if prefix is not None:
+                    # Each row attends to its group's keys and values; the gradient of every
+                    # row's loss flows back through these copies into the one prefix pass.
+                    groups_b = prefix.group_of_row_B[rows_b]
+                    cache = DynamicCache(
+                        ddp_cache_data=[
+                            (keys.index_select(0, groups_b), values.index_select(0, groups_b))
+                            for keys, values in prefix_kv
+                        ]
+                    )
+                    attention_bT = torch.cat(
+                        [
+                            attention_bT.new_ones((len(batch), prefix.token_ids_GP.shape[1])),
+                            attention_bT,
+                        ],
+                        dim=1,
+                    )
+                with self._routing([adapter_names_B[b] for b in batch]):
+                    hidden_bTH = decoder(
+                        input_ids=token_ids_BT[rows_b, :length],
+                        attention_mask=attention_bT,
+                        past_key_values=cache,
+                        use_cache=cache is not None,
+                    ).last_hidden_state
+                logprobs_bT = masked_token_logprobs(
+                    hidden_bTH,
+                    model.get_output_embeddings(),
+                    token_ids_BT[rows_b, :length],
+                    mask_BT[rows_b, :length],
                 )
-                attention_BT = torch.cat([prefix_attention_BP, attention_BT], dim=1)
-            with self._routing(adapter_names_B):
-                hidden_BTH = decoder(
-                    input_ids=token_ids_BT,
-                    attention_mask=attention_BT,
-                    past_key_values=past,
-                    use_cache=past is not None,
-                ).last_hidden_state
-            return masked_token_logprobs(
-                hidden_BTH, model.get_output_embeddings(), token_ids_BT, mask_BT
-            )
+                padding = token_ids_BT.shape[1] - length
+                for row, logprobs_T in zip(batch, logprobs_bT, strict=True):
+                    logprobs_B[row] = torch.nn.functional.pad(logprobs_T, (0, padding))
+            return torch.stack(logprobs_B)
 
     def _routing(self, adapter_names_B: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
         """Route row b of the next forward pass through adapter `adapter_names_B[b]`."""

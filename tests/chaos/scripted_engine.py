@@ -30,6 +30,9 @@ class ScriptedEngine:
         ]
         self.in_flight = 0
         self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # no prefix cache
+        self.preemptions = 0
         self.busy_seconds = 0.0
         self.loaded: dict[str, int] = {}
 
@@ -56,6 +59,7 @@ class ScriptedEngine:
         reply = self._replies[digest[0] % len(self._replies)]
         completion = reply[: request.sampling.max_new_tokens]
         self.generated_tokens += len(completion)
+        self.prompt_tokens += len(request.context_token_ids)
         self.busy_seconds += time.monotonic() - started
         return result_for(
             request,

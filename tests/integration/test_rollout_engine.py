@@ -22,7 +22,12 @@ from common.messages import (
     new_id,
 )
 from common.models import tiny_model
-from rollout_svc.engine import AdapterRef, AdapterUnavailableError, RolloutEngine
+from rollout_svc.engine import (
+    CPU_BLOCK_SIZE,
+    AdapterRef,
+    AdapterUnavailableError,
+    RolloutEngine,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -283,6 +288,21 @@ async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, A
     assert 0 < busy <= wall + 1e-3
     assert all(r.queue_s >= 0 and r.generate_s > 0 for r in results)
     assert all(r.queue_s + r.generate_s <= wall + 1e-3 for r in results)
+
+
+async def test_prompt_counters_show_the_prefix_cache(engine: RolloutEngine) -> None:
+    """A context seen before is found in the prefix cache, in whole blocks; the counters say
+    how much of what was asked was computed."""
+    context = [(7 * i) % 500 + 3 for i in range(100)]
+    before = engine.prompt_tokens, engine.cached_prompt_tokens, engine.preemptions
+    await engine.generate(request(max_new_tokens=2, context=context))
+    first = engine.cached_prompt_tokens - before[1]
+    await engine.generate(request(max_new_tokens=2, context=context))
+    second = engine.cached_prompt_tokens - before[1] - first
+    assert engine.prompt_tokens - before[0] == 2 * len(context)
+    assert first == 0  # never seen: all prefilled
+    assert second == len(context) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE
+    assert engine.preemptions == before[2]
 
 
 async def test_an_adapter_that_cannot_load_fails_its_requests_alone(

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from trainer_svc.packing import MIN_SHARED_PREFIX, Pack, PackRow, plan_packs, shared_prefix_len
+import itertools
+import random
+
+from trainer_svc.packing import (
+    MIN_SHARED_PREFIX,
+    Pack,
+    PackRow,
+    length_batches,
+    plan_packs,
+    shared_prefix_len,
+)
 
 PROMPT = list(range(100, 110))  # 10 tokens
 
@@ -42,9 +52,51 @@ def test_packs_cover_every_row_once_within_the_budget() -> None:
     # All in one pack: two prefixes of 9, six rows padded to the longest suffix (1 + 7).
     (whole,) = plan_packs(rows, 1000)
     assert whole.cost(lengths) == 2 * 9 + 6 * 8 < sum(lengths)
+    # Suffixes of 1 + (5, 2, 7, 3, 1, 4): worth one batch at the default overhead, padded to
+    # 8 each; with none, a batch per length.
+    assert whole.positions(lengths) == whole.cost(lengths)
+    assert whole.padding(lengths) == 6 * 8 - (6 + 3 + 8 + 4 + 2 + 5)
+    assert whole.positions(lengths, overhead=0) == 2 * 9 + (6 + 3 + 8 + 4 + 2 + 5)
+    assert whole.padding(lengths, overhead=0) == 0
 
 
 def test_without_sharing_packs_are_plain_batches_longest_first() -> None:
     rows = [row("a", [1] * n) for n in (5, 2, 7)]
     (pack,) = plan_packs(rows, 1000, share_prefixes=False)
     assert pack == Pack(prefix_len=0, rows=[2, 0, 1])
+
+
+def _cost(lengths: list[int], batches: list[list[int]], overhead: int) -> int:
+    return sum(len(b) * max(lengths[i] for i in b) + overhead for b in batches)
+
+
+def test_length_batches_is_the_cheapest_split() -> None:
+    """Against every split of every order, for small random inputs."""
+    rng = random.Random(0)
+    for _ in range(60):
+        lengths = [rng.choice([3, 5, 20, 22, 60, 90]) for _ in range(rng.randint(1, 6))]
+        overhead = rng.choice([0, 8, 32, 200])
+        batches = length_batches(lengths, overhead)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        assert all(b for b in batches)
+        best = min(
+            _cost(lengths, _split(list(order), cuts), overhead)
+            for order in itertools.permutations(range(len(lengths)))
+            for cuts in itertools.product([False, True], repeat=len(lengths) - 1)
+        )
+        assert _cost(lengths, batches, overhead) == best
+
+
+def _split(order: list[int], cuts: tuple[bool, ...]) -> list[list[int]]:
+    batches = [[order[0]]]
+    for index, cut in zip(order[1:], cuts, strict=True):
+        if cut:
+            batches.append([])
+        batches[-1].append(index)
+    return batches
+
+
+def test_length_batches_at_the_extremes() -> None:
+    assert length_batches([]) == []
+    assert length_batches([4, 9, 4, 1], overhead=10**6) == [[1, 0, 2, 3]]
+    assert length_batches([4, 9, 4, 1], overhead=0) == [[1], [0, 2], [3]]
