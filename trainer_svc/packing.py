@@ -10,7 +10,9 @@ about 45 + 8 x 16 instead of 8 x 61 positions.
 The shared prefix of a group is its rows' longest common prefix, cut one token before the
 first loss position of any row: the position before a loss token yields that token's
 logits, so it must be in the suffix. Groups are packed with others of the same prefix length
-(no padding inside a prefix), rows longest first, within a token budget per pack.
+(no padding inside a prefix), rows longest first, within a token budget per pack. On top of
+its prefixes a pack runs its rows' suffixes in batches of similar length (`length_batches`),
+each padded only to its own longest.
 """
 
 from __future__ import annotations
