@@ -57,7 +57,14 @@ from rich.console import Console
 
 from common.config import SharedSettings, load
 from common.lifecycle import SERVICES
-from common.messages import EnvSettings, EvalSettings, Event, JobSpec, SamplingSettings
+from common.messages import (
+    EnvSettings,
+    EvalSettings,
+    Event,
+    JobSpec,
+    RLSettings,
+    SamplingSettings,
+)
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.export import best_of
@@ -78,11 +85,18 @@ console = Console()
 
 
 def job_specs(
-    base_model: str, seed: int, *, steps: int, eval_tasks: int, resample_uniform: int = 0
+    base_model: str,
+    seed: int,
+    *,
+    steps: int,
+    eval_tasks: int,
+    resample_uniform: int = 0,
+    rl: dict[str, Any] | None = None,
 ) -> dict[str, JobSpec]:
     """The eight jobs of one seed, by name (`<tenant>-<kind>`): the demo's arithmetic and
     calculator jobs and a word-problem dataset job, three to a tenant (two for the third);
-    `resample_uniform`: each job's `rl.resample_uniform_groups` (dynamic sampling)."""
+    `resample_uniform`: each job's `rl.resample_uniform_groups` (dynamic sampling); `rl`:
+    other `RLSettings` fields set on every job (e.g. `lr_schedule`)."""
     demo = {spec.job_id.split("-")[1]: spec for spec in demo_jobs(base_model, "x", seed)}
     arith, calc = demo["arith"], demo["calc"]
     words = msgspec.structs.replace(
@@ -107,8 +121,11 @@ def job_specs(
             job_id=f"{tenant}-{kind}",
             tenant=tenant,
             env=msgspec.structs.replace(template.env, seed=1000 * seed + index),
-            rl=msgspec.structs.replace(
-                template.rl, max_steps=steps, resample_uniform_groups=resample_uniform
+            rl=msgspec.convert(
+                msgspec.to_builtins(template.rl)
+                | {"max_steps": steps, "resample_uniform_groups": resample_uniform}
+                | (rl or {}),
+                RLSettings,
             ),
             eval=EvalSettings(tasks=eval_tasks, seed=seed),
         )
@@ -411,6 +428,7 @@ async def jobs_part(args: argparse.Namespace, result: dict[str, Any], out: Path)
                 steps=args.steps,
                 eval_tasks=args.eval_tasks,
                 resample_uniform=args.resample_uniform,
+                rl=args.rl,
             )
             if args.jobs:
                 specs = {name: spec for name, spec in specs.items() if name in args.jobs}
@@ -463,6 +481,17 @@ def write(out: Path, result: dict[str, Any]) -> None:
     console.print(f"written to {out}")
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """`--rl NAME=VALUE`: VALUE read as JSON (numbers, true), else as text (`linear`)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="jobs,peer", help="jobs, peer or both")
@@ -481,8 +510,16 @@ def main() -> None:
     parser.add_argument(
         "--resample-uniform", type=int, default=0, help="each job's rl.resample_uniform_groups"
     )
+    parser.add_argument(
+        "--rl",
+        type=_setting,
+        action="append",
+        default=[],
+        help="NAME=VALUE: an RLSettings field on every job (VALUE as JSON, else text), repeatable",
+    )
     parser.add_argument("--table", type=Path, default=None, help="print a result's summary")
     args = parser.parse_args()
+    args.rl = dict(args.rl)
     if args.table:
         print(table(json.loads(args.table.read_text())))
         return
@@ -500,6 +537,7 @@ def main() -> None:
             "eval_tasks": args.eval_tasks,
             "peer_steps": args.peer_steps,
             "resample_uniform_groups": args.resample_uniform,
+            "rl": args.rl,
         }
     )
     parts = set(args.parts.split(","))

@@ -130,6 +130,8 @@ class StepMetrics(_Numbers):
     entropy: float | None = None
     """The sampling policy's per-token entropy (nats), estimated from its samples."""
     grad_norm: float | None = None
+    learning_rate: float | None = None
+    """The rate this step's optimizer used (`rl.lr_schedule` at this step)."""
     tokens: float | None = None
     """Trained (loss-masked) tokens."""
     samples: float | None = None

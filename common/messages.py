@@ -26,13 +26,13 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The wire schema this build writes: 1 positional arrays; 2 maps keyed by field name; 3 adds
 `JobSpec.eval` and `GenerationRequest.pinned_adapter_version`; 4 adds
 `GenerationRequest.tenant`; 5 adds `RLSettings.score_cut_off`; 6 adds
 `RLSettings.resample_uniform_groups` (and with it the drop kind and event
-`dropped_uniform`); 7 adds `SamplingSettings.seed`. Up by one with every field added to any
-message."""
+`dropped_uniform`); 7 adds `SamplingSettings.seed`; 8 adds `RLSettings.lr_schedule` and
+`RLSettings.warmup_steps`. Up by one with every field added to any message."""
 
 
 class Topic(StrEnum):
@@ -160,6 +160,10 @@ class SamplingSettings(_Part):
     unseeded."""
 
 
+LrSchedule = Literal["constant", "linear", "cosine"]
+"""`RLSettings.lr_schedule`'s values."""
+
+
 class RLSettings(_Part):
     group_size: Annotated[int, Meta(ge=2, le=MAX_GROUP_SIZE)] = 8
     """G, >= 2: samples per task; advantages are relative within a group."""
@@ -172,7 +176,18 @@ class RLSettings(_Part):
     """S, >= 0: how many adapter versions generation may run ahead of training (0 = on-policy);
     a group sampled more than S versions behind is dropped and replaced."""
     learning_rate: Annotated[float, Meta(gt=0, lt=1)] = 1e-4
-    """AdamW learning rate of the job's adapter, in (0, 1); no weight decay."""
+    """AdamW learning rate of the job's adapter, in (0, 1); no weight decay. The peak of
+    `lr_schedule`."""
+    lr_schedule: LrSchedule = "constant"
+    """How the learning rate moves over the job's `max_steps` (`trainer_svc.schedule`):
+    `constant`; `linear` or `cosine`: after the warm-up, step k of the n left takes
+    (n - k + 1) / n of `learning_rate`, or cosine's share of it, towards 0 after the last step
+    (TRL's default is linear). A job near its solution then takes small steps, where a
+    constant rate can carry it past (issue 22: an arithmetic job whose training reward reached
+    1.0 at step 7 fell to 0.44 by step 12)."""
+    warmup_steps: Annotated[int, Meta(ge=0, le=MAX_STEPS)] = 0
+    """Steps over which the learning rate rises linearly to `learning_rate` (step k of W
+    takes k / W of it), before `lr_schedule` applies; 0 = none."""
     clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2
     """PPO clip below, in [0, 1): the policy ratio is clipped at 1 - clip_low."""
     clip_high: Annotated[float, Meta(ge=0)] = 0.28

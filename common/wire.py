@@ -277,7 +277,12 @@ _V1_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Each message's fields in schema-1 order (the `schema` field followed them)."""
 _V1_NESTED_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
-    ("job_spec", "rl"): {"score_cut_off": False, "resample_uniform_groups": 0},
+    ("job_spec", "rl"): {
+        "score_cut_off": False,
+        "resample_uniform_groups": 0,
+        "lr_schedule": "constant",
+        "warmup_steps": 0,
+    },
     ("job_spec", "rl.sampling"): {"seed": None},
     ("generation_request", "sampling"): {"seed": None},
 }
@@ -335,10 +340,16 @@ def _to_v1(message: Message) -> msgspec.Struct:
     layout = _V1_LAYOUTS[type(message)]
     tag = str(type(message).__struct_config__.tag)
     values = {name: getattr(message, name) for name in _V1_FIELDS[tag]}
+    blocks = set()
     for (kind, path), defaults in _V1_NESTED_DEFAULTS.items():
         if kind == tag:
             head, *rest = path.split(".")
             values[head] = replaced_at(values[head], rest, defaults)
+            blocks.add(head)
+    # As plain maps of the fields not at their defaults: msgspec sizes a struct's map header
+    # by its field count (a map16 header from 16 fields on, however many are written), and
+    # schema 1 wrote the fewer fields of its day.
+    values |= {head: msgspec.to_builtins(values[head]) for head in blocks}
     return layout(**values, schema=1)
 
 

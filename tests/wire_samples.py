@@ -34,6 +34,7 @@ ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     4: {"job_spec": {"rl.score_cut_off": False}},
     5: {"job_spec": {"rl.resample_uniform_groups": 0}},
     6: {"job_spec": {"rl.sampling.seed": None}, "generation_request": {"sampling.seed": None}},
+    7: {"job_spec": {"rl.lr_schedule": "constant", "rl.warmup_steps": 0}},
 }
 """Fields each schema's writers did not know yet, by schema and kind (a dotted path reaches
 into a settings block): read from such a writer's bytes, they hold their defaults."""
@@ -73,6 +74,8 @@ SAMPLES: dict[str, Message] = {
             max_context_tokens=256,
             score_cut_off=True,
             resample_uniform_groups=3,
+            lr_schedule="cosine",
+            warmup_steps=2,
             sampling=SAMPLING,
         ),
         eval=EvalSettings(tasks=16, every_steps=3, seed=5),

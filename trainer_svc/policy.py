@@ -35,6 +35,7 @@ from trainer_svc.packing import (
     length_batches,
     plan_packs,
 )
+from trainer_svc.schedule import learning_rate
 
 if TYPE_CHECKING:
     import torch
@@ -342,7 +343,7 @@ class MultiAdapterPolicy:
         self._thread_s, self._threads_since = 0.0, started
         for pack in packs:  # each decoder layer asks for its threads (`_before_layer`)
             self._pass(pack, computed, jobs, tallies)
-        results = self._step_each(jobs, tallies)
+        results = self._step_each(jobs, tallies, versions)
         self._adjust_threads()  # closes the step's last span of threads
         elapsed = time.monotonic() - started
         all_tokens = sum(tally.tokens for tally in tallies.values())
@@ -439,10 +440,16 @@ class MultiAdapterPolicy:
             objective.backward()
 
     def _step_each(
-        self, jobs: Mapping[str, _Job], tallies: Mapping[str, _Tally]
+        self,
+        jobs: Mapping[str, _Job],
+        tallies: Mapping[str, _Tally],
+        versions: Mapping[str, int] | None,
     ) -> dict[str, dict[str, float]]:
         """Each job clips its own gradient and steps its own optimizer, unless none of its rows
         carried an advantage: then the step has no signal, and its optimizer does not step.
+        The step that makes version v + 1 from `versions`' v takes that step's learning rate
+        of the job's schedule (`trainer_svc.schedule`); a job not in `versions` keeps the
+        rate it has (`rl.learning_rate` unless a versioned step set another).
 
         AdamW would otherwise still move the adapter on its momentum (and count the step in
         its bias correction): a job whose groups are all solved, several steps running, was
@@ -469,10 +476,17 @@ class MultiAdapterPolicy:
             raise NonFiniteGradientError(diverged)
         results: dict[str, dict[str, float]] = {}
         for job_id, job in jobs.items():
+            if versions is not None and job_id in versions:
+                for group in job.optimizer.param_groups:
+                    group["lr"] = learning_rate(job.rl, versions[job_id] + 1)
             if tallies[job_id].has_signal:
                 job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
-            results[job_id] = {**tallies[job_id].metrics(), "grad_norm": norms[job_id]}
+            results[job_id] = {
+                **tallies[job_id].metrics(),
+                "grad_norm": norms[job_id],
+                "learning_rate": job.optimizer.param_groups[0]["lr"],
+            }
         return results
 
     def logprobs(self, job_id: str | None, token_ids: Sequence[int]) -> list[float]:

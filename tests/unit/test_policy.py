@@ -539,3 +539,23 @@ def test_a_non_finite_gradient_takes_no_step_for_any_job(base_dir: Path) -> None
         assert all(torch.isfinite(t).all() for t in policy.adapter_state(job).values())
     metrics = policy.train_steps({"a": (batch[:2], [1.0, -1.0])})["a"]
     assert metrics["grad_norm"] > 0
+
+
+def test_a_step_takes_its_versions_learning_rate_from_the_schedule(base_dir: Path) -> None:
+    rl = msgspec.structs.replace(RL, max_steps=12, lr_schedule="linear")
+    trajectory = _batch()[0]
+    deltas = {}
+    for version in (0, 9):  # steps 1 and 10 of 12: the peak, then 3/12 of it
+        policy = MultiAdapterPolicy(base_dir)
+        policy.add_job("a", LORA, rl, seed=1)
+        before = policy.adapter_state("a")
+        metrics = policy.train_steps({"a": ([trajectory], [1.0])}, versions={"a": version})["a"]
+        assert metrics["learning_rate"] == pytest.approx(rl.learning_rate * (12 - version) / 12)
+        after = policy.adapter_state("a")
+        deltas[version] = sum(float((after[k] - before[k]).norm() ** 2) for k in after) ** 0.5
+    # Adam's first update is the rate times ~sign(gradient): it scales with the rate.
+    assert deltas[9] / deltas[0] == pytest.approx(0.25, rel=0.05)
+    # Without versions (a job trained by hand) the rate stays `rl.learning_rate`.
+    policy = MultiAdapterPolicy(base_dir)
+    policy.add_job("a", LORA, rl, seed=1)
+    assert policy.train_step("a", [trajectory], [1.0])["learning_rate"] == rl.learning_rate
