@@ -6,6 +6,9 @@ job against TRL's GRPOTrainer for the same minutes.
     .venv/bin/python bench/learning.py --parts peer --out <the jobs part's file>   # adds to it
     .venv/bin/python bench/learning.py --parts jobs --jobs acme-words,globex-words \
         --modes alone --resample-uniform 6       # some jobs, one mode, dynamic sampling on
+    .venv/bin/python bench/learning.py --parts jobs --modes shared --eval-tasks 32 \
+        --jobs acme-arith,acme-calc,globex-arith,globex-calc --rl lr_schedule=linear
+                                                 # the demo's four jobs, another RLSettings field
 
 **jobs**: eight jobs of three tenants (arithmetic, tool-use calculator and a dataset job of
 word problems, `examples/data/acme/word_problems.jsonl`, each in the demo's budgets, 12 steps)

@@ -304,10 +304,12 @@ class MultiAdapterPolicy:
         means over the rows that were computed (absent when none was); the entropy is over
         every row. `zero_advantage_share` says how many rows were left out.
 
-        `versions`: the adapter version each job holds now. The computed rows sampled (every
-        turn) with exactly that version give `fresh_kl`, the KL between the sampler's and
-        the trainer's logprobs of the same weights: float rounding only (~1e-3 with bf16 on
-        one side), unless the sampler did not run the weights it named.
+        `versions`: the adapter version each job holds now. The step makes version + 1, its
+        place in the job's learning-rate schedule (`trainer_svc.schedule`; a job left out
+        keeps its optimizer's rate). The computed rows sampled (every turn) with exactly that
+        version give `fresh_kl`, the KL between the sampler's and the trainer's logprobs of
+        the same weights: float rounding only (~1e-3 with bf16 on one side), unless the
+        sampler did not run the weights it named.
         """
         started = time.monotonic()
         jobs = {job_id: self._job(job_id) for job_id in batches}
