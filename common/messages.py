@@ -182,9 +182,9 @@ class RLSettings(_Part):
     """How the learning rate moves over the job's `max_steps` (`trainer_svc.schedule`):
     `constant`; `linear` or `cosine`: after the warm-up, step k of the n left takes
     (n - k + 1) / n of `learning_rate`, or cosine's share of it, towards 0 after the last step
-    (TRL's default is linear). A job near its solution then takes small steps, where a
-    constant rate can carry it past (issue 22: an arithmetic job whose training reward reached
-    1.0 at step 7 fell to 0.44 by step 12)."""
+    (TRL's default is linear). On the demo's 12-step jobs a linear decay learned arithmetic
+    no better than the constant rate and the calculator's tool use less surely
+    (bench/README.md, issue 22)."""
     warmup_steps: Annotated[int, Meta(ge=0, le=MAX_STEPS)] = 0
     """Steps over which the learning rate rises linearly to `learning_rate` (step k of W
     takes k / W of it), before `lr_schedule` applies; 0 = none."""
