@@ -19,6 +19,7 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
@@ -32,8 +33,9 @@ from aiokafka.structs import TopicPartition
 
 from common.backoff import Backoff, RetryableError, connect_with_backoff, is_transient
 from common.config import kafka_client_options
+from common.dispatch import Dispatcher
 from common.messages import Message, MessageDecodeError, Topic
-from common.metrics import ConsumerMetrics, consumer_metrics
+from common.metrics import CONSUMER_IN_FLIGHT, ConsumerMetrics, consumer_metrics
 from common.offsets import OffsetTracker
 from common.signing import RecordSigner
 from common.wire import (
@@ -235,10 +237,13 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 class ConsumerLoop(Generic[M]):
     """Consume topics in a consumer group and hand each decoded message to `handler`.
 
-    Commits each partition up to its processed (and not held) records after every
-    batch and before partitions are revoked. Undecodable records and handler
-    failures that are not `transient` become `DeadLetter`s; transient failures
-    re-read the record after a back-off from `retry_backoff_s`, doubling per failure in a
+    Up to `max_in_flight` records are handled at once (common/dispatch.py), those of one
+    partition with the same key one after the other in offset order; 1 handles every record
+    before the next, as a handler that applies back-pressure by waiting needs. Commits each
+    partition below its oldest unfinished (or held) record after every batch and before
+    partitions are revoked. Undecodable records and handler failures that are not
+    `transient` become `DeadLetter`s; a transient failure retries the record in place after
+    a back-off from `retry_backoff_s`, doubling per failure of the partition's records in a
     row up to `max_retry_backoff_s`. A member silent for `session_timeout_s` (crashed,
     stopped) loses its partitions to the others; heartbeats go every third of it. Every
     record moves the `marlaas_*` consumer metrics of `service` (common/metrics.py); while
@@ -269,6 +274,8 @@ class ConsumerLoop(Generic[M]):
         session_timeout_s: float = 10.0,
         on_undecodable: Undecodable | None = None,
         signing: RecordSigner | None = None,
+        max_in_flight: int = 1,
+        drain_timeout_s: float = 10.0,
     ) -> None:
         self.bootstrap = bootstrap
         self.signing = signing
@@ -282,6 +289,9 @@ class ConsumerLoop(Generic[M]):
         self._dead_letters = dead_letters
         self._transient = transient
         self._max_records = max_records
+        self._dispatch = Dispatcher(max_in_flight, name=f"{service}-record")
+        self._drain_timeout_s = drain_timeout_s
+        CONSUMER_IN_FLIGHT.labels(service).set_function(lambda: self._dispatch.in_flight)
         self._poll_timeout_ms = poll_timeout_ms
         self._retry_delays = (retry_backoff_s, max(retry_backoff_s, max_retry_backoff_s))
         self._backoffs: dict[TopicPartition, Backoff] = {}
@@ -306,6 +316,16 @@ class ConsumerLoop(Generic[M]):
     def assignment(self) -> set[TopicPartition]:
         return set(self._trackers)
 
+    @property
+    def in_flight(self) -> int:
+        """Records being handled now."""
+        return self._dispatch.in_flight
+
+    @property
+    def in_flight_peak(self) -> int:
+        """The most records handled at once since the start."""
+        return self._dispatch.peak
+
     async def start(self, *, timeout_s: float = 60.0) -> None:
         self._consumer = await start_client(
             lambda: AIOKafkaConsumer(
@@ -326,7 +346,8 @@ class ConsumerLoop(Generic[M]):
         self._consumer.subscribe(self.topics, listener=_Rebalance(self))
 
     async def run(self) -> None:
-        """Poll, handle and commit until `stop()` is called."""
+        """Poll, handle (up to `max_in_flight` records at once) and commit until `stop()` is
+        called; then wait up to `drain_timeout_s` for the records in hand."""
         consumer = self._require_consumer()
         lag_export = asyncio.create_task(self._export_lag(), name=f"{self.service}-lag")
         try:
@@ -335,9 +356,12 @@ class ConsumerLoop(Generic[M]):
                     timeout_ms=self._poll_timeout_ms, max_records=self._max_records
                 )
                 for tp, records in batches.items():
-                    await self._handle_partition(tp, records)
+                    await self._dispatch_partition(tp, records)
+                self._dispatch.raise_failure()
                 await self.commit()
         finally:
+            if left := await self._dispatch.drain(self._drain_timeout_s):
+                log.warning("%s: %d records unfinished at the stop", self.service, left)
             lag_export.cancel()
             await asyncio.gather(lag_export, return_exceptions=True)
 
@@ -476,17 +500,38 @@ class ConsumerLoop(Generic[M]):
             raise RuntimeError("consumer not started")
         return self._consumer
 
-    async def _handle_partition(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
+    async def _dispatch_partition(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
+        """Start each record's handling as room allows (common/dispatch.py); records with
+        the same key run in offset order. Returns early when the loop is asked to stop: the
+        records not started stay uncommitted (they all follow the started ones)."""
         tracker = self._trackers.get(tp)
         if tracker is None:  # revoked while the batch was in flight
             return
-        backoff = self._backoffs.setdefault(tp, Backoff(*self._retry_delays))
         for record in records:
+            while not await self._dispatch.room(self._poll_timeout_ms / 1000):
+                if self._stopping.is_set():
+                    return
+            if self._trackers.get(tp) is not tracker:  # revoked meanwhile
+                return
+            tracker.started(record.offset)
+            self._dispatch.submit(tp, record.key, partial(self._handle, tp, record, tracker))
+
+    async def _handle(
+        self, tp: TopicPartition, record: ConsumerRecord, tracker: OffsetTracker
+    ) -> None:
+        """Handle one record; a transient failure retries it in place after a back-off
+        (growing while the partition's records fail in a row) until it succeeds or the
+        partition is revoked (its next owner reads it from the last commit)."""
+        backoff = self._backoffs.setdefault(tp, Backoff(*self._retry_delays))
+        while True:
             try:
                 await self._handle_record(record, tracker)
+                break
             except Exception as exc:
                 if not self._transient(exc):
                     raise
+                if self._trackers.get(tp) is not tracker:
+                    return
                 delay = backoff.next_delay()
                 log.warning(
                     "%s: transient failure on %s[%d]@%d (%r); retry %d in %.1fs",
@@ -498,13 +543,11 @@ class ConsumerLoop(Generic[M]):
                     backoff.failures,
                     delay,
                 )
-                self._require_consumer().seek(tp, record.offset)
                 await asyncio.sleep(delay)
-                return
-            backoff.reset()
-            tracker.processed(record.offset)
-            self.processed_count += 1
-            self._handled[tp.topic] += 1
+        backoff.reset()
+        tracker.finished(record.offset)
+        self.processed_count += 1
+        self._handled[tp.topic] += 1
 
     async def _handle_record(self, record: ConsumerRecord, tracker: OffsetTracker) -> None:
         metrics = self._metrics_for(record.topic)
@@ -597,6 +640,11 @@ class ConsumerLoop(Generic[M]):
         )
 
     async def _partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        # The records in hand finish, within a grace, so that their commits go to the next
+        # owner; those left are cancelled (uncommitted: it reads them again), never raced.
+        grace_s = min(self._drain_timeout_s, self.session_timeout_s / 2)
+        if left := await self._dispatch.drain(grace_s, revoked):
+            log.warning("%s: %d records cancelled at a revocation", self.service, left)
         if self._consumer is not None:
             await self.commit()
         for tp in revoked:

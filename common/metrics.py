@@ -45,6 +45,11 @@ CONSUMER_LAG = Gauge(
     "End offset minus committed offset, summed over the partitions this replica owns.",
     ["service", "topic"],
 )
+CONSUMER_IN_FLIGHT = Gauge(
+    "marlaas_consumer_records_in_flight",
+    "Records this replica's consumer is handling at once (common/dispatch.py).",
+    ["service"],
+)
 DEAD_LETTERS = Counter(
     "marlaas_dead_letters_total",
     "Records sent to marlaas.dlq, by the topic they came from.",

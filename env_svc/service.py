@@ -115,7 +115,11 @@ class EnvService(Service):
     async def start(self) -> None:
         await self.io.open()
         self.consumer = await self.io.consume(
-            SERVICE, self.settings.consumer_group, self.handle, on_undecodable=self.on_undecodable
+            SERVICE,
+            self.settings.consumer_group,
+            self.handle,
+            on_undecodable=self.on_undecodable,
+            max_in_flight=self.settings.records_in_flight,
         )
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:

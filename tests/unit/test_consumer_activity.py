@@ -41,7 +41,8 @@ async def test_each_replica_logs_what_it_handled_per_topic_once_an_interval(
     )
     tp = TopicPartition(Topic.JOBS.value, 3)
     loop._trackers[tp] = OffsetTracker()
-    await loop._handle_partition(tp, [record(tp, n) for n in range(3)])
+    await loop._dispatch_partition(tp, [record(tp, n) for n in range(3)])
+    await loop._dispatch.drain(5.0)
     started = loop._activity_since
     with caplog.at_level(logging.INFO, logger="common.bus"):
         loop.log_activity(now=started + 30.0)  # too early: nothing yet

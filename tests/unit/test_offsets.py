@@ -47,3 +47,25 @@ def test_out_of_order_processing_keeps_the_highest_position() -> None:
     tracker.processed(9)
     tracker.processed(3)
     assert tracker.committable() == 10
+
+
+def test_records_finishing_out_of_order_commit_below_the_oldest_unfinished() -> None:
+    tracker = OffsetTracker()
+    for offset in (20, 21, 22):
+        tracker.started(offset)
+    tracker.finished(22)
+    tracker.finished(21)
+    assert tracker.committable() == 20  # 20 is still in hand: a crash re-reads 20-22
+    assert tracker.next_unprocessed == 20
+    tracker.finished(20)
+    assert tracker.committable() == 23
+
+
+def test_a_record_never_finished_keeps_the_commit_below_it() -> None:
+    """A record whose handling was cancelled at a stop is read again by the next owner,
+    even though the records after it finished."""
+    tracker = OffsetTracker()
+    tracker.started(4)
+    tracker.started(5)
+    tracker.finished(5)
+    assert tracker.due() == 4
