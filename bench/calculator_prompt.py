@@ -28,8 +28,9 @@ from machine import machine_fields, result_path  # bench/machine.py
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.models import resolve_base_model
-from env_svc.envs.calculator import CalculatorEnv, parse_tool_calls
+from env_svc.envs.calculator import CalculatorEnv
 from env_svc.protocol import ChatMessage, EpisodeState
+from env_svc.tools import parse_tool_calls
 
 HERE = Path(__file__).parent
 BATCH = 64
@@ -89,7 +90,9 @@ def play(env: CalculatorEnv, generate: Generator, tasks: list[Any], sample: bool
         still = []
         for i, text in zip(active, replies, strict=True):
             if turn == 0:
-                called[i] = any(call.expression for call in parse_tool_calls(text))
+                called[i] = any(
+                    c.name == "calculator" and not c.malformed for c in parse_tool_calls(text)
+                )
             step = env.step(states[i], text)
             states[i] = step.state
             if step.done:

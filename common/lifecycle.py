@@ -108,6 +108,11 @@ class _Numbers(msgspec.Struct, kw_only=True, omit_defaults=True):
         return {name: value for name in self.names() if (value := getattr(self, name)) is not None}
 
 
+TOOL_METRICS = "tools"
+"""The weight-0 reward of a tool environment (env_svc/tools/): its components `tools.calls`,
+`tools.errors` and `tools.<kind>` count an episode's calls; steps report their means."""
+
+
 class StepMetrics(_Numbers):
     """trainer_svc -> console: what one training step of one job did (`step` events)."""
 
@@ -157,6 +162,11 @@ class StepMetrics(_Numbers):
     resampled_groups: float | None = None
     """Groups with all rewards equal dropped and replaced before this step (dynamic sampling,
     `rl.resample_uniform_groups`)."""
+    tool_calls: float | None = None
+    """Tool calls per trained episode, mean (environments on the tool layer: `TOOL_METRICS`)."""
+    tool_errors: float | None = None
+    """Of those, calls answered with an error (malformed, unknown tool, bad arguments, the
+    tool's own error or time limit), per trained episode."""
 
     @property
     def trainer_tokens_per_s(self) -> float | None:

@@ -23,9 +23,12 @@ LEARNING_SIGNALS = (
     "fresh_kl",
     "clip_fraction",
     "zero_advantage_share",
+    "tool_calls",
+    "tool_errors",
 )
 """Step metrics that say why a run goes wrong: a collapsing entropy, a policy drifting from
-the one that sampled (KL), updates the clip cuts off, groups with no learning signal."""
+the one that sampled (KL), updates the clip cuts off, groups with no learning signal, tool
+calls and how many of them failed (tool environments)."""
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""Environment and reward code off the event loop, each call with a time limit.
+"""Environment and reward code, each call with a time limit: in worker threads, or awaited.
+
+An environment whose code awaits (`Environment.awaits`: an `async def` respond, prompt or
+reward) runs on the event loop, where hundreds of its calls can wait at once and a call past
+its time limit is cancelled. Any other environment is synchronous user code, run in threads:
+sized for waiting (`ENV_SVC_ENV_WORKERS`), since such code often blocks on I/O.
 
 An environment is user code: it may be slow, hang, or raise anything. Run on the event loop, a
 hanging reward would stall the replica past the broker's poll interval; the group would move
@@ -15,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from common.backoff import is_transient
 from env_svc.episodes import EpisodeError
+from env_svc.protocol import run_sync
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +55,56 @@ class EnvCalls:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="env-call")
         self._abandoned = 0
         self._lock = threading.Lock()
+        self.in_flight = 0
+        """Calls running now, in threads or on the loop."""
+        self.peak = 0
+        """The most calls running at once so far."""
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The workers, also the event loop's default executor in env_svc: the tool layer's
+        plain (not `async def`) tools run there (`asyncio.to_thread`)."""
+        return self._pool
 
     @property
     def abandoned(self) -> int:
         """Calls that timed out and still hold a worker."""
         return self._abandoned
 
+    async def drive(
+        self, what: str, work: Callable[[], Coroutine[Any, Any, T]], *, awaits: bool
+    ) -> T:
+        """The coroutine `work()` of an environment: awaited here when the environment
+        `awaits`, cancelled after `timeout_s`; else driven to its end in a worker (`run`)."""
+        if not awaits:
+            return await self.run(what, lambda: run_sync(work()))
+        self._entered()
+        try:
+            async with asyncio.timeout(self.timeout_s) as limit:
+                return await work()
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and limit.expired():
+                log.error("%s: no answer after %.0fs; cancelled", what, self.timeout_s)
+                raise EnvCallTimeout(f"{what}: no answer after {self.timeout_s:g}s") from None
+            if is_transient(exc):  # the code's own client or deadline, not env_svc's
+                raise EnvCodeError(f"{what}: {type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            self.in_flight -= 1
+
+    def _entered(self) -> None:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+
     async def run(self, what: str, fn: Callable[[], T]) -> T:
         """`fn()` in a worker; raises `EnvCallTimeout` after `timeout_s`, or what `fn` raised."""
+        self._entered()
+        try:
+            return await self._in_worker(what, fn)
+        finally:
+            self.in_flight -= 1
+
+    async def _in_worker(self, what: str, fn: Callable[[], T]) -> T:
         if self._abandoned >= self.workers:
             raise WorkersExhausted(f"all {self.workers} environment workers hang in calls")
         future: Future[T] = self._pool.submit(fn)

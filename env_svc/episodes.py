@@ -191,7 +191,7 @@ def turn_limit(env: Environment[Any], job: JobSpec) -> int:
     return min(env.max_turns, job.rl.max_turns)
 
 
-def start_episode(
+async def start_episode(
     env: Environment[Any],
     tokenizer: ChatTokenizer,
     job: JobSpec,
@@ -203,24 +203,24 @@ def start_episode(
     """The first request of one episode; all G samples of a group share `group_index`'s task."""
     episode_id = episode_id_for(job.job_id, group_index, sample_index)
     task = env.task_for(job.env.seed, group_index)
-    return _first_request(
+    return await _first_request(
         env, tokenizer, job, task, episode_id, group_id, group_index, sample_index
     )
 
 
-def start_eval_episode(
+async def start_eval_episode(
     env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, *, version: int, index: int
 ) -> GenerationRequest:
     """The first request of evaluation episode `index` of adapter `version`: task `index` of
     the evaluation stream, decoded greedily with exactly that version (common/evals.py)."""
     group_id = eval_group_id(job.job_id, version)
     task = env.eval_task_for(job.eval.seed, index)
-    return _first_request(
+    return await _first_request(
         env, tokenizer, job, task, f"{group_id}/{index}", group_id, index, 0, eval_version=version
     )
 
 
-def _first_request(
+async def _first_request(
     env: Environment[Any],
     tokenizer: ChatTokenizer,
     job: JobSpec,
@@ -232,7 +232,7 @@ def _first_request(
     *,
     eval_version: int = -1,
 ) -> GenerationRequest:
-    state, messages = env.reset(task)
+    state, messages = await env.areset(task)
     prompt_ids = tokenizer.prompt_ids(messages)
     room = job.rl.max_context_tokens - job.rl.sampling.max_new_tokens
     if len(prompt_ids) > room:
@@ -251,10 +251,14 @@ def _first_request(
     return _request(job, episode_id, group_id, sample_index, prompt_ids, carry)
 
 
-def advance_episode(
+async def advance_episode(
     env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, result: GenerationResult
 ) -> GenerationRequest | Trajectory:
-    """Apply one sampled turn: the next turn's request, or the finished `Trajectory`."""
+    """Apply one sampled turn: the next turn's request, or the finished `Trajectory`.
+
+    A coroutine that suspends only where the environment's own code awaits: env_svc drives
+    one of a synchronous environment to its end in a worker thread (`run_sync`), one of an
+    environment that awaits on its event loop."""
     carry = decode_carry(result.env_state)
     completion_ids = list(result.completion_token_ids)
     context_ids = list(result.context_token_ids)
@@ -274,7 +278,7 @@ def advance_episode(
     carry.turn += 1
 
     state = env.decode_state(carry.env_state)
-    step = env.step(state, tokenizer.text(completion_ids))
+    step = await env.astep(state, tokenizer.text(completion_ids))
     if step.done:
         assert step.reward is not None
         reward = step.reward
@@ -282,11 +286,11 @@ def advance_episode(
             reward = unanswered(reward)  # the limit, not the policy, ended this answer
         return _trajectory(job, result, carry, context_ids, reward)
     if carry.turn >= turn_limit(env, job):
-        return _trajectory(job, result, carry, context_ids, env.score(step.state))
+        return _trajectory(job, result, carry, context_ids, await env.ascore(step.state))
 
     # The sampled turn as the template sees it: the env's completion minus its new replies.
     history = step.state.completion[: len(step.state.completion) - len(step.messages)]
-    messages_before = [*env.initial_messages(step.state.task), *history]
+    messages_before = [*await env.prompt(step.state.task), *history]
     ended_with_eos = bool(completion_ids) and completion_ids[-1] == tokenizer.eos_token_id
     context_ids += tokenizer.continuation_ids(
         messages_before, step.messages, completion_ended_with_eos=ended_with_eos
@@ -294,7 +298,7 @@ def advance_episode(
     if len(context_ids) + job.rl.sampling.max_new_tokens > job.rl.max_context_tokens:
         # No room for another turn: score the episode as it stands; unsent replies get no tokens.
         context_ids = context_ids[: carry.sampled_spans[-1][1]]
-        return _trajectory(job, result, carry, context_ids, env.score(step.state))
+        return _trajectory(job, result, carry, context_ids, await env.ascore(step.state))
 
     carry.env_state = encode_state(step.state)
     carry.context_len = len(context_ids)

@@ -11,17 +11,20 @@ a job, in any order, on any replica.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import math
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVar, cast
 
 import msgspec
 
@@ -74,6 +77,10 @@ class EnvironmentLoadError(ImportError):
     """A registered environment could not be imported, or is not an `Environment`."""
 
 
+class AsyncEnvironmentError(RuntimeError):
+    """An environment that awaits was driven from synchronous code without an event loop."""
+
+
 class EpisodeStateError(ValueError):
     """Bytes that are not this environment's episode state, or a step on a finished episode."""
 
@@ -98,6 +105,7 @@ Operand = Annotated[int, msgspec.Meta(ge=-(10**6), le=10**6)]
 
 
 T = TypeVar("T", bound=Task)
+R = TypeVar("R")
 
 
 class EpisodeState(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
@@ -137,8 +145,12 @@ class StepResult(Generic[T]):
     """The episode ended because it reached `max_turns`, not with a final answer."""
 
 
-RewardFn = Callable[[T, Sequence[ChatMessage]], float | Mapping[str, float]]
-"""Scores a finished episode: a float, or named sub-scores (each weighted by the Reward)."""
+RewardFn = Callable[
+    [T, Sequence[ChatMessage]],
+    float | Mapping[str, float] | Awaitable[float | Mapping[str, float]],
+]
+"""Scores a finished episode: a float, or named sub-scores (each weighted by the Reward). An
+`async def` one is awaited on env_svc's event loop (a remote verifier, a judge)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +161,23 @@ class Reward(Generic[T]):
 
 
 def score(rewards: Sequence[Reward[T]], task: T, completion: Sequence[ChatMessage]) -> RewardResult:
-    """Weighted sum of `rewards`. A reward function that raises or returns a non-finite or
-    non-numeric value stops scoring: the result carries the error and the components so far."""
+    """`ascore` of rewards that are all synchronous, from synchronous code."""
+    return run_sync(ascore(rewards, task, completion))
+
+
+async def ascore(
+    rewards: Sequence[Reward[T]], task: T, completion: Sequence[ChatMessage]
+) -> RewardResult:
+    """Weighted sum of `rewards` (an `async def` one awaited). A reward function that raises
+    or returns a non-finite or non-numeric value stops scoring: the result carries the error
+    and the components so far."""
     components: dict[str, float] = {}
     total = 0.0
     for reward in rewards:
         try:
             raw = reward.fn(task, completion)
+            if inspect.isawaitable(raw):
+                raw = await raw
             parts = raw.items() if isinstance(raw, Mapping) else [("", raw)]
             for key, value in parts:
                 if isinstance(value, bool) or not isinstance(value, int | float):
@@ -170,6 +192,35 @@ def score(rewards: Sequence[Reward[T]], task: T, completion: Sequence[ChatMessag
             log.warning("%s", error)
             return RewardResult(total=math.nan, components=components, error=error)
     return RewardResult(total=total, components=components)
+
+
+def run_sync(work: Coroutine[Any, Any, R]) -> R:
+    """The result of a coroutine that never suspends (an environment whose code is all
+    synchronous), driven without an event loop. One that does suspend awaits something only
+    a loop can give: `AsyncEnvironmentError`."""
+    try:
+        work.send(None)
+    except StopIteration as done:
+        return cast(R, done.value)
+    work.close()
+    raise AsyncEnvironmentError(
+        "this environment awaits (an async respond, reset or reward): drive it with "
+        "astep/areset/ascore on an event loop"
+    )
+
+
+def finish(work: Coroutine[Any, Any, R], *, awaits: bool) -> R:
+    """An environment's coroutine from synchronous code (tests, `marlaas envs check`): driven
+    without a loop, or on a loop of its own when the environment awaits."""
+    return asyncio.run(work) if awaits else run_sync(work)
+
+
+def is_async(fn: object) -> bool:
+    """Whether calling `fn` gives a coroutine (an `async def` function or method, or an
+    object whose `__call__` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's method
+    )
 
 
 CUT_OFF = "cut_off"
@@ -234,12 +285,15 @@ class Environment(ABC, Generic[T]):
     @abstractmethod
     def sample_task(self, rng: random.Random) -> T: ...
 
-    def initial_messages(self, task: T) -> list[ChatMessage]:
+    def initial_messages(self, task: T) -> list[ChatMessage] | Awaitable[list[ChatMessage]]:
         return [{"role": "user", "content": task.question}]
 
-    def respond(self, state: EpisodeState[T], action_text: str) -> list[ChatMessage] | None:
+    def respond(
+        self, state: EpisodeState[T], action_text: str
+    ) -> list[ChatMessage] | Awaitable[list[ChatMessage] | None] | None:
         """The environment's replies to the model's latest turn (already in `state`), or None
-        when that turn was the final answer. Single-turn environments keep this default."""
+        when that turn was the final answer. Single-turn environments keep this default. May
+        be `async def` (awaited on env_svc's event loop, with the call's time limit)."""
         return None
 
     @property
@@ -265,36 +319,68 @@ class Environment(ABC, Generic[T]):
 
     def solved(self, reward: RewardResult) -> bool:
         """Whether a scored episode counts as solved (the accuracy of evaluations): its
-        `correct` component is 1 when it has one, else every component is at least 1; never
-        when the token limit cut the answer off (`cut_off`)."""
+        `correct` component is 1 when it has one, else every component of a weighted reward
+        is at least 1; never when the token limit cut the answer off (`cut_off`)."""
         if reward.error or reward.components.get(CUT_OFF):
             return False
         if "correct" in reward.components:
             return reward.components["correct"] >= 1.0
-        return bool(reward.components) and all(v >= 1.0 for v in reward.components.values())
+        # A weight-0 reward is a metric (verifiers' convention), e.g. the tool layer's counts.
+        metrics = {r.name for r in self.rewards if r.weight == 0}
+        scores = [v for k, v in reward.components.items() if k.split(".")[0] not in metrics]
+        return bool(scores) and all(v >= 1.0 for v in scores)
+
+    @cached_property
+    def awaits(self) -> bool:
+        """Whether this environment's code awaits (an `async def` respond, initial_messages or
+        reward): env_svc then runs its episodes on the event loop, else in worker threads."""
+        return any(
+            is_async(fn)
+            for fn in (self.respond, self.initial_messages, *(r.fn for r in self.rewards))
+        )
 
     def reset(self, task: T) -> tuple[EpisodeState[T], list[ChatMessage]]:
-        return EpisodeState(env=self.name, task=task), self.initial_messages(task)
+        return self._finish(self.areset(task))
+
+    async def areset(self, task: T) -> tuple[EpisodeState[T], list[ChatMessage]]:
+        return EpisodeState(env=self.name, task=task), await self.prompt(task)
+
+    async def prompt(self, task: T) -> list[ChatMessage]:
+        """`initial_messages(task)`, awaited when it is `async def`."""
+        messages = self.initial_messages(task)
+        return await messages if inspect.isawaitable(messages) else messages
 
     def step(self, state: EpisodeState[T], action_text: str) -> StepResult[T]:
+        return self._finish(self.astep(state, action_text))
+
+    async def astep(self, state: EpisodeState[T], action_text: str) -> StepResult[T]:
+        """Apply the model's turn: the environment's replies, or the end with its reward."""
         if state.done:
             raise EpisodeStateError(f"{self.name}: step on a finished episode")
         turn = state.turn + 1
         action: ChatMessage = {"role": "assistant", "content": action_text}
         state = msgspec.structs.replace(state, turn=turn, completion=[*state.completion, action])
         replies = self.respond(state, action_text)
+        if inspect.isawaitable(replies):
+            replies = await replies
         truncated = replies is not None and turn >= self.max_turns
         if replies is not None and not truncated:
             completion = [*state.completion, *replies]
             return StepResult(
                 msgspec.structs.replace(state, completion=completion), replies, False, None
             )
-        reward = score(self.rewards, state.task, state.completion)
+        reward = await self.ascore(state)
         return StepResult(msgspec.structs.replace(state, done=True), [], True, reward, truncated)
 
     def score(self, state: EpisodeState[T]) -> RewardResult:
         """The reward of an episode as it stands (e.g. one cut short by the context limit)."""
-        return score(self.rewards, state.task, state.completion)
+        return self._finish(self.ascore(state))
+
+    async def ascore(self, state: EpisodeState[T]) -> RewardResult:
+        return await ascore(self.rewards, state.task, state.completion)
+
+    def _finish(self, work: Coroutine[Any, Any, R]) -> R:
+        return finish(work, awaits=self.awaits)
 
     def decode_state(self, raw: bytes) -> EpisodeState[T]:
         try:

@@ -113,6 +113,7 @@ class EnvService(Service):
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
 
     async def start(self) -> None:
+        asyncio.get_running_loop().set_default_executor(self.calls.executor)
         await self.io.open()
         self.consumer = await self.io.consume(
             SERVICE,
@@ -213,9 +214,7 @@ class EnvService(Service):
                 limits=limits,
             )
             # A first episode proves the environment, its params and the prompt length.
-            probed = await self.calls.run(
-                f"job {spec.job_id}: first episode", partial(self._probe, spec)
-            )
+            probed = await self._probe(spec)
             registered = await store.register_job(
                 spec, status=STATE_AFTER["accepted"], limits=limits
             )
@@ -244,16 +243,23 @@ class EnvService(Service):
         limits = [int(s.max_model_len) for s in stats.values() if s.max_model_len]
         return min(limits, default=None)
 
-    def _probe(self, spec: JobSpec) -> Environment[Any]:
+    async def _probe(self, spec: JobSpec) -> Environment[Any]:
         """The job's environment, proven by starting a first episode."""
-        env = environment_for(spec)
-        start_episode(
-            env,
-            self.tokenizer,
-            spec,
-            group_id="probe",
-            group_index=0,
-            sample_index=0,
+        env = await self.calls.run(
+            f"job {spec.job_id}: environment", partial(environment_for, spec)
+        )
+        await self.calls.drive(
+            f"job {spec.job_id}: first episode",
+            partial(
+                start_episode,
+                env,
+                self.tokenizer,
+                spec,
+                group_id="probe",
+                group_index=0,
+                sample_index=0,
+            ),
+            awaits=env.awaits,
         )
         return env
 
@@ -348,15 +354,12 @@ class EnvService(Service):
         firsts: list[Message] = []
         for index in range(spec.eval.tasks):
             try:
+                env = await self._env(spec)
                 start = partial(
-                    start_eval_episode,
-                    await self._env(spec),
-                    self.tokenizer,
-                    spec,
-                    version=version,
-                    index=index,
+                    start_eval_episode, env, self.tokenizer, spec, version=version, index=index
                 )
-                firsts.append(await self.calls.run(f"{spec.job_id}: eval {index}", start))
+                what = f"{spec.job_id}: eval {index}"
+                firsts.append(await self.calls.drive(what, start, awaits=env.awaits))
             except Exception as exc:
                 if is_transient(exc):
                     raise
@@ -506,7 +509,7 @@ class EnvService(Service):
         group_id = group_id_of(spec.job_id, group_index)
         try:
             env = await self._env(spec)
-            return await self.calls.run(
+            return await self.calls.drive(
                 f"{spec.job_id}: start of group {group_index}",
                 partial(
                     start_episode,
@@ -517,6 +520,7 @@ class EnvService(Service):
                     group_index=group_index,
                     sample_index=sample_index,
                 ),
+                awaits=env.awaits,
             )
         except Exception as exc:
             error = _reason(exc)
@@ -547,9 +551,10 @@ class EnvService(Service):
         follow_up: GenerationRequest | Trajectory
         try:
             env = await self._env(spec)
-            follow_up = await self.calls.run(
+            follow_up = await self.calls.drive(
                 f"episode {result.episode_id} turn {result.turn}",
                 partial(advance_episode, env, self.tokenizer, spec, result),
+                awaits=env.awaits,
             )
             if version is not None and isinstance(follow_up, Trajectory):
                 await self._count_eval(

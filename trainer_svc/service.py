@@ -33,6 +33,7 @@ from common.keyspace import dedup_key, fence_key, flow_key, ledger_key
 from common.lifecycle import (
     STATE_AFTER,
     TERMINAL_STATES,
+    TOOL_METRICS,
     ServiceName,
     StepMetrics,
 )
@@ -707,6 +708,7 @@ class TrainerService(Service):
             metrics.staleness_mean = sum(lags) / len(lags)
             metrics.samples = float(len(trajectories))
             metrics.resampled_groups = float(job.resampled)
+            metrics.tool_calls, metrics.tool_errors = _tool_means(trajectories)
             job.resampled = 0
             out[job_id] = metrics
         return out
@@ -842,6 +844,16 @@ class TrainerService(Service):
             group.release()
         job.ready.clear()
         job.filling.clear()
+
+
+def _tool_means(trajectories: Sequence[Trajectory]) -> tuple[float | None, float | None]:
+    """Tool calls and errors per episode, from the tool layer's weight-0 reward components;
+    (None, None) for environments without tools."""
+    calls = [t.reward_components.get(f"{TOOL_METRICS}.calls") for t in trajectories]
+    errors = [t.reward_components.get(f"{TOOL_METRICS}.errors", 0.0) for t in trajectories]
+    if not trajectories or any(c is None for c in calls):
+        return None, None
+    return sum(c or 0.0 for c in calls) / len(calls), sum(errors) / len(errors)
 
 
 def _shown(value: float | None, form: str) -> str:

@@ -19,8 +19,7 @@ from env_svc.envs.calculator import (
     MAX_CALLS_PER_TURN,
     CalculatorEnv,
     CalculatorTask,
-    parse_tool_calls,
-    run_tool,
+    calculator,
 )
 from env_svc.envs.countdown import CountdownEnv, CountdownTask
 from env_svc.protocol import (
@@ -42,6 +41,7 @@ from env_svc.protocol import (
     score,
 )
 from env_svc.safe_eval import evaluate, safe_eval
+from env_svc.tools import parse_tool_calls
 
 BUILTINS = ("arithmetic", "calculator", "countdown")
 
@@ -193,6 +193,11 @@ MULTIPLY = CalculatorTask(
 )
 
 
+def scored(reward: RewardResult) -> dict[str, float]:
+    """The components of weighted rewards: without the tool layer's metrics."""
+    return {k: v for k, v in reward.components.items() if not k.startswith("tools.")}
+
+
 def test_calculator_full_episode() -> None:
     env = CalculatorEnv()
     state, messages = env.reset(MULTIPLY)
@@ -217,7 +222,9 @@ def test_calculator_full_episode() -> None:
     final = env.step(env.decode_state(encode_state(first.state)), "4042")
     assert final.done and not final.truncated and final.messages == []
     assert final.reward is not None
-    assert final.reward.components == {"correct": 1.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert scored(final.reward) == {"correct": 1.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert final.reward.components["tools.calls"] == 1.0  # the tool layer's metrics, weight 0
+    assert final.reward.components["tools.errors"] == 0.0
     assert final.reward.total == pytest.approx(1.2)
     assert [m["role"] for m in final.state.completion] == ["assistant", "tool", "assistant"]
 
@@ -225,8 +232,8 @@ def test_calculator_full_episode() -> None:
 def test_the_calculator_demonstration_is_a_true_exchange_and_can_be_left_out() -> None:
     user, call, result, answer = (m["content"] for m in DEMONSTRATION)
     (parsed,) = parse_tool_calls(call)
-    assert parsed.expression is not None and parsed.expression in user
-    assert run_tool(parsed) == result == answer
+    assert parsed.name == "calculator" and parsed.arguments["expression"] in user
+    assert calculator(parsed.arguments["expression"]) == result == answer
     _, messages = CalculatorEnv({"demonstration": False}).reset(MULTIPLY)
     assert [m["role"] for m in messages] == ["system", "user"]
 
@@ -265,7 +272,7 @@ def test_calculator_rewards(turns: list[str], total: float, components: dict[str
         result = env.step(state, turn)
         state = result.state
     assert result.done and result.reward is not None
-    assert result.reward.components == components
+    assert scored(result.reward) == components
     assert result.reward.total == pytest.approx(total)
 
 
@@ -306,7 +313,7 @@ def test_calculator_turn_limit_ends_the_episode_with_a_reward() -> None:
     first = env.step(state, tool_call("47 * 86"))
     assert not first.done
     # An episode cut short elsewhere (context limit) is scored as it stands.
-    assert env.score(first.state).components == {
+    assert scored(env.score(first.state)) == {
         "correct": 0.0,
         "tool_format": 1.0,
         "tool_use": 1.0,
@@ -315,7 +322,7 @@ def test_calculator_turn_limit_ends_the_episode_with_a_reward() -> None:
     assert second.done and second.truncated and second.messages == []
     assert second.reward is not None
     # No final answer: the last number of the expression (86) must not count as one.
-    assert second.reward.components == {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert scored(second.reward) == {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0}
     assert second.reward.total == pytest.approx(0.2)
     assert second.state.turn == 2 and second.state.done
 

@@ -23,18 +23,39 @@ from common.messages import (
     Trajectory,
     result_for,
 )
+from env_svc import episodes
 from env_svc.episodes import (
     ChatTokenizer,
     EpisodeCarry,
     EpisodeCarryError,
     EpisodeError,
-    advance_episode,
     decode_carry,
     encode_carry,
     failed_trajectory,
-    start_episode,
 )
-from env_svc.protocol import ChatMessage, Environment, Reward, RewardResult, environment_for
+from env_svc.protocol import (
+    ChatMessage,
+    Environment,
+    Reward,
+    RewardResult,
+    environment_for,
+    finish,
+)
+
+
+def start_episode(env: Environment[Any], *args: Any, **kwargs: Any) -> GenerationRequest:
+    """The episode driver, run to its end as env_svc runs it (a worker or the event loop)."""
+    return finish(episodes.start_episode(env, *args, **kwargs), awaits=env.awaits)
+
+
+def advance_episode(env: Environment[Any], *args: Any) -> GenerationRequest | Trajectory:
+    return finish(episodes.advance_episode(env, *args), awaits=env.awaits)
+
+
+def weighted(components: dict[str, float]) -> dict[str, float]:
+    """Without the tool layer's metrics (weight 0)."""
+    return {k: v for k, v in components.items() if not k.startswith("tools.")}
+
 
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -85,7 +106,7 @@ def start(env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec) -> Gene
 
 
 def transcript(env: Environment[Any], replies: list[ChatMessage]) -> list[ChatMessage]:
-    return [*env.initial_messages(env.task_for(7, 0)), *replies]
+    return [*env.reset(env.task_for(7, 0))[1], *replies]
 
 
 def assistant(content: str) -> ChatMessage:
@@ -140,7 +161,7 @@ def test_arithmetic_single_turn(
     task = env.task_for(7, 0)
     reply = str(task.answer) if reply == "right" else reply
     request = start(env, tokenizer, job)
-    assert request.context_token_ids == tokenizer.prompt_ids(env.initial_messages(task))
+    assert request.context_token_ids == tokenizer.prompt_ids(env.reset(task)[1])
     assert (request.request_id, request.episode_id, request.turn) == (
         "job-1/0/1/t0",
         "job-1/0/1",
@@ -248,7 +269,11 @@ def test_calculator_multi_turn_is_token_in_token_out(tokenizer: ChatTokenizer, h
         len(tool_ids) + len(generation_prompt_ids)
     )
     assert trajectory.adapter_versions == [3, 4]
-    assert trajectory.reward_components == {"correct": 1.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert weighted(trajectory.reward_components) == {
+        "correct": 1.0,
+        "tool_format": 1.0,
+        "tool_use": 1.0,
+    }
     assert trajectory.reward == pytest.approx(1.2)
 
 
@@ -291,7 +316,11 @@ def test_turn_limit_ends_the_episode(
     # The last turn's tool result was never sent, so the transcript ends with the sampled turn.
     assert request.token_ids[-1] == tokenizer.eos_token_id
     assert_sampled_exactly(request, results)
-    assert request.reward_components == {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert weighted(request.reward_components) == {
+        "correct": 0.0,
+        "tool_format": 1.0,
+        "tool_use": 1.0,
+    }
 
 
 def test_context_limit_ends_the_episode(tokenizer: ChatTokenizer) -> None:
@@ -305,7 +334,11 @@ def test_context_limit_ends_the_episode(tokenizer: ChatTokenizer) -> None:
     trajectory = advance_episode(env, tokenizer, job, result)
     assert isinstance(trajectory, Trajectory)
     assert trajectory.token_ids == first.context_token_ids + result.completion_token_ids
-    assert trajectory.reward_components == {"correct": 0.0, "tool_format": 1.0, "tool_use": 1.0}
+    assert weighted(trajectory.reward_components) == {
+        "correct": 0.0,
+        "tool_format": 1.0,
+        "tool_use": 1.0,
+    }
 
     too_small = make_job("calculator", max_context_tokens=prompt_n + 31)
     with pytest.raises(ContextTooLongError, match="max_context_tokens"):

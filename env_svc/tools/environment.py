@@ -1,0 +1,106 @@
+"""`ToolEnvironment`: an environment whose model may call tools before it answers.
+
+A subclass declares its tools (plain or `async def` functions, or `Tool`s) and the words
+around the tool list; the layer does the rest: the system prompt (the Hermes/Qwen format,
+for chat templates that take no `tools=`, as SmolLM2's), parsing one or several calls per
+turn, argument checks, running the calls at once with their time limits, the `tool`
+messages (masked out of the loss by the episode driver), and the episode's end on a turn
+without a call (the final answer) or at `max_turns` (or the job's token limit). Every
+episode's reward also records, at weight 0, what its calls did (`tools.calls`,
+`tools.errors`, `tools.malformed`, ...): the trainer's step events carry their means.
+
+    class WordCount(ToolEnvironment[WordTask]):
+        name = "word_count"
+        task_type = WordTask
+        tools = (count_words,)
+        ...
+
+docs/environments.md walks through a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from common.lifecycle import TOOL_METRICS
+from env_svc.protocol import ChatMessage, Environment, EpisodeState, Reward, Task
+from env_svc.tools.tool import Tool
+from env_svc.tools.toolbox import ToolBox, tool_metrics
+
+T = TypeVar("T", bound=Task)
+
+
+def format_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """A call as the model is asked to write it."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': dict(arguments)})}</tool_call>"
+
+
+def hermes_system_prompt(
+    tools: Sequence[Tool], *, intro: str, example: tuple[str, Mapping[str, Any]], outro: str
+) -> str:
+    """The tool list and how to call them, in a system prompt (Hermes/Qwen format)."""
+    listed = "\n".join(json.dumps(tool.schema()) for tool in tools)
+    how = "To use it" if len(tools) == 1 else "To use one"
+    return "\n".join(
+        [
+            intro,
+            f"<tools>\n{listed}\n</tools>",
+            f"{how}, reply with only:",
+            format_call(*example),
+            outro,
+        ]
+    )
+
+
+class ToolEnvironment(Environment[T]):
+    """Subclasses set `tools`, `tools_intro`, `tools_example` and `tools_outro` (or override
+    `make_tools` for tools that depend on params), and the task and rewards as any
+    environment does; `demonstration` may show a worked exchange before the task."""
+
+    tools: ClassVar[Sequence[Tool | Callable[..., Any]]] = ()
+    tools_intro: ClassVar[str] = "You are a helpful assistant with tools."
+    tools_example: ClassVar[tuple[str, Mapping[str, Any]] | None] = None
+    """A call shown in the system prompt: (tool name, arguments). Default: none shown."""
+    tools_outro: ClassVar[str] = (
+        "Each result comes back in a tool message. When you know the answer, reply with it."
+    )
+    max_calls_per_turn: ClassVar[int] = 4
+    """Calls beyond this in one turn are answered with an error, not run."""
+
+    def __init__(
+        self, params: Mapping[str, Any] | None = None, *, data_dir: Path | None = None
+    ) -> None:
+        super().__init__(params, data_dir=data_dir)
+        self.toolbox = ToolBox(self.make_tools(), max_calls_per_turn=self.max_calls_per_turn)
+        self.rewards.append(Reward(TOOL_METRICS, _tool_metrics, 0.0))
+
+    def make_tools(self) -> list[Tool | Callable[..., Any]]:
+        return list(self.tools)
+
+    def system_prompt(self) -> str:
+        tools = list(self.toolbox.tools.values())
+        example = self.tools_example or (tools[0].name, {})
+        return hermes_system_prompt(
+            tools, intro=self.tools_intro, example=example, outro=self.tools_outro
+        )
+
+    def demonstration(self) -> list[ChatMessage]:
+        """Messages shown between the system prompt and the task (a worked exchange)."""
+        return []
+
+    def initial_messages(self, task: T) -> list[ChatMessage]:
+        return [
+            {"role": "system", "content": self.system_prompt()},
+            *self.demonstration(),
+            {"role": "user", "content": task.question},
+        ]
+
+    async def respond(self, state: EpisodeState[T], action_text: str) -> list[ChatMessage] | None:
+        return await self.toolbox.replies(action_text)
+
+
+def _tool_metrics(task: Task, completion: Sequence[ChatMessage]) -> Mapping[str, float]:
+    return tool_metrics(completion)
