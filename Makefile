@@ -6,7 +6,7 @@ EXTRAS := local,api,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
+.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
 
 venv: $(STAMP)
 
@@ -23,7 +23,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-demo: venv
+# The code sandbox (env_svc/sandbox/) runs model-written code under bubblewrap; nothing is run
+# without it. Installed from Debian when missing and this is root (as in CI).
+sandbox-deps:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null || \
+		  { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }; }; } || \
+		{ echo "the code sandbox needs bubblewrap: apt-get install bubblewrap"; exit 1; }
+
+demo: venv sandbox-deps
 	$(BIN)/marlaas demo
 
 up: venv
@@ -32,11 +40,11 @@ up: venv
 # Everything but the long end-to-end runs (marker `slow`) and the compose stack (marker
 # `compose`, `make test-compose`). pytest exits 5 when
 # nothing was collected; that is not a failure of the code under test.
-test: venv
+test: venv sandbox-deps
 	@$(BIN)/python -m pytest -m "not slow and not compose" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
-test-all: venv
+test-all: venv sandbox-deps
 	$(BIN)/python -m pytest -m "not compose" $(PYTEST_ARGS)
 
 # The stack in containers (README, "Production: compose"): on a machine with no container

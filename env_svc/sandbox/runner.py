@@ -1,0 +1,295 @@
+"""Model-written code in a sandbox: its own namespaces, an empty filesystem view, rlimits.
+
+Each run is one `bwrap` (bubblewrap) process, started as a uid of its own when env_svc is
+root (a pool of `SANDBOX_UID_BASE` + slot), in a new session and process group:
+
+- **namespaces** (`--unshare-all`): its own network (no interface but a loopback no one
+  listens on: neither the broker, Redis nor the internet is reachable), pids (it sees only
+  its own processes; /proc is its own), IPC, UTS, cgroup and user namespaces;
+- **filesystem**: nothing of the host but /usr read-only (the system's programs and
+  libraries, where the interpreter comes from) and an empty tmpfs of `disk_bytes` as its
+  working directory, gone with the run: no /etc, /home, /root, /work, no env_svc files,
+  state or credentials, no /proc of other processes;
+- **environment**: cleared (`--clearenv`): none of env_svc's variables; `python -I` ignores
+  PYTHON* variables and the user's site directory;
+- **rlimits**, set before bwrap starts and inherited: CPU seconds, address space, file size,
+  open files, processes (per uid: why each run gets its own), no core files;
+- **time and output**: past `wall_s`, or once stdout and stderr pass `output_bytes`, the
+  whole group is killed (bwrap dies, its pid namespace's init with it, and the kernel kills
+  every process left in the namespace); any process still running as the run's uid after
+  that is killed too.
+
+What it does not stop: reading what /usr holds (world-readable system files), spending the
+CPU it is given (the host's scheduler shares it), and kernel exploits (no seccomp filter of
+its own; Docker's applies in compose). docs/architecture.md, "The code sandbox".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import shutil
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SANDBOX_UID_BASE = 200_000
+"""Run n (of a replica's slots) runs as uid and gid SANDBOX_UID_BASE + n when env_svc is root."""
+PYTHON = "/usr/bin/python3"
+"""The interpreter inside: under /usr, the only part of the host the sandbox sees."""
+
+
+class SandboxUnavailableError(RuntimeError):
+    """This machine cannot isolate code (no bwrap, no user namespaces): nothing is run."""
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxLimits:
+    cpu_s: int = 5
+    memory_bytes: int = 512 * 2**20
+    """Address space (RLIMIT_AS); the interpreter alone takes ~30 MiB of it."""
+    file_bytes: int = 16 * 2**20
+    """Largest file it may write (RLIMIT_FSIZE)."""
+    disk_bytes: int = 32 * 2**20
+    """Size of its working directory (a tmpfs)."""
+    processes: int = 16
+    open_files: int = 64
+    wall_s: float = 10.0
+    output_bytes: int = 16 * 2**10
+    """stdout and stderr together; past it the run is killed."""
+    code_bytes: int = 64 * 2**10
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """None when the sandbox killed it (`killed` says why)."""
+    killed: str = ""
+    """"wall-clock limit", "output limit" or "" (a limit the kernel enforces shows in the
+    exit code and stderr: a signal, MemoryError, "File too large", ...)."""
+    cpu_s: int = 0
+    """The CPU limit it ran under (named when the kernel ended it for that)."""
+
+    def text(self) -> str:
+        """What the model reads: its output and, when it did not end well, why."""
+        parts = [self.stdout.rstrip("\n")] if self.stdout.strip() else []
+        if self.stderr.strip():
+            parts.append(f"stderr:\n{self.stderr.rstrip()}")
+        if self.killed:
+            parts.append(f"killed: {self.killed}")
+        elif self.exit_code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+            parts.append(f"killed: CPU time limit ({self.cpu_s} s)")
+        elif self.exit_code:
+            parts.append(f"exit code {self.exit_code}{_signal_name(self.exit_code)}")
+        return "\n".join(parts) if parts else "(no output)"
+
+
+class Sandbox:
+    """Runs code, at most `slots` runs at once (each its own uid when root)."""
+
+    def __init__(self, limits: SandboxLimits | None = None, *, slots: int = 8) -> None:
+        self.limits = limits or SandboxLimits()
+        self._slots: asyncio.Queue[int] | None = None
+        self._slot_count = slots
+        self.bwrap = shutil.which("bwrap") or ""
+
+    def check(self) -> None:
+        """Raise `SandboxUnavailableError` unless code can be run isolated here."""
+        if not self.bwrap:
+            raise SandboxUnavailableError(
+                "the code sandbox needs bubblewrap (`apt-get install bubblewrap`); "
+                "no code is run without it"
+            )
+        if not Path(PYTHON).exists():
+            raise SandboxUnavailableError(f"the code sandbox needs {PYTHON} (Debian's python3)")
+
+    async def run_python(self, code: str) -> SandboxResult:
+        """Run `code` with `python3 -I`; never raises for what the code does."""
+        self.check()
+        if len(code.encode()) > self.limits.code_bytes:
+            return SandboxResult("", "", None, f"code over {self.limits.code_bytes} bytes")
+        if self._slots is None:
+            self._slots = asyncio.Queue()
+            for slot in range(self._slot_count):
+                self._slots.put_nowait(slot)
+        slot = await self._slots.get()
+        try:
+            return await self._run([PYTHON, "-I", "-c", code], SANDBOX_UID_BASE + slot)
+        finally:
+            self._slots.put_nowait(slot)
+
+    async def _run(self, command: list[str], uid: int) -> SandboxResult:
+        limits = self.limits
+        root = os.geteuid() == 0
+        process = await asyncio.create_subprocess_exec(
+            *self._bwrap_argv(command),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={},
+            start_new_session=True,
+            preexec_fn=_confine(limits, uid if root else None),
+        )
+        budget = [limits.output_bytes]
+        out: list[bytes] = []
+        err: list[bytes] = []
+        killed = ""
+        try:
+            async with asyncio.timeout(limits.wall_s):
+                await asyncio.gather(
+                    _read(process, process.stdout, budget, out),
+                    _read(process, process.stderr, budget, err),
+                )
+                await process.wait()
+            if budget[0] < 0:
+                killed = f"output limit ({limits.output_bytes} bytes)"
+        except TimeoutError:
+            killed = f"wall-clock limit ({limits.wall_s:g} s)"
+        finally:
+            await _kill(process, uid if root else None)
+        return SandboxResult(
+            b"".join(out)[: limits.output_bytes].decode(errors="replace"),
+            b"".join(err)[: limits.output_bytes].decode(errors="replace"),
+            None if killed else process.returncode,
+            killed,
+            cpu_s=limits.cpu_s,
+        )
+
+    def _bwrap_argv(self, command: list[str]) -> list[str]:
+        argv = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--as-pid-1"]
+        argv += ["--clearenv"]
+        argv += ["--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            target = Path("/") / link
+            if target.is_symlink():  # merged /usr (Debian 12): the same links inside
+                argv += ["--symlink", os.readlink(target), f"/{link}"]
+            elif target.is_dir():
+                argv += ["--ro-bind", str(target), f"/{link}"]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += [
+            "--size",
+            str(self.limits.disk_bytes),
+            "--tmpfs",
+            "/sandbox",
+            "--chdir",
+            "/sandbox",
+        ]
+        argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox"]
+        argv += ["--setenv", "LANG", "C.UTF-8", "--"]
+        return argv + command
+
+
+def _confine(limits: SandboxLimits, uid: int | None) -> Callable[[], None]:
+    """What the child does before it becomes bwrap: rlimits, and its own uid when root."""
+
+    def confine() -> None:
+        for which, value in (
+            (resource.RLIMIT_AS, limits.memory_bytes),
+            (resource.RLIMIT_FSIZE, limits.file_bytes),
+            (resource.RLIMIT_NOFILE, limits.open_files),
+            (resource.RLIMIT_CORE, 0),
+        ):
+            resource.setrlimit(which, (value, value))
+        # SIGXCPU at the limit, SIGKILL a second later if it is caught.
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+    return confine
+
+
+async def _read(
+    process: asyncio.subprocess.Process,
+    stream: asyncio.StreamReader | None,
+    budget: list[int],
+    into: list[bytes],
+) -> None:
+    """Read `stream` to its end into `into`; once both streams together pass the budget,
+    kill the run (its other stream then ends too)."""
+    assert stream is not None
+    while chunk := await stream.read(4096):
+        budget[0] -= len(chunk)
+        into.append(chunk)
+        if budget[0] < 0:
+            _kill_group(process)
+            return
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """Kill what runs inside: bwrap's child is pid 1 of the run's pid namespace, and the
+    kernel kills every process of a namespace whose pid 1 dies. bwrap, still alive, reaps
+    it and exits (killed first, it would leave its child to the host's init, a zombie
+    until that reaps it). Without a child (not started yet, or gone) the group is killed."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    try:
+        inside = [int(pid) for pid in children.read_text().split()]
+    except (OSError, ValueError):
+        inside = []
+    for pid in inside:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if not inside:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _kill(process: asyncio.subprocess.Process, uid: int | None) -> None:
+    """Kill the run (`_kill_group`), let its pipes end and bwrap exit (killed outright
+    after 2 s), then kill any process still running as the run's uid."""
+    if process.returncode is None:
+        _kill_group(process)
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:  # unread output would keep the pipe, and wait(), open
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    while await stream.read(65536):
+                        pass
+    try:
+        async with asyncio.timeout(2):
+            await process.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+    if uid is not None:
+        for _ in range(50):
+            left = _processes_of(uid)
+            if not left:
+                return
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.02)
+        log.error("sandbox uid %d: processes %s outlived the run", uid, left)
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Pids of the live (not zombie) processes running as `uid`."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                status = Path(entry.path, "status").read_text()
+                uids = next(line for line in status.splitlines() if line.startswith("Uid:"))
+                if int(uids.split()[1]) == uid and "\nState:\tZ" not in status:
+                    found.append(int(entry.name))
+    return found
+
+
+def _signal_name(exit_code: int) -> str:
+    """bwrap reports a child killed by signal n as 128 + n."""
+    if exit_code > 128:
+        with contextlib.suppress(ValueError):
+            return f" ({signal.Signals(exit_code - 128).name})"
+    return ""

@@ -1,0 +1,22 @@
+"""The `python` tool: model-written code run in the sandbox, its output as the tool message."""
+
+from __future__ import annotations
+
+from env_svc.sandbox.runner import Sandbox
+from env_svc.tools.tool import Tool
+
+SLACK_S = 5.0
+"""The tool's own limit over the sandbox's wall clock: the sandbox stops the code first, and
+says why."""
+
+
+def python_tool(sandbox: Sandbox) -> Tool:
+    """A tool that runs code in `sandbox` (checked usable now: never unisolated)."""
+    sandbox.check()
+
+    async def python(code: str) -> str:
+        """Run Python 3 code and get what it prints (no network, no files kept, time and
+        memory limits)."""
+        return (await sandbox.run_python(code)).text()
+
+    return Tool.of(python, timeout_s=sandbox.limits.wall_s + SLACK_S)
