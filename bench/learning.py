@@ -79,6 +79,8 @@ REPO = HERE.parent
 WORD_PROBLEMS = REPO / "examples" / "data" / "acme" / "word_problems.jsonl"
 TENANTS = ("acme", "globex", "initech")
 KINDS = ("arith", "calc", "words")
+EXTRA_KINDS = ("-code",)
+"""Jobs run only when `--jobs` names them (e.g. acme-code): the sandboxed `code_tasks`."""
 MODES = ("alone", "shared")
 
 console = Console()
@@ -114,10 +116,18 @@ def job_specs(
         ),
         rl=msgspec.structs.replace(arith.rl, sampling=SamplingSettings(max_new_tokens=32)),
     )
-    templates = {"arith": arith, "calc": calc, "words": words}
+    # A call with a line of code is ~60 tokens: room for it and a short answer.
+    code = msgspec.structs.replace(
+        calc,
+        env=EnvSettings(name="code_tasks"),
+        rl=msgspec.structs.replace(
+            calc.rl, max_context_tokens=768, sampling=SamplingSettings(max_new_tokens=96)
+        ),
+    )
+    templates = {"arith": arith, "calc": calc, "words": words, "code": code}
+    every = [(TENANTS[i // 3], KINDS[i % 3]) for i in range(8)] + [(t, "code") for t in TENANTS]
     specs = {}
-    for index in range(8):
-        tenant, kind = TENANTS[index // 3], KINDS[index % 3]
+    for index, (tenant, kind) in enumerate(every):
         template = templates[kind]
         specs[f"{tenant}-{kind}"] = msgspec.structs.replace(
             template,
@@ -433,8 +443,8 @@ async def jobs_part(args: argparse.Namespace, result: dict[str, Any], out: Path)
                 resample_uniform=args.resample_uniform,
                 rl=args.rl,
             )
-            if args.jobs:
-                specs = {name: spec for name, spec in specs.items() if name in args.jobs}
+            chosen = args.jobs or [name for name in specs if not name.endswith(EXTRA_KINDS)]
+            specs = {name: spec for name, spec in specs.items() if name in chosen}
             result["specs"][str(seed)] = {n: msgspec.to_builtins(s) for n, s in specs.items()}
             result["runs"] += await run_seed(stack, specs, seed, args.timeout_s, args.modes)
             result["summary"] = summarise(result["runs"])

@@ -27,6 +27,7 @@ FaultPoint = Literal[
     "trainer.after_latest",  # `latest` moved, the pointer not (nor the groups marked)
     "trainer.after_pointer",  # pointer moved and groups marked (one script), no AdapterUpdate
     "trainer.before_update",  # about to announce the version
+    "trainer.after_update",  # the version announced (AdapterUpdate), its step event not sent
 ]
 FAULT_POINTS: tuple[FaultPoint, ...] = get_args(FaultPoint)
 

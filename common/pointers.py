@@ -53,6 +53,15 @@ return {1, proposed}
 """
 
 
+# KEYS[1] adapter key; ARGV version -> 1 if `announced` moved up to it, else 0.
+_MARK_ANNOUNCED = """
+local announced = tonumber(redis.call('HGET', KEYS[1], 'announced') or '0')
+if tonumber(ARGV[1]) <= announced then return 0 end
+redis.call('HSET', KEYS[1], 'announced', ARGV[1])
+return 1
+"""
+
+
 class FencedError(RuntimeError):
     """A publish by a trainer that no longer owns the job: another replica took it over
     (a newer fencing epoch) after this one's partition moved or it stalled."""
@@ -70,6 +79,9 @@ class AdapterPointer:
     uri: str
     step: int
     updated_at: float
+    announced: int = 0
+    """The newest version whose step event went out (0: none, or a pointer older than the
+    field): a trainer resuming the job sends the step events of versions after it."""
 
     @classmethod
     def of(cls, job_id: str, fields: Mapping[Any, Any]) -> AdapterPointer:
@@ -80,11 +92,17 @@ class AdapterPointer:
             uri=values["uri"],
             step=int(values["step"]),
             updated_at=float(values["updated_at"]),
+            announced=int(values.get("announced", 0)),
         )
 
 
 class AdapterPointers(RedisPart):
     _set_adapter = Lua(_SET_ADAPTER)
+    _mark_announced = Lua(_MARK_ANNOUNCED)
+
+    async def mark_announced(self, job_id: str, version: int) -> None:
+        """Record that `version`'s step event was sent (never moves back)."""
+        await self._mark_announced(keys=[adapter_key(job_id)], args=[version])
 
     async def publish_adapter(
         self,

@@ -12,6 +12,8 @@ exception) and how long each call takes. It reports every finding; it raises not
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import random
 import time
@@ -22,6 +24,8 @@ from typing import Any
 import msgspec
 
 from env_svc.protocol import Environment, RewardResult, encode_state, environment_class
+from env_svc.tools import Tool, ToolCall, ToolEnvironment
+from env_svc.tools.toolbox import ERROR_KINDS
 
 ACTIONS: tuple[str, ...] = (
     "42",
@@ -29,6 +33,8 @@ ACTIONS: tuple[str, ...] = (
     "The answer is 7.",
     "<tool>add(1, 2)</tool>",
     '{"name": "add", "arguments": {"a": 1, "b": 2}}',
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+    "<tool_call>{not json" + "<tool_call>{}</tool_call>" * 20,
     "ünïcödé ✓ \x00 \u202e",
     "9" * 5_000,
     "To compute this, let me think step by step. " * 40,
@@ -85,6 +91,8 @@ def check_environment(
         return report
     report.add("construct", True, f"params {msgspec.to_builtins(env.params)}")
     _check_tasks(report, env, tasks, seed)
+    if isinstance(env, ToolEnvironment):
+        _check_tools(report, env)
     rng = random.Random(seed)
     for index in range(tasks):
         _play(report, env, env.task_for(seed, index), rng)
@@ -158,6 +166,43 @@ def _play(report: CheckReport, env: Environment[Any], task: Any, rng: random.Ran
             report.add("max_turns", False, f"not done after max_turns={env.max_turns} steps")
             return
         state = step.state
+
+
+def _check_tools(report: CheckReport, env: ToolEnvironment[Any]) -> None:
+    """Each tool: its schema shown in the prompt, one call with plausible arguments (the
+    environment's example for its tool, else the simplest value of each required
+    parameter's type), answered within its time limit and not refused as bad arguments."""
+    prompt = env.system_prompt()
+    for tool in env.toolbox.tools.values():
+        schema = json.dumps(tool.schema())
+        report.add(
+            f"tool {tool.name}: schema",
+            schema in prompt or "tools=" in prompt,
+            f"{len(schema)} characters, in the system prompt"
+            if schema in prompt
+            else "not in the system prompt: the model cannot know it",
+        )
+        example = env.tools_example
+        arguments = example[1] if example and example[0] == tool.name else _plausible(tool)
+        began = time.perf_counter()
+        reply = asyncio.run(env.toolbox.call(ToolCall(tool.name, dict(arguments))))
+        took = time.perf_counter() - began
+        refused = reply.startswith((ERROR_KINDS["bad_arguments"], ERROR_KINDS["timeout"]))
+        report.add(
+            f"tool {tool.name}: a call",
+            not refused,
+            f"{json.dumps(arguments)[:80]} -> {reply[:80]!r} in {1000 * took:.1f} ms "
+            f"(limit {tool.timeout_s:g} s)",
+        )
+
+
+def _plausible(tool: Tool) -> dict[str, Any]:
+    simplest = {"string": "1", "integer": 1, "number": 1.0, "boolean": True, "array": []}
+    properties = tool.parameters.get("properties", {})
+    return {
+        name: simplest.get(properties.get(name, {}).get("type", "string"), "1")
+        for name in tool.parameters.get("required", [])
+    }
 
 
 def _check_reward(report: CheckReport, reward: RewardResult | None, action: str) -> None:

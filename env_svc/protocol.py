@@ -417,6 +417,7 @@ def _param_and_reason(message: str) -> tuple[str, str]:
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "env_svc.envs.arithmetic:ArithmeticEnv",
     "calculator": "env_svc.envs.calculator:CalculatorEnv",
+    "code_tasks": "env_svc.envs.code_tasks:CodeTasksEnv",
     "countdown": "env_svc.envs.countdown:CountdownEnv",
     "dataset": "env_svc.envs.dataset:DatasetEnv",
 }

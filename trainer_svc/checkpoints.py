@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.artifacts import (
@@ -49,6 +49,9 @@ from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
 
 KEEP_CHECKPOINTS = 2
 GROUPS_FILE = "groups.json"
+STEP_FILE = "step.json"
+"""The step's metrics, for the step event a resuming trainer sends when the crashed one did
+not (older checkpoints lack it: {})."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Checkpoint:
     version: int
     group_ids: tuple[str, ...]
     epoch: int = 0
+    step_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class CheckpointStore:
@@ -83,6 +87,7 @@ class CheckpointStore:
         version: int,
         group_ids: Sequence[str],
         epoch: int = 0,
+        step_metrics: Mapping[str, float] | None = None,
     ) -> str:
         """Publishable adapter + checkpoint of `version`, trained on `group_ids` by the owner
         of `epoch`; then `latest` moves to it (unless a newer epoch's checkpoint is there)
@@ -93,7 +98,10 @@ class CheckpointStore:
             self.checkpoint_dir(job_id, version, epoch),
             step=version,
             version=version,
-            extra_files={GROUPS_FILE: json.dumps(list(group_ids))},
+            extra_files={
+                GROUPS_FILE: json.dumps(list(group_ids)),
+                STEP_FILE: json.dumps(dict(step_metrics or {})),
+            },
         )
         fault_point("trainer.after_checkpoint")
         current = self._latest_name(job_id)
@@ -135,8 +143,14 @@ class CheckpointStore:
                 " not restarting the job from scratch"
             )
         group_ids = json.loads((path / GROUPS_FILE).read_text())
+        step_file = path / STEP_FILE
+        step_metrics = json.loads(step_file.read_text()) if step_file.is_file() else {}
         return Checkpoint(
-            path=path, version=int(match[1]), group_ids=tuple(group_ids), epoch=epoch_of(name)
+            path=path,
+            version=int(match[1]),
+            group_ids=tuple(group_ids),
+            epoch=epoch_of(name),
+            step_metrics=step_metrics,
         )
 
     def resume(self, policy: MultiAdapterPolicy, job_id: str) -> Checkpoint | None:

@@ -347,6 +347,11 @@ class TrainerService(Service):
                 return
         if pointer is None or pointer.version <= version:
             await self._announce(job_id, version, uri)
+            if version > 0 and (pointer is None or pointer.announced < version):
+                # Published, its step event not sent (the crash came between): sent now,
+                # with the metrics saved with it, so the job's history has every step.
+                metrics = StepMetrics.of(checkpoint.step_metrics)
+                await self._step_event(job, version, metrics, list(checkpoint.group_ids))
         if version >= job.spec.rl.max_steps:
             await self._complete(job)
 
@@ -634,6 +639,7 @@ class TrainerService(Service):
                     version,
                     [g.group_id for g in groups],
                     job.epoch,
+                    metrics[job_id].as_map(),
                 )
             except OSError as exc:  # a full disk: this job's step is lost, not the trainer
                 await self._unsaved(job, groups, exc)
@@ -725,6 +731,7 @@ class TrainerService(Service):
         job.version = version
         fault_point("trainer.before_update")
         await self._announce(job_id, version, uri, metrics)
+        fault_point("trainer.after_update")
         for group in groups:
             group.release()
         return True
@@ -780,17 +787,7 @@ class TrainerService(Service):
     async def _report(self, job: OwnedJob, metrics: StepMetrics, group_ids: list[str]) -> None:
         """The step event, metrics and log line; the job's completion after its last step."""
         spec, version = job.spec, job.version
-        await self.io.send(
-            job_event(
-                spec.job_id,
-                "step",
-                SERVICE,
-                tenant=spec.tenant,
-                step=version,
-                metrics=metrics.as_map(),
-                groups=group_ids,
-            )
-        )
+        await self._step_event(job, version, metrics, group_ids)
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
         TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics.wall_step_s or 0.0)
         if (tokens_per_s := metrics.trainer_tokens_per_s) is not None:
@@ -815,6 +812,27 @@ class TrainerService(Service):
         )
         if version >= spec.rl.max_steps:
             await self._complete(job)
+
+    async def _step_event(
+        self, job: OwnedJob, version: int, metrics: StepMetrics, group_ids: list[str]
+    ) -> None:
+        """The `step` event of `version`, then its mark in the pointer (`announced`)."""
+        spec, store = job.spec, self.io.require_store()
+        await self.io.send(
+            job_event(
+                spec.job_id,
+                "step",
+                SERVICE,
+                tenant=spec.tenant,
+                step=version,
+                metrics=metrics.as_map(),
+                groups=group_ids,
+            )
+        )
+        await durably(
+            f"marking {spec.job_id} v{version} announced",
+            partial(store.mark_announced, spec.job_id, version),
+        )
 
     async def _complete(self, job: OwnedJob) -> None:
         spec, store = job.spec, self.io.require_store()

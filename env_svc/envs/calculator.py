@@ -34,7 +34,8 @@ from env_svc.protocol import (
     last_assistant_text,
 )
 from env_svc.safe_eval import SafeEvalError, format_number, safe_eval
-from env_svc.tools import Tool, ToolEnvironment, strip_tool_calls, tool_metrics
+from env_svc.tools import Tool, ToolEnvironment, strip_tool_calls
+from env_svc.tools.rewards import tool_format, tool_use
 from env_svc.tools.toolbox import ERROR
 
 TOOL_NAME = "calculator"
@@ -147,19 +148,3 @@ class CalculatorEnv(ToolEnvironment[CalculatorTask]):
 def correct(task: CalculatorTask, completion: Sequence[ChatMessage]) -> float:
     """1 when the last number of the final turn (tool calls removed) is the answer."""
     return float(last_number(strip_tool_calls(last_assistant_text(completion))) == task.answer)
-
-
-def tool_format(task: CalculatorTask, completion: Sequence[ChatMessage]) -> float:
-    """Share of tool calls that are well-formed (JSON, a known tool, fitting arguments); 0
-    without any."""
-    metrics = tool_metrics(completion)
-    if not metrics["calls"]:
-        return 0.0
-    wrong = metrics["malformed"] + metrics["unknown_tool"] + metrics["bad_arguments"]
-    return (metrics["calls"] - wrong) / metrics["calls"]
-
-
-def tool_use(task: CalculatorTask, completion: Sequence[ChatMessage]) -> float:
-    """1 when some tool call returned a value (not an error)."""
-    metrics = tool_metrics(completion)
-    return float(metrics["calls"] > metrics["errors"])

@@ -39,8 +39,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SANDBOX_UID_BASE = 200_000
-"""Run n (of a replica's slots) runs as uid and gid SANDBOX_UID_BASE + n when env_svc is root."""
+SANDBOX_UID_BASE = 1_000_000
+MAX_SLOTS = 64
+"""Run n (of this process's slots) runs as uid and gid `sandbox_uid(n)` when env_svc is root:
+a range of its own per process (by pid, unique among live processes), so that two replicas on
+one host neither share a process limit nor kill each other's runs."""
 PYTHON = "/usr/bin/python3"
 """The interpreter inside: under /usr, the only part of the host the sandbox sees."""
 
@@ -93,12 +96,14 @@ class SandboxResult:
 
 
 class Sandbox:
-    """Runs code, at most `slots` runs at once (each its own uid when root)."""
+    """Runs code, at most `slots` runs at once (each its own uid when root). One per process
+    (`shared_sandbox`): runs of every job draw on the same uids."""
 
-    def __init__(self, limits: SandboxLimits | None = None, *, slots: int = 8) -> None:
+    def __init__(self, limits: SandboxLimits | None = None, *, slots: int = 16) -> None:
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be in [1, {MAX_SLOTS}], not {slots}")
         self.limits = limits or SandboxLimits()
-        self._slots: asyncio.Queue[int] | None = None
-        self._slot_count = slots
+        self._free = set(range(slots))
         self.bwrap = shutil.which("bwrap") or ""
 
     def check(self) -> None:
@@ -111,26 +116,26 @@ class Sandbox:
         if not Path(PYTHON).exists():
             raise SandboxUnavailableError(f"the code sandbox needs {PYTHON} (Debian's python3)")
 
-    async def run_python(self, code: str) -> SandboxResult:
-        """Run `code` with `python3 -I`; never raises for what the code does."""
+    async def run_python(self, code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+        """Run `code` with `python3 -I` under `limits` (default: this sandbox's); never
+        raises for what the code does."""
         self.check()
-        if len(code.encode()) > self.limits.code_bytes:
-            return SandboxResult("", "", None, f"code over {self.limits.code_bytes} bytes")
-        if self._slots is None:
-            self._slots = asyncio.Queue()
-            for slot in range(self._slot_count):
-                self._slots.put_nowait(slot)
-        slot = await self._slots.get()
+        limits = limits or self.limits
+        if len(code.encode()) > limits.code_bytes:
+            return SandboxResult("", "", None, f"code over {limits.code_bytes} bytes")
+        while not self._free:  # noqa: ASYNC110 - every uid in use; a process-wide object, no loop-bound primitive
+            await asyncio.sleep(0.01)
+        slot = min(self._free)
+        self._free.discard(slot)
         try:
-            return await self._run([PYTHON, "-I", "-c", code], SANDBOX_UID_BASE + slot)
+            return await self._run([PYTHON, "-I", "-c", code], sandbox_uid(slot), limits)
         finally:
-            self._slots.put_nowait(slot)
+            self._free.add(slot)
 
-    async def _run(self, command: list[str], uid: int) -> SandboxResult:
-        limits = self.limits
+    async def _run(self, command: list[str], uid: int, limits: SandboxLimits) -> SandboxResult:
         root = os.geteuid() == 0
         process = await asyncio.create_subprocess_exec(
-            *self._bwrap_argv(command),
+            *self._bwrap_argv(command, limits),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -163,7 +168,7 @@ class Sandbox:
             cpu_s=limits.cpu_s,
         )
 
-    def _bwrap_argv(self, command: list[str]) -> list[str]:
+    def _bwrap_argv(self, command: list[str], limits: SandboxLimits) -> list[str]:
         argv = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--as-pid-1"]
         argv += ["--clearenv"]
         argv += ["--ro-bind", "/usr", "/usr"]
@@ -185,6 +190,22 @@ class Sandbox:
         argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox"]
         argv += ["--setenv", "LANG", "C.UTF-8", "--"]
         return argv + command
+
+
+def sandbox_uid(slot: int, pid: int | None = None) -> int:
+    """The uid of a process's run in `slot` (default: this process's)."""
+    return SANDBOX_UID_BASE + (os.getpid() if pid is None else pid) * MAX_SLOTS + slot
+
+
+_SHARED: Sandbox | None = None
+
+
+def shared_sandbox() -> Sandbox:
+    """This process's sandbox."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = Sandbox()
+    return _SHARED
 
 
 def _confine(limits: SandboxLimits, uid: int | None) -> Callable[[], None]:
@@ -216,14 +237,15 @@ async def _read(
     into: list[bytes],
 ) -> None:
     """Read `stream` to its end into `into`; once both streams together pass the budget,
-    kill the run (its other stream then ends too)."""
+    kill the run (both streams then end) and keep nothing more."""
     assert stream is not None
     while chunk := await stream.read(4096):
+        if budget[0] < 0:
+            continue  # killed: read on to the end, or the pipe (and wait()) stays open
         budget[0] -= len(chunk)
         into.append(chunk)
         if budget[0] < 0:
             _kill_group(process)
-            return
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from env_svc.sandbox.runner import Sandbox
+from env_svc.sandbox.runner import Sandbox, SandboxLimits, shared_sandbox
 from env_svc.tools.tool import Tool
 
 SLACK_S = 5.0
@@ -10,13 +10,16 @@ SLACK_S = 5.0
 says why."""
 
 
-def python_tool(sandbox: Sandbox) -> Tool:
-    """A tool that runs code in `sandbox` (checked usable now: never unisolated)."""
+def python_tool(limits: SandboxLimits | None = None, sandbox: Sandbox | None = None) -> Tool:
+    """A tool that runs code in `sandbox` (default: this process's) under `limits` (default:
+    the sandbox's), checked usable now: code is never run unisolated."""
+    sandbox = sandbox or shared_sandbox()
     sandbox.check()
+    limits = limits or sandbox.limits
 
     async def python(code: str) -> str:
         """Run Python 3 code and get what it prints (no network, no files kept, time and
         memory limits)."""
-        return (await sandbox.run_python(code)).text()
+        return (await sandbox.run_python(code, limits)).text()
 
-    return Tool.of(python, timeout_s=sandbox.limits.wall_s + SLACK_S)
+    return Tool.of(python, timeout_s=limits.wall_s + SLACK_S)

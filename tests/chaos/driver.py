@@ -37,6 +37,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,6 +54,7 @@ from common.messages import (
     DeadLetter,
     EnvSettings,
     EvalSettings,
+    Event,
     JobAction,
     JobCommand,
     JobSpec,
@@ -64,9 +66,10 @@ from common.messages import (
     new_id,
 )
 from common.models import tiny_model
+from common.registry import JobRecord
 from common.wire import decode, encode
 from console.client import MarlaasClient
-from console.eventfeed import AdapterFeed, TopicFeed
+from console.eventfeed import AdapterFeed, EventFeed, TopicFeed
 from console.jobwatch import submit_jobs
 from console.stack.children import ChildServer, RestartPolicy, unless_stack_fails
 from console.stack.local import LocalStack
@@ -80,6 +83,23 @@ MAX_SLOWDOWN = 1.5  # the unfuzzed tenant's time under fuzzing / its fault-free 
 FAULTS = ("kill", "stop", "redis", "broker", "command", "fuzz")
 SERVER_EVERY = 25  # besides random ones, every 25th fault restarts Valkey or the broker in turn
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def missing_steps(events: Sequence[Event], records: Mapping[str, JobRecord | None]) -> list[str]:
+    """A completed job whose history lacks a step event of a version it trained: its report
+    would show fewer steps than it took (a version published but never announced)."""
+    seen: dict[str, set[int]] = {}
+    for event in events:
+        if event.event == "step":
+            seen.setdefault(event.job_id, set()).add(event.step)
+    problems = []
+    for job_id, record in records.items():
+        if record is None or record.status != "completed":
+            continue
+        missing = set(range(1, record.spec.rl.max_steps + 1)) - seen.get(job_id, set())
+        if missing:
+            problems.append(f"{job_id}: no step event for versions {sorted(missing)}")
+    return problems
 
 
 class DeadLetterFeed(TopicFeed[DeadLetter]):
@@ -488,6 +508,11 @@ class Chaos:
             uri, digest = seen.split(" ")
             if tree_hash(adapter_path(uri)) != digest:
                 problems.append(f"adapter {key} changed after it was announced")
+        async with EventFeed(self.stack.kafka_bootstrap) as events:
+            problems += missing_steps(
+                await events.read_to_end(timeout_s=120),
+                {job_id: (await self.client.store.job(job_id)) for job_id in self.jobs},
+            )
         async with DeadLetterFeed(self.stack.kafka_bootstrap) as feed:
             letters = await feed.read_to_end(timeout_s=120)
         injected = set(self.tally.fuzzed)

@@ -15,12 +15,12 @@ import trainer_svc.checkpoints
 from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, staging_leftovers
 from common.models import tiny_model
 from tests.unit.test_policy import LORA, RL, _assert_same_state, _batch
-from trainer_svc.checkpoints import GROUPS_FILE, Checkpoint, CheckpointStore
+from trainer_svc.checkpoints import GROUPS_FILE, STEP_FILE, Checkpoint, CheckpointStore
 from trainer_svc.policy import OPTIMIZER_STATE, TRAINER_STATE, MultiAdapterPolicy
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 CHECKPOINT_FILES = sorted(
-    [ADAPTER_CONFIG, ADAPTER_WEIGHTS, GROUPS_FILE, OPTIMIZER_STATE, TRAINER_STATE]
+    [ADAPTER_CONFIG, ADAPTER_WEIGHTS, GROUPS_FILE, OPTIMIZER_STATE, STEP_FILE, TRAINER_STATE]
 )
 
 

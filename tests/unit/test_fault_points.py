@@ -63,6 +63,7 @@ def test_fault_specs_are_checked() -> None:
         "trainer.after_latest",
         "trainer.after_pointer",
         "trainer.before_update",
+        "trainer.after_update",
     ],
 )
 async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
@@ -105,6 +106,9 @@ async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
     )
     assert report.ok and report.trained_groups == 1, report.problems
     assert latest_checkpoint_version(tmp_path, spec.job_id) == 1
+    # Its step event went out once the new owner resumed, if the crash came before it.
+    steps = [e for e in await memory.sent(Topic.EVENTS, spec.job_id, expect=1) if e.event == "step"]  # type: ignore[union-attr]
+    assert {e.step for e in steps} == {1} and pointer.announced == 1  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("point", ["env.after_claim", "env.mid_group"])
