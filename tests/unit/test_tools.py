@@ -9,7 +9,8 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import pytest
 from msgspec import Meta
@@ -259,3 +260,19 @@ def test_the_calculator_on_the_tool_layer_shows_the_prompt_it_always_had() -> No
     )
     env = CalculatorEnv()
     assert env.reset(env.task_for(0, 0))[1][0]["content"] == before
+
+
+def test_the_guide_s_tool_environment_is_short_and_plays() -> None:
+    """docs/environments.md's example, as printed: under 40 lines, and it works."""
+    guide = (Path(__file__).parents[2] / "docs" / "environments.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) < 40
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "environments.md", "exec"), namespace)
+    env = namespace["Dictionary"]()
+    state, _ = env.reset(env.task_for(0, 0))
+    looked = env.step(state, call("define", word=state.task.word))
+    definition = looked.messages[0]["content"]
+    ended = env.step(looked.state, f'It means "{definition}".')
+    assert ended.done and ended.reward.components["correct"] == 1.0
+    assert ended.reward.total == pytest.approx(1.2)
