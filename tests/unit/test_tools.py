@@ -275,4 +275,4 @@ def test_the_guide_s_tool_environment_is_short_and_plays() -> None:
     definition = looked.messages[0]["content"]
     ended = env.step(looked.state, f'It means "{definition}".')
     assert ended.done and ended.reward.components["correct"] == 1.0
-    assert ended.reward.total == pytest.approx(1.2)
+    assert ended.reward.total == pytest.approx(1.1)
