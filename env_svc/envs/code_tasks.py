@@ -22,9 +22,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from msgspec import Meta
 
 from env_svc.envs.arithmetic import last_number
-from env_svc.protocol import ChatMessage, EnvParams, Reward, Task, Weight, last_assistant_text
+from env_svc.protocol import ChatMessage, Reward, Task, Weight, last_assistant_text
 from env_svc.sandbox import SandboxLimits, python_tool
 from env_svc.tools import Tool, ToolEnvironment, format_call, strip_tool_calls
+from env_svc.tools.environment import ToolParams
 from env_svc.tools.rewards import tool_format, tool_use
 
 Kind = Literal["digit_sum", "count_primes", "letter_count"]
@@ -43,7 +44,7 @@ DEMONSTRATION: list[ChatMessage] = [
 ]
 
 
-class CodeTasksParams(EnvParams, frozen=True):
+class CodeTasksParams(ToolParams, frozen=True):
     kinds: Annotated[tuple[Kind, ...], Meta(min_length=1)] = ("digit_sum",)
     max_turns: Annotated[int, Meta(ge=2, le=8)] = 2
     """Model turns per episode: a call and the answer."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from common.lifecycle import TOOL_METRICS
-from env_svc.protocol import ChatMessage, Environment, EpisodeState, Reward, Task
+from env_svc.protocol import ChatMessage, Environment, EnvParams, EpisodeState, Reward, Task
 from env_svc.tools.tool import Tool
 from env_svc.tools.toolbox import ToolBox, tool_metrics
 
@@ -55,10 +55,21 @@ def hermes_system_prompt(
     )
 
 
+class ToolParams(EnvParams, frozen=True):
+    """Params every tool environment takes (its own params subclass these)."""
+
+    mcp_servers: tuple[str, ...] = ()
+    """MCP servers, of those the operator registered, whose tools the model may call too
+    (as `<server>.<tool>`; env_svc/mcp/)."""
+
+
 class ToolEnvironment(Environment[T]):
     """Subclasses set `tools`, `tools_intro`, `tools_example` and `tools_outro` (or override
     `make_tools` for tools that depend on params), and the task and rewards as any
-    environment does; `demonstration` may show a worked exchange before the task."""
+    environment does; `demonstration` may show a worked exchange before the task. Params
+    that subclass `ToolParams` add the tools of registered MCP servers (`mcp_servers`)."""
+
+    params_type: ClassVar[type[EnvParams]] = ToolParams
 
     tools: ClassVar[Sequence[Tool | Callable[..., Any]]] = ()
     tools_intro: ClassVar[str] = "You are a helpful assistant with tools."
@@ -74,11 +85,29 @@ class ToolEnvironment(Environment[T]):
         self, params: Mapping[str, Any] | None = None, *, data_dir: Path | None = None
     ) -> None:
         super().__init__(params, data_dir=data_dir)
-        self.toolbox = ToolBox(self.make_tools(), max_calls_per_turn=self.max_calls_per_turn)
+        tools = [*self.make_tools(), *self._mcp_tools()]
+        self.toolbox = ToolBox(tools, max_calls_per_turn=self.max_calls_per_turn)
         self.rewards.append(Reward(TOOL_METRICS, _tool_metrics, 0.0))
 
     def make_tools(self) -> list[Tool | Callable[..., Any]]:
         return list(self.tools)
+
+    @property
+    def max_turns(self) -> int:
+        """Model turns per episode, calls and the final answer together (3: a call, a second
+        call or the answer, the answer)."""
+        return 3
+
+    def _mcp_tools(self) -> list[Tool]:
+        from env_svc.mcp import McpError, mcp_hub
+
+        tools: list[Tool] = []
+        for server in getattr(self.params, "mcp_servers", ()):
+            try:
+                tools += mcp_hub().tools(server)
+            except McpError as exc:
+                raise self.bad_param("mcp_servers", str(exc)) from None
+        return tools
 
     def system_prompt(self) -> str:
         tools = list(self.toolbox.tools.values())

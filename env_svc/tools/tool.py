@@ -95,6 +95,8 @@ class Tool:
         if not isinstance(raw, dict):
             raise ToolArgumentsError("bad arguments: not a JSON object")
         if self.arguments_type is None:
+            if problem := _schema_problem(self.parameters, raw):
+                raise ToolArgumentsError(f"bad arguments: {problem}")
             return raw
         try:
             converted = msgspec.convert(raw, self.arguments_type, strict=False)
@@ -111,6 +113,22 @@ def reply_text(value: object) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
     except ValueError:
         return str(value)
+
+
+def _schema_problem(schema: Mapping[str, Any], value: dict[str, Any]) -> str:
+    """What is wrong with `value` under a JSON schema given as is (an MCP server's), or ""."""
+    import jsonschema  # the `mcp` SDK's dependency; only schema-only tools need it
+
+    try:
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(dict(schema)).iter_errors(value)
+        )
+    except jsonschema.exceptions.SchemaError as exc:
+        return f"the tool's schema is invalid: {exc.message}"
+    if error is None:
+        return ""
+    where = "".join(f"[{part!r}]" for part in error.absolute_path)
+    return f"{error.message}" + (f" at {where}" if where else "")
 
 
 def _arguments_type(fn: Callable[..., Any], name: str) -> type[msgspec.Struct]:

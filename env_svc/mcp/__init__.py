@@ -1,0 +1,5 @@
+"""MCP servers the operator registered, as tools of tool environments."""
+
+from env_svc.mcp.hub import McpError, McpHub, McpServer, mcp_hub, registered_servers
+
+__all__ = ["McpError", "McpHub", "McpServer", "mcp_hub", "registered_servers"]
