@@ -119,7 +119,9 @@ def main() -> None:
     os.environ["MARLAAS_ENVIRONMENTS"] = "remote_lookup=remote_lookup:RemoteLookupEnv"
     os.environ["ROLLOUT_ENGINE"] = "tool_engine:ToolCallingEngine"
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(EXAMPLE_ENVS), str(BENCH), os.environ.get("PYTHONPATH", "")])
+        filter(
+            None, [str(EXAMPLE_ENVS), str(BENCH), str(BENCH.parent), os.environ.get("PYTHONPATH")]
+        )
     )
     sys.path.insert(0, str(EXAMPLE_ENVS))
     result = asyncio.run(bench(args))

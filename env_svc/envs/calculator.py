@@ -23,7 +23,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from env_svc.envs.arithmetic import last_number
 from env_svc.protocol import (
     ChatMessage,
     EnvParams,
@@ -31,11 +30,10 @@ from env_svc.protocol import (
     Reward,
     Task,
     Weight,
-    last_assistant_text,
 )
 from env_svc.safe_eval import SafeEvalError, format_number, safe_eval
-from env_svc.tools import Tool, ToolEnvironment, strip_tool_calls
-from env_svc.tools.rewards import tool_format, tool_use
+from env_svc.tools import Tool, ToolEnvironment
+from env_svc.tools.rewards import final_number, tool_format, tool_use
 from env_svc.tools.toolbox import ERROR
 
 TOOL_NAME = "calculator"
@@ -147,4 +145,4 @@ class CalculatorEnv(ToolEnvironment[CalculatorTask]):
 
 def correct(task: CalculatorTask, completion: Sequence[ChatMessage]) -> float:
     """1 when the last number of the final turn (tool calls removed) is the answer."""
-    return float(last_number(strip_tool_calls(last_assistant_text(completion))) == task.answer)
+    return float(final_number(completion) == task.answer)

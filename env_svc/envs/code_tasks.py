@@ -21,12 +21,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from env_svc.envs.arithmetic import last_number
-from env_svc.protocol import ChatMessage, Reward, Task, Weight, last_assistant_text
+from env_svc.protocol import ChatMessage, Reward, Task, Weight
 from env_svc.sandbox import SandboxLimits, python_tool
-from env_svc.tools import Tool, ToolEnvironment, format_call, strip_tool_calls
+from env_svc.tools import Tool, ToolEnvironment, format_call
 from env_svc.tools.environment import ToolParams
-from env_svc.tools.rewards import tool_format, tool_use
+from env_svc.tools.rewards import final_number, tool_format, tool_use
 
 Kind = Literal["digit_sum", "count_primes", "letter_count"]
 
@@ -117,4 +116,4 @@ def _prime(n: int) -> bool:
 
 def correct(task: CodeTask, completion: Sequence[ChatMessage]) -> float:
     """1 when the last number of the final turn (tool calls removed) is the answer."""
-    return float(last_number(strip_tool_calls(last_assistant_text(completion))) == task.answer)
+    return float(final_number(completion) == task.answer)

@@ -1,16 +1,26 @@
-"""Reward functions every tool environment can use: shaping towards well-formed, useful calls.
+"""Reward functions every tool environment can use: the final answer's number, and shaping
+towards well-formed, useful calls.
 
-A model that has never called a tool gets no reward from the answer alone until it does; these
-two give a small signal for calls that are well-formed and for calls that returned a value.
-They read the episode's tool messages (what `tool_metrics` counts), so they need no state.
+A model that has never called a tool gets no reward from the answer alone until it does;
+`tool_format` and `tool_use` give a small signal for calls that are well-formed and for calls
+that returned a value. They read the episode's tool messages (what `tool_metrics` counts), so
+they need no state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fractions import Fraction
 
-from env_svc.protocol import ChatMessage, Task
+from env_svc.envs.arithmetic import last_number
+from env_svc.protocol import ChatMessage, Task, last_assistant_text
+from env_svc.tools.calls import strip_tool_calls
 from env_svc.tools.toolbox import tool_metrics
+
+
+def final_number(completion: Sequence[ChatMessage]) -> Fraction | None:
+    """The last number of the final turn, its tool calls removed (None: no number)."""
+    return last_number(strip_tool_calls(last_assistant_text(completion)))
 
 
 def tool_format(task: Task, completion: Sequence[ChatMessage]) -> float:

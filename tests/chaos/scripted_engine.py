@@ -20,13 +20,16 @@ from rollout_svc.engine import AdapterRef
 class ScriptedEngine:
     ready = False
 
+    replies: tuple[str, ...] = ("1", "1.", "It is 1", "2", "I think 2", "two")
+    """What it writes, each closed by the eos token."""
+
     def __init__(self, model: str | Path) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         self._replies = [
             [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-            for text in ("1", "1.", "It is 1", "2", "I think 2", "two")
+            for text in self.replies
         ]
         self.in_flight = 0
         self.generated_tokens = 0
@@ -55,9 +58,7 @@ class ScriptedEngine:
             await asyncio.sleep(0.005)
         finally:
             self.in_flight -= 1
-        digest = hashlib.sha256(request.request_id.encode()).digest()
-        reply = self._replies[digest[0] % len(self._replies)]
-        completion = reply[: request.sampling.max_new_tokens]
+        completion = self.reply_to(request)[: request.sampling.max_new_tokens]
         self.generated_tokens += len(completion)
         self.prompt_tokens += len(request.context_token_ids)
         self.busy_seconds += time.monotonic() - started
@@ -68,6 +69,11 @@ class ScriptedEngine:
             adapter_version=adapter.version if adapter else 0,
             finish_reason="stop",
         )
+
+    def reply_to(self, request: GenerationRequest) -> list[int]:
+        """One of `replies`, by a hash of the request id (a replayed request gets the same)."""
+        digest = hashlib.sha256(request.request_id.encode()).digest()
+        return self._replies[digest[0] % len(self._replies)]
 
     async def load(self, adapter: AdapterRef) -> None:
         self.loaded[adapter.job_id] = adapter.version

@@ -62,7 +62,7 @@ def broken_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
     sys.modules.pop("broken_env", None)
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "calculator", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "calculator", "code_tasks", "countdown"])
 def test_the_built_in_environments_pass(name: str) -> None:
     report = check_environment(name, tasks=16)
     assert report.ok, [f for f in report.findings if not f.ok]

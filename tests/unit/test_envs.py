@@ -21,6 +21,7 @@ from env_svc.envs.calculator import (
     CalculatorTask,
     calculator,
 )
+from env_svc.envs.code_tasks import CodeTasksEnv
 from env_svc.envs.countdown import CountdownEnv, CountdownTask
 from env_svc.protocol import (
     ChatMessage,
@@ -43,7 +44,7 @@ from env_svc.protocol import (
 from env_svc.safe_eval import evaluate, safe_eval
 from env_svc.tools import parse_tool_calls
 
-BUILTINS = ("arithmetic", "calculator", "countdown")
+BUILTINS = ("arithmetic", "calculator", "code_tasks", "countdown")
 
 
 def tool_call(expression: str) -> str:
@@ -443,7 +444,8 @@ def test_environment_step_records_reward_errors() -> None:
 
 def test_builtins_are_registered() -> None:
     assert set(BUILTINS) <= set(available_environments())
-    for name, cls in zip(BUILTINS, (ArithmeticEnv, CalculatorEnv, CountdownEnv), strict=True):
+    classes = (ArithmeticEnv, CalculatorEnv, CodeTasksEnv, CountdownEnv)
+    for name, cls in zip(BUILTINS, classes, strict=True):
         env = get_environment(name)
         assert type(env) is cls and env.name == name
     job = JobSpec(
@@ -457,7 +459,7 @@ def test_unknown_environment_lists_the_available_ones() -> None:
     with pytest.raises(UnknownEnvironmentError) as caught:
         get_environment("chess")
     assert "'chess'" in str(caught.value)
-    assert "arithmetic, calculator, countdown" in str(caught.value)
+    assert "arithmetic, calculator, code_tasks, countdown" in str(caught.value)
     assert isinstance(caught.value, EnvSpecError) and isinstance(caught.value, ValueError)
 
 
@@ -521,7 +523,8 @@ def test_entry_point_environments_are_discovered(monkeypatch: pytest.MonkeyPatch
     task = env.task_for(seed=0, index=0)
     assert answer(env, task, "hi").components == {"said_it": 1.0}
     with pytest.raises(
-        UnknownEnvironmentError, match="arithmetic, calculator, countdown, dataset, echo"
+        UnknownEnvironmentError,
+        match="arithmetic, calculator, code_tasks, countdown, dataset, echo",
     ):
         get_environment("nope")
 
