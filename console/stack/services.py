@@ -86,6 +86,8 @@ def start_services(
         extra = dict(placement.get(module) or {})
         if module == "rollout_svc" and index == 0 and chat_port is not None:
             extra["ROLLOUT_API_PORT"] = str(chat_port)
+        if module == "env_svc" and chat_port is not None:  # judged rewards ask the base model
+            extra["MARLAAS_CHAT_URL"] = f"http://127.0.0.1:{chat_port}/v1"
         url = redis_url if isinstance(redis_url, str) else redis_url[module]
         children.append(start_service(module, settings, kafka_bootstrap, url, log_path, extra))
     return children

@@ -18,6 +18,8 @@ from common.messages import EnvSettings, JobSpec, new_id
 from common.models import tiny_model
 from common.store import RedisStore
 from console.cli.main import app
+from env_svc.judge import Judge
+from env_svc.protocol import ChatMessage, Reward, Task, ascore
 from rollout_svc.engine import RolloutEngine
 from rollout_svc.service import RolloutService
 from tests.integration.test_rollout_engine import make_adapter
@@ -110,3 +112,22 @@ async def test_an_openai_client_talks_to_a_jobs_adapter(
         CliRunner().invoke, app, ["sample", "nope", "hi", "--url", url]
     )
     assert failed.exit_code == 1 and "unknown job 'nope'" in failed.output
+
+
+async def test_a_judge_asks_the_rollout_service_s_base_model(
+    served: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A judged reward's default endpoint is the stack's own chat endpoint (MARLAAS_CHAT_URL,
+    the bus's credential): the real engine answers greedily, once per (question, answer); the
+    tiny random model rarely writes a score, and then the episode gets the reason."""
+    url, _, _ = served
+    monkeypatch.setenv("MARLAAS_CHAT_URL", url)
+    monkeypatch.setenv("MARLAAS_BUS_KEY", BUS_KEY.get_secret_value())
+    judge = Judge("Is the answer right?", max_tokens=4)
+    task = Task(question="What is 2 + 3?")
+    said: list[ChatMessage] = [{"role": "assistant", "content": "5"}]
+    first = await ascore([Reward("judged", judge)], task, said)
+    again = await ascore([Reward("judged", judge)], task, said)
+    assert judge.requests == 1  # the second from the cache: greedy, the same anyway
+    assert first == again
+    assert first.error == "" or "judge gave no score" in first.error  # reached, answered
