@@ -243,7 +243,7 @@ class ConsumerLoop(Generic[M]):
     partition below its oldest unfinished (or held) record after every batch and before
     partitions are revoked. Undecodable records and handler failures that are not
     `transient` become `DeadLetter`s; a transient failure retries the record in place after
-    a back-off from `retry_backoff_s`, doubling per failure of the partition's records in a
+    a back-off from `retry_backoff_s`, doubling per failure of that record in a
     row up to `max_retry_backoff_s`. A member silent for `session_timeout_s` (crashed,
     stopped) loses its partitions to the others; heartbeats go every third of it. Every
     record moves the `marlaas_*` consumer metrics of `service` (common/metrics.py); while
@@ -294,7 +294,6 @@ class ConsumerLoop(Generic[M]):
         CONSUMER_IN_FLIGHT.labels(service).set_function(lambda: self._dispatch.in_flight)
         self._poll_timeout_ms = poll_timeout_ms
         self._retry_delays = (retry_backoff_s, max(retry_backoff_s, max_retry_backoff_s))
-        self._backoffs: dict[TopicPartition, Backoff] = {}
         self._lag_interval_s = lag_interval_s
         self._activity_interval_s = activity_interval_s
         self._handled: Counter[str] = Counter()
@@ -520,9 +519,10 @@ class ConsumerLoop(Generic[M]):
         self, tp: TopicPartition, record: ConsumerRecord, tracker: OffsetTracker
     ) -> None:
         """Handle one record; a transient failure retries it in place after a back-off
-        (growing while the partition's records fail in a row) until it succeeds or the
-        partition is revoked (its next owner reads it from the last commit)."""
-        backoff = self._backoffs.setdefault(tp, Backoff(*self._retry_delays))
+        (growing while this record fails in a row: records handled at once fail together,
+        not one after another) until it succeeds or the partition is revoked (its next owner
+        reads it from the last commit)."""
+        backoff = Backoff(*self._retry_delays)
         while True:
             try:
                 await self._handle_record(record, tracker)
@@ -544,7 +544,6 @@ class ConsumerLoop(Generic[M]):
                     delay,
                 )
                 await asyncio.sleep(delay)
-        backoff.reset()
         tracker.finished(record.offset)
         self.processed_count += 1
         self._handled[tp.topic] += 1
@@ -649,7 +648,6 @@ class ConsumerLoop(Generic[M]):
             await self.commit()
         for tp in revoked:
             self._trackers.pop(tp, None)
-            self._backoffs.pop(tp, None)
         log.info("%s: partitions revoked: %s", self.service, _describe(revoked))
         if self._on_revoked is not None:
             await self._on_revoked(revoked)

@@ -28,6 +28,11 @@ from common.registry import JobRegistry
 from common.replicas import ReplicaBoard
 from common.tenants import TenantRegistry
 
+MAX_CONNECTIONS = 64
+"""Connections one process opens to Redis at most."""
+POOL_WAIT_S = 30.0
+"""How long a call waits for a free connection before it fails (transient: retried)."""
+
 
 class RedisStore(AdapterPointers, JobRegistry, FlowWindow, EvalTallies, DedupSets, ReplicaBoard):
     """Async access to MARLaaS' Redis state. Create with `await RedisStore.connect(url)`."""
@@ -41,7 +46,16 @@ class RedisStore(AdapterPointers, JobRegistry, FlowWindow, EvalTallies, DedupSet
         """Connect, retrying with back-off while Redis does not answer."""
 
         async def attempt() -> aioredis.Redis:
-            client = aioredis.Redis.from_url(url, socket_connect_timeout=2.0)
+            # A replica handles many records at once (common/dispatch.py): a caller past the
+            # pool's connections waits for one rather than failing (redis-py's default pool
+            # raises MaxConnectionsError, which the bus then retried with growing back-offs).
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=MAX_CONNECTIONS,
+                timeout=POOL_WAIT_S,
+                socket_connect_timeout=2.0,
+            )
+            client = aioredis.Redis.from_pool(pool)
             try:
                 await client.ping()
             except RedisAuthenticationError as exc:  # not a network blip: no use retrying
