@@ -639,11 +639,13 @@ class ConsumerLoop(Generic[M]):
         )
 
     async def _partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        # The records in hand finish, within a grace, so that their commits go to the next
-        # owner; those left are cancelled (uncommitted: it reads them again), never raced.
+        # The records in hand get a grace to finish, so that their commits go to the next
+        # owner. Those still running go on uncommitted (the next owner reads them again, as
+        # it did when one record was in hand): cancelling a handler midway (a trainer taking
+        # a job on) could leave its state half made; a transient retry stops by itself.
         grace_s = min(self._drain_timeout_s, self.session_timeout_s / 2)
-        if left := await self._dispatch.drain(grace_s, revoked):
-            log.warning("%s: %d records cancelled at a revocation", self.service, left)
+        if left := await self._dispatch.drain(grace_s, revoked, cancel=False):
+            log.warning("%s: %d records still in hand at a revocation", self.service, left)
         if self._consumer is not None:
             await self.commit()
         for tp in revoked:

@@ -66,18 +66,25 @@ class Dispatcher:
             failure, self._failure = self._failure, None
             raise failure
 
-    async def drain(self, timeout_s: float, partitions: set[TopicPartition] | None = None) -> int:
-        """Wait up to `timeout_s` for the work of `partitions` (None: all) to finish, then
-        cancel what is left (its records stay uncommitted: redelivered). How many were
-        cancelled."""
+    async def drain(
+        self,
+        timeout_s: float,
+        partitions: set[TopicPartition] | None = None,
+        *,
+        cancel: bool = True,
+    ) -> int:
+        """Wait up to `timeout_s` for the work of `partitions` (None: all) to finish; then
+        cancel what is left (its records stay uncommitted: redelivered), or with `cancel`
+        False let it run on. How many were left."""
         tasks = [t for t, tp in self._tasks.items() if partitions is None or tp in partitions]
         if not tasks:
             return 0
         _, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        if cancel:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
         return len(pending)
 
     async def _after(self, before: asyncio.Task[None] | None, work: Work) -> None:
