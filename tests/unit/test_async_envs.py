@@ -112,7 +112,7 @@ async def test_an_async_reward_that_raises_is_recorded_like_a_sync_one() -> None
 async def test_two_hundred_awaiting_calls_wait_at_once_beside_four_workers() -> None:
     """An async tool that waits holds no thread: 200 episodes' calls are in hand together."""
     env = AsyncVerifierEnv()
-    env.wait_s = 0.5
+    env.wait_s = 2.0  # every call starts long before the first one ends, even on a busy host
     calls = EnvCalls(timeout_s=30.0, workers=4)
     state, _ = await env.areset(env.task_for(0, 0))
     try:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import random
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -171,13 +170,11 @@ async def test_a_turn_s_calls_run_at_once_plain_ones_in_threads() -> None:
         return word
 
     box = ToolBox([meet, slow_lookup], max_calls_per_turn=8)
-    started = time.monotonic()
     turn = "".join(call("meet", word=w) for w in "abc") + call("slow_lookup", word="d")
     replies = await box.replies(turn)
     assert replies is not None
     assert [m["content"] for m in replies] == ["a", "b", "c", "D"]
     assert len(threads) == 3 and threading.current_thread().name not in threads
-    assert time.monotonic() - started < 5  # the barrier would have broken
 
 
 async def test_a_turn_without_a_call_is_the_final_answer() -> None:
