@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import msgspec
 from machine import machine_fields, result_path  # bench/machine.py
 from rich.console import Console
-from slow_verifier import EXAMPLE_ENVS, phase  # bench/slow_verifier.py
+from slow_verifier import phase, use_example_env  # bench/slow_verifier.py
 
 from common.config import EnvServiceSettings, SharedSettings, load
 from common.lifecycle import SERVICES
@@ -115,15 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"async-tools-{args.run_id}"
-    # The services are child processes: they read these from their environment.
-    os.environ["MARLAAS_ENVIRONMENTS"] = "remote_lookup=remote_lookup:RemoteLookupEnv"
-    os.environ["ROLLOUT_ENGINE"] = "tool_engine:ToolCallingEngine"
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(
-            None, [str(EXAMPLE_ENVS), str(BENCH), str(BENCH.parent), os.environ.get("PYTHONPATH")]
-        )
-    )
-    sys.path.insert(0, str(EXAMPLE_ENVS))
+    use_example_env("remote_lookup=remote_lookup:RemoteLookupEnv", BENCH, BENCH.parent)
+    os.environ["ROLLOUT_ENGINE"] = "tool_engine:ToolCallingEngine"  # read by rollout_svc
     result = asyncio.run(bench(args))
     out = result_path(f"async-tools-{args.episodes}", date=args.run_id[:8])
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,17 @@ def verifier_jobs(
     ]
 
 
+def use_example_env(registration: str, *paths: Path) -> None:
+    """Register an environment of examples/envs/ (`name=module:Class`) for the services the
+    stack starts (child processes: they read it from their environment) and for this one;
+    `paths` go on their Python path too."""
+    os.environ["MARLAAS_ENVIRONMENTS"] = registration
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(EXAMPLE_ENVS), *map(str, paths), os.environ.get("PYTHONPATH")])
+    )
+    sys.path.insert(0, str(EXAMPLE_ENVS))
+
+
 class InFlightSampler:
     """Samples env_svc's records-in-flight gauge from its /metrics while a phase runs."""
 
@@ -191,12 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"slow-verifier-{args.run_id}"
-    # The services are child processes: they read these from their environment.
-    os.environ["MARLAAS_ENVIRONMENTS"] = "remote_verifier=remote_verifier:RemoteVerifierEnv"
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(EXAMPLE_ENVS), os.environ.get("PYTHONPATH", "")])
-    )
-    sys.path.insert(0, str(EXAMPLE_ENVS))
+    use_example_env("remote_verifier=remote_verifier:RemoteVerifierEnv")
     for name, value in (
         ("ENV_SVC_RECORDS_IN_FLIGHT", args.records_in_flight),
         ("ENV_SVC_ENV_WORKERS", args.env_workers),

@@ -13,6 +13,7 @@ judge that cannot be reached, answers past `timeout_s` or with no score in range
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import OrderedDict
@@ -101,9 +102,16 @@ class Judge:
     def _where(self) -> tuple[str, str | None]:
         if self.endpoint:
             return self.endpoint, self.token
-        from common.config import SharedSettings
-
-        shared = SharedSettings()
-        if not shared.chat_url:
+        chat_url, token = _stack_chat()
+        if not chat_url:
             raise JudgeError("no judge endpoint: MARLAAS_CHAT_URL is not set for env_svc")
-        return shared.chat_url, self.token or shared.internal_token(CHAT)
+        return chat_url, self.token or token
+
+
+@functools.cache
+def _stack_chat() -> tuple[str, str | None]:
+    """The stack's chat endpoint and its credential, read from env_svc's settings once."""
+    from common.config import SharedSettings
+
+    shared = SharedSettings()
+    return shared.chat_url, shared.internal_token(CHAT)

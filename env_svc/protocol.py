@@ -175,9 +175,7 @@ async def ascore(
     total = 0.0
     for reward in rewards:
         try:
-            raw = reward.fn(task, completion)
-            if inspect.isawaitable(raw):
-                raw = await raw
+            raw = await awaited(reward.fn(task, completion))
             parts = raw.items() if isinstance(raw, Mapping) else [("", raw)]
             for key, value in parts:
                 if isinstance(value, bool) or not isinstance(value, int | float):
@@ -192,6 +190,11 @@ async def ascore(
             log.warning("%s", error)
             return RewardResult(total=math.nan, components=components, error=error)
     return RewardResult(total=total, components=components)
+
+
+async def awaited(value: R | Awaitable[R]) -> R:
+    """`value`, awaited when environment code returned an awaitable (it was `async def`)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def run_sync(work: Coroutine[Any, Any, R]) -> R:
@@ -347,8 +350,7 @@ class Environment(ABC, Generic[T]):
 
     async def prompt(self, task: T) -> list[ChatMessage]:
         """`initial_messages(task)`, awaited when it is `async def`."""
-        messages = self.initial_messages(task)
-        return await messages if inspect.isawaitable(messages) else messages
+        return await awaited(self.initial_messages(task))
 
     def step(self, state: EpisodeState[T], action_text: str) -> StepResult[T]:
         return self._finish(self.astep(state, action_text))
@@ -360,9 +362,7 @@ class Environment(ABC, Generic[T]):
         turn = state.turn + 1
         action: ChatMessage = {"role": "assistant", "content": action_text}
         state = msgspec.structs.replace(state, turn=turn, completion=[*state.completion, action])
-        replies = self.respond(state, action_text)
-        if inspect.isawaitable(replies):
-            replies = await replies
+        replies = await awaited(self.respond(state, action_text))
         truncated = replies is not None and turn >= self.max_turns
         if replies is not None and not truncated:
             completion = [*state.completion, *replies]
