@@ -420,6 +420,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "code_tasks": "env_svc.envs.code_tasks:CodeTasksEnv",
     "countdown": "env_svc.envs.countdown:CountdownEnv",
     "dataset": "env_svc.envs.dataset:DatasetEnv",
+    "verifiers": "env_svc.envs.verifiers_taskset:VerifiersEnv",
 }
 """Built-ins, imported on first use; they win over an entry point of the same name."""
 

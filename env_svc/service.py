@@ -80,6 +80,7 @@ from env_svc.episodes import (
     start_eval_episode,
     unstarted_trajectory,
 )
+from env_svc.mcp import close_mcp_hub
 from env_svc.protocol import Environment, EnvSpecError, RewardResult, environment_for
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class EnvService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
+        await asyncio.to_thread(close_mcp_hub)  # before the workers (the loop's executor) end
         self.calls.close()
         await self.io.close()
 

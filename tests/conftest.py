@@ -17,6 +17,7 @@ from common.config import SharedSettings
 from common.store import RedisStore
 from console.stack.children import ChildServer
 from console.stack.local import LocalStack
+from tests.agentic import operator_registrations
 from tests.readme_env import install_readme_environment
 
 EXAMPLE_DATA = Path(__file__).parents[1] / "examples" / "data"
@@ -124,7 +125,14 @@ def pipeline_services(
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     # Each as its own Redis user, as `marlaas up` starts them (common/access.py).
     redis_urls: dict[str, str] = {s: local_stack.redis_url_for(s) for s in SERVICES}
-    children = start_services(SERVICES, settings, local_stack.kafka_bootstrap, redis_urls)
+    # The operator registered the example MCP server and agentic environments (tests/agentic.py).
+    children = start_services(
+        SERVICES,
+        settings,
+        local_stack.kafka_bootstrap,
+        redis_urls,
+        environ=operator_registrations(),
+    )
     yield RunningServices(settings, children, site)
     stop_services(children)
     for child in children:

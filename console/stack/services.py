@@ -72,18 +72,20 @@ def start_services(
     redis_url: str | Mapping[str, str],
     *,
     chat_port: int | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> list[ChildServer]:
     """Start service processes with logs under `<state dir>/logs/<module>.log`; a module
     named more than once runs as that many replicas (in one consumer group, logs
     `<module>-<n>.log`). The first rollout replica serves chat completions on `chat_port`.
-    `redis_url`: one for all, or each module's own (its Redis user, common/access.py)."""
+    `redis_url`: one for all, or each module's own (its Redis user, common/access.py).
+    `environ`: variables for every service beyond this process's (an operator's settings)."""
     placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
     children, seen = [], dict.fromkeys(modules, 0)
     for module in modules:
         index, seen[module] = seen[module], seen[module] + 1
         name = module if modules.count(module) == 1 else f"{module}-{index}"
         log_path = settings.state_dir / "logs" / f"{name}.log"
-        extra = dict(placement.get(module) or {})
+        extra = dict(placement.get(module) or {}) | dict(environ or {})
         if module == "rollout_svc" and index == 0 and chat_port is not None:
             extra["ROLLOUT_API_PORT"] = str(chat_port)
         if module == "env_svc" and chat_port is not None:  # judged rewards ask the base model

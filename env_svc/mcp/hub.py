@@ -89,9 +89,20 @@ class McpHub:
             for tool in listed
         ]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End every session (its server process with it), waiting up to `timeout_s`, then
+        the hub's loop (blocking: from a worker thread or synchronous code)."""
+        try:
+            self._run(self._close()).result(timeout_s)
+        except TimeoutError:
+            pass  # the servers see their stdin close when this process exits
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _close(self) -> None:
         for stop in self._stops.values():
-            self._loop.call_soon_threadsafe(stop.set)
+            stop.set()
+        serving = [t for t in asyncio.all_tasks() if t.get_name().startswith("mcp-")]
+        await asyncio.gather(*serving, return_exceptions=True)
 
     def _caller(self, server: str, name: str) -> Any:
         async def call(**arguments: Any) -> str:
@@ -135,13 +146,15 @@ class McpHub:
     async def _serve(self, server: str, ready: asyncio.Future[Any]) -> None:
         """Hold the server's session open (one task enters and leaves it) until stopped."""
         from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
 
         spec = self.servers[server]
         parameters = StdioServerParameters(
             command=spec.command, args=spec.args, env=spec.env or None, cwd=spec.cwd
         )
         try:
-            async with Client(parameters) as client:
+            # A transport, not the parameters: mcp 2.0 (verifiers' pin) takes no parameters.
+            async with Client(stdio_client(parameters)) as client:
                 ready.set_result(client)
                 await self._stops[server].wait()
         except Exception as exc:
@@ -158,6 +171,15 @@ class McpHub:
 
 _HUB: McpHub | None = None
 _HUB_LOCK = threading.Lock()
+
+
+def close_mcp_hub() -> None:
+    """End this process's sessions, if any were opened (at env_svc's stop)."""
+    global _HUB
+    with _HUB_LOCK:
+        hub, _HUB = _HUB, None
+    if hub is not None:
+        hub.close()
 
 
 def mcp_hub() -> McpHub:

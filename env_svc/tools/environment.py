@@ -86,6 +86,8 @@ class ToolEnvironment(Environment[T]):
     ) -> None:
         super().__init__(params, data_dir=data_dir)
         tools = [*self.make_tools(), *self._mcp_tools()]
+        if not tools:
+            raise self.bad_param("mcp_servers", "no tools: name a registered MCP server")
         self.toolbox = ToolBox(tools, max_calls_per_turn=self.max_calls_per_turn)
         self.rewards.append(Reward(TOOL_METRICS, _tool_metrics, 0.0))
 

@@ -26,7 +26,7 @@ class ScriptedEngine:
     def __init__(self, model: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model)
         self._replies = [
             [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
             for text in self.replies

@@ -1,8 +1,9 @@
 """The whole pipeline: real Tansu, Valkey, vLLM CPU, three service processes, a tiny model.
 
-Three jobs run at once to max_steps: one with S=1, one strictly on-policy (S=0), and one
-whose every trajectory is delivered twice. A job with an unknown environment is rejected.
-Afterwards every service is ready and its metrics count the work that was done.
+Four jobs run at once to max_steps: one with S=1, one strictly on-policy (S=0), one
+whose every trajectory is delivered twice, and one whose tool an MCP server serves. A job
+with an unknown environment is rejected. Afterwards every service is ready and its metrics
+count the work that was done.
 """
 
 from __future__ import annotations
@@ -123,6 +124,23 @@ async def test_concurrent_jobs_run_to_max_steps(
         base_model=base,
         env=EnvSettings(name="no-such-env"),
     )
+    # A tool environment whose tool an MCP server serves (tests/agentic.py registers both):
+    # the tiny model's calls, well-formed or not, are answered and counted; no judge (the
+    # tiny model rarely writes a score: tests/integration/test_chat_api.py asks it once).
+    agentic = JobSpec(
+        job_id=f"units-{new_id()[:8]}",
+        tenant="tenant-agent",
+        base_model=base,
+        env=EnvSettings(name="unit_conversion", params={"judge_weight": 0}),
+        rl=RLSettings(
+            group_size=G,
+            groups_per_step=1,
+            max_steps=2,
+            max_context_tokens=448,
+            sampling=SamplingSettings(max_new_tokens=16),
+        ),
+        eval=EvalSettings(tasks=0),
+    )
     too_long = JobSpec(
         job_id=f"long-{new_id()[:8]}",
         tenant="tenant-bad",
@@ -130,7 +148,7 @@ async def test_concurrent_jobs_run_to_max_steps(
         env=EnvSettings(name="arithmetic"),
         rl=RLSettings(max_context_tokens=24, sampling=SamplingSettings(max_new_tokens=8)),
     )
-    specs = [lagging, on_policy, duplicated, rejected, too_long]
+    specs = [lagging, on_policy, duplicated, agentic, rejected, too_long]
     progress = {spec.job_id: JobProgress.of(spec) for spec in specs}
     events: list[Event] = []
     stop_duplicating = asyncio.Event()
@@ -150,6 +168,11 @@ async def test_concurrent_jobs_run_to_max_steps(
     assert "unknown environment 'no-such-env'" in progress[rejected.job_id].reason
     assert progress[too_long.job_id].status == "rejected"
     assert "max_context_tokens" in progress[too_long.job_id].reason
+
+    agentic_steps = [e for e in events if e.job_id == agentic.job_id and e.event == "step"]
+    assert progress[agentic.job_id].status == "completed", agentic_steps
+    assert [e.step for e in agentic_steps] == [1, 2]
+    assert all("tool_calls" in e.metrics for e in agentic_steps)  # a tool environment
 
     registry = await RedisStore.connect(local_stack.redis_url)
     try:
