@@ -131,14 +131,20 @@ def _spec_of(
 def _check_env_params(spec: JobSpec) -> None:
     """Environment params checked here when the environment is installed on this machine.
 
-    An environment only the deployment has (a plugin) is left to env_svc, which rejects a
-    bad one with the reason on `marlaas.events`.
+    An environment only the deployment has (a plugin), or a param naming what only the
+    deployment registers (an MCP server, a verifiers taskset), is left to env_svc, which
+    rejects a bad one with the reason on `marlaas.events`.
     """
-    from env_svc.protocol import EnvSpecError, UnknownEnvironmentError, environment_for
+    from env_svc.protocol import (
+        EnvSpecError,
+        UnknownEnvironmentError,
+        UnregisteredHereError,
+        environment_for,
+    )
 
     try:
         environment_for(spec)
-    except UnknownEnvironmentError:
+    except (UnknownEnvironmentError, UnregisteredHereError):
         return
     except EnvSpecError as exc:
         raise JobFileError(f"env: {exc}") from None

@@ -73,6 +73,13 @@ class EnvParamsError(EnvSpecError):
         self.reason = reason
 
 
+class UnregisteredHereError(EnvParamsError):
+    """A param names what the operator registers with env_svc (an MCP server, a verifiers
+    taskset) in a process where nothing of the kind is registered: env_svc rejects the job with
+    this text; a machine other than env_svc's (`marlaas submit` checking a job file) leaves
+    the param to env_svc."""
+
+
 class EnvironmentLoadError(ImportError):
     """A registered environment could not be imported, or is not an `Environment`."""
 

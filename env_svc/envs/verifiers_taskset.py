@@ -49,9 +49,11 @@ from env_svc.protocol import (
     ChatMessage,
     Environment,
     EnvParams,
+    EnvParamsError,
     Reward,
     RewardFn,
     Task,
+    UnregisteredHereError,
     awaited,
 )
 
@@ -96,7 +98,10 @@ class VerifiersEnv(Environment[VerifiersTask]):
         taskset = self.params.taskset
         if taskset not in (registered := registered_tasksets()):
             known = ", ".join(registered) or "none"
-            raise self.bad_param("taskset", f"unknown taskset {taskset!r}; registered: {known}")
+            reason = f"unknown taskset {taskset!r}; registered: {known}"
+            raise (UnregisteredHereError if not registered else EnvParamsError)(
+                self.name, "taskset", reason
+            )
         try:
             loaded, self.tasks = load_tasks(taskset)
         except ImportError as exc:

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from common.lifecycle import TOOL_METRICS
-from env_svc.protocol import ChatMessage, Environment, EnvParams, EpisodeState, Reward, Task
+from env_svc.protocol import (
+    ChatMessage,
+    Environment,
+    EnvParams,
+    EpisodeState,
+    Reward,
+    Task,
+    UnregisteredHereError,
+)
 from env_svc.tools.tool import Tool
 from env_svc.tools.toolbox import ToolBox, tool_metrics
 
@@ -108,6 +116,8 @@ class ToolEnvironment(Environment[T]):
             try:
                 tools += mcp_hub().tools(server)
             except McpError as exc:
+                if not mcp_hub().servers:  # none registered in this process
+                    raise UnregisteredHereError(self.name, "mcp_servers", str(exc)) from None
                 raise self.bad_param("mcp_servers", str(exc)) from None
         return tools
 

@@ -127,3 +127,19 @@ def test_unreadable_paths_are_one_line_errors(tmp_path: Path) -> None:
         load_job_file(tmp_path / "missing.toml", base_model=BASE)
     with pytest.raises(JobFileError, match="is a directory"):
         load_job_file(tmp_path, base_model=BASE)
+
+
+def test_what_only_env_svc_registers_is_left_to_it_and_checked_where_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verifiers taskset or an MCP server is registered with env_svc, not with the machine
+    that submits: unregistered there, the param is env_svc's to judge; registered, it is
+    checked at once."""
+    monkeypatch.delenv("MARLAAS_VERIFIERS_TASKSETS", raising=False)
+    taskset = GOOD.replace('name = "arithmetic"', 'name = "verifiers"').replace(
+        "max_operand = 20", 'taskset = "gsm8k"'
+    )
+    assert load_job_file(write(tmp_path, taskset), base_model=BASE).env.name == "verifiers"
+    monkeypatch.setenv("MARLAAS_VERIFIERS_TASKSETS", "mini-arith")
+    with pytest.raises(JobFileError, match="unknown taskset 'gsm8k'; registered: mini-arith"):
+        load_job_file(write(tmp_path, taskset), base_model=BASE)
