@@ -111,6 +111,12 @@ CMD ["marlaas", "api", "--host", "0.0.0.0"]
 # from the model cache the trainer fills; env_svc refuses a tokenizer saved for another model.
 FROM base AS env
 USER root
+# The code sandbox (env_svc/sandbox/): bubblewrap, and Debian's python3 for the code it runs
+# (/usr/bin/python3: /usr is all of the image a run sees). compose.yaml gives env_svc the
+# seccomp profile bubblewrap needs (deploy/seccomp/); without it no code is run.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap python3 \
+    && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install "/src[env]"

@@ -14,10 +14,14 @@ records in flight (its `marlaas_consumer_records_in_flight` gauge, sampled every
 `--records-in-flight 1 --env-workers 4` runs env_svc as it was before records were handled
 at once, for the same measurement side by side.
 
-`--tiny` runs the tiny random model instead of SmolLM2-135M: sampling and training then take
-a small share of each step, as on an accelerator, and the ratio measures what the wait costs
-when the jobs share one env_svc replica. On SmolLM2 and 2 CPU cores the four jobs' compute
+Where the time goes besides the wait: on SmolLM2-135M and 2 CPU cores the four jobs' compute
 alone takes about 2.3x one job's time (the work bound), which no env_svc setting can move.
+`--tiny` runs the tiny random model instead; vLLM's per-token overhead on its one core then
+still bounds the four jobs (the phases' `cpu`: rollout_svc's CPU seconds). `--scripted-engine`
+also replaces the engine by the chaos run's deterministic one (tests/chaos/scripted_engine.py,
+answers at once): sampling then costs next to nothing, as on an accelerator, and the ratio
+measures what the jobs' waits cost when they share one env_svc replica. Broker, Redis,
+env_svc, rollout_svc and the trainer (on the tiny model) stay the real ones.
 """
 
 from __future__ import annotations
@@ -179,6 +183,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "run_id": run_id,
         "machine": machine_fields(**precisions),
         "base_model": settings.base_model,
+        "engine": os.environ.get("ROLLOUT_ENGINE", "vllm"),
         "env_svc": {
             "records_in_flight": env_settings.records_in_flight,
             "env_workers": env_settings.env_workers,
@@ -205,7 +210,17 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=3600, help="per phase")
     parser.add_argument("--tag", default="", help="added to the result's file name")
     parser.add_argument("--tiny", action="store_true", help="the tiny random model, not SmolLM2")
+    parser.add_argument(
+        "--scripted-engine", action="store_true", help="a deterministic engine (with --tiny)"
+    )
     args = parser.parse_args()
+    if args.scripted_engine:  # read by rollout_svc; the repository on its path for the module
+        os.environ["ROLLOUT_ENGINE"] = "tests.chaos.scripted_engine:ScriptedEngine"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(EXAMPLE_ENVS.parent.parent), os.environ.get("PYTHONPATH")])
+        )
+        args.tiny = True
+        args.tag = "-".join(filter(None, ["scripted", args.tag]))
     if args.tiny:
         from common.models import tiny_model
 

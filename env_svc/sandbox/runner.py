@@ -13,7 +13,8 @@ root (a pool of `SANDBOX_UID_BASE` + slot), in a new session and process group:
 - **environment**: cleared (`--clearenv`): none of env_svc's variables; `python -I` ignores
   PYTHON* variables and the user's site directory;
 - **rlimits**, set before bwrap starts and inherited: CPU seconds, address space, file size,
-  open files, processes (per uid: why each run gets its own), no core files;
+  open files, no core files; and processes, set inside (`LAUNCHER`): counted in the run's own
+  user namespace, so a run as env_svc's own uid (not root, as in compose) is bounded too;
 - **time and output**: past `wall_s`, or once stdout and stderr pass `output_bytes`, the
   whole group is killed (bwrap dies, its pid namespace's init with it, and the kernel kills
   every process left in the namespace); any process still running as the run's uid after
@@ -46,6 +47,15 @@ a range of its own per process (by pid, unique among live processes), so that tw
 one host neither share a process limit nor kill each other's runs."""
 PYTHON = "/usr/bin/python3"
 """The interpreter inside: under /usr, the only part of the host the sandbox sees."""
+LAUNCHER = (
+    "import os, resource, sys\n"
+    "n = int(sys.argv[1])\n"
+    "resource.setrlimit(resource.RLIMIT_NPROC, (n, n))\n"
+    "os.execv(sys.executable, [sys.executable, '-I', '-c', sys.argv[2]])"
+)
+"""Runs first inside the sandbox: the process limit, set in the run's own user namespace, counts
+the run's processes only (the kernel keeps the count per user namespace), whichever uid runs
+it, then the code in a fresh interpreter."""
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -128,7 +138,8 @@ class Sandbox:
         slot = min(self._free)
         self._free.discard(slot)
         try:
-            return await self._run([PYTHON, "-I", "-c", code], sandbox_uid(slot), limits)
+            command = [PYTHON, "-I", "-c", LAUNCHER, str(limits.processes), code]
+            return await self._run(command, sandbox_uid(slot), limits)
         finally:
             self._free.add(slot)
 
@@ -170,7 +181,9 @@ class Sandbox:
 
     def _bwrap_argv(self, command: list[str], limits: SandboxLimits) -> list[str]:
         argv = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--as-pid-1"]
-        argv += ["--clearenv"]
+        # A user namespace always (not only "try"), and none nested inside it: the code cannot
+        # reach the kernel's namespace code from a namespace where it is root.
+        argv += ["--unshare-user", "--disable-userns", "--clearenv"]
         argv += ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             target = Path("/") / link

@@ -1,0 +1,176 @@
+"""The code sandbox as an attacker would try it: hostile programs, and what each must get.
+
+    python -m env_svc.sandbox.probes        # in env_svc's image, host or container
+
+runs every probe in this process's sandbox and prints, for each, `contained` or what went
+wrong; it exits 1 if any was not contained. An operator's check of a host or an image: the
+compose run (tests/compose/) runs it in env_svc's container, as its uid and under its seccomp
+profile; tests/unit/test_sandbox.py runs each probe on the test machine (as root there).
+
+A probe is contained when the model is told what stopped it, neither the canary variable in
+the process's environment nor the canary file beside it shows in its output, nothing was
+written outside its directory, and no process of its outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from env_svc.sandbox.runner import (
+    MAX_SLOTS,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailableError,
+    _processes_of,
+    sandbox_uid,
+)
+from env_svc.sandbox.tool import python_tool
+
+CANARY = "marlaas-canary-7f3a"
+CANARY_VARIABLE = "MARLAAS_SANDBOX_CANARY"
+LIMITS = SandboxLimits(cpu_s=2, wall_s=4.0, memory_bytes=256 * 2**20, output_bytes=4096)
+OUTSIDE = Path("/usr/evil")
+"""Where the probe that writes outside its directory tries to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    name: str
+    program: str
+    told: tuple[str, ...]
+    """The reply must hold one of these (what the model is told)."""
+
+
+def probes(secret: Path, port: int, own_pid: int) -> list[Probe]:
+    """The hostile programs, against a secret file of the process's, a port it listens on (as
+    the broker and Redis do) and its own pid."""
+    listed = {
+        "fork bomb": ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
+        "thread bomb": (
+            "import threading, time\n"
+            "while True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
+            "can't start new thread",
+        ),
+        "memory bomb": (
+            "chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))",
+            "MemoryError",
+        ),
+        # Its 2 s of CPU take longer than the 4 s wall clock on a loaded machine.
+        "busy loop": ("while True:\n    pass", "killed: CPU time limit (2 s)|killed: wall-clock"),
+        "sleeps past the limit": ("import time\ntime.sleep(3600)", "killed: wall-clock limit"),
+        "prints gigabytes": ("while True:\n    print('x' * 65536)", "killed: output limit"),
+        "daemon that outlives it": (
+            "import os, time\n"
+            "if os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('parent gone')",
+            "parent gone",
+        ),
+        "reads env_svc's variables": (
+            "import os\nprint(dict(os.environ))\n"
+            "for pid in os.listdir('/proc'):\n"
+            "    if pid.isdigit():\n"
+            "        print(open(f'/proc/{pid}/environ', 'rb').read())",
+            "'HOME': '/sandbox'",
+        ),
+        "reads env_svc's files": (f"print(open({str(secret)!r}).read())", "FileNotFoundError"),
+        "reads /etc": ("print(open('/etc/passwd').read())", "FileNotFoundError"),
+        "opens a socket to the broker": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
+            "ConnectionRefusedError",
+        ),
+        "reaches the internet": (
+            "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)",
+            "OSError: [Errno 101] Network is unreachable",
+        ),
+        "writes outside its directory": (
+            f"open({str(OUTSIDE)!r}, 'w').write('x')",
+            "OSError: [Errno 30] Read-only file system",
+        ),
+        "fills the disk": (
+            "for i in range(1000):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)",
+            "No space left on device",
+        ),
+        "escapes into a namespace of its own": (
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "if libc.unshare(0x10000000):  # CLONE_NEWUSER: root in it, the kernel's ns code\n"
+            "    print('refused', os.strerror(ctypes.get_errno()))",
+            "refused No space left on device",
+        ),
+        "kills env_svc": (f"import os\nos.kill({own_pid}, 9)", "ProcessLookupError"),
+    }
+    return [Probe(name, code, tuple(told.split("|"))) for name, (code, told) in listed.items()]
+
+
+@contextlib.contextmanager
+def bait() -> Iterator[tuple[Path, int]]:
+    """A secret in this process's environment and a readable file of its own (as env_svc's
+    credentials and state), and a port it listens on: (the file, the port)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    os.environ[CANARY_VARIABLE] = CANARY
+    try:
+        with tempfile.TemporaryDirectory(prefix="env_svc_state") as folder:
+            secret = Path(folder) / "redis.password"
+            secret.write_text(CANARY)
+            secret.chmod(0o644)
+            yield secret, server.getsockname()[1]
+    finally:
+        del os.environ[CANARY_VARIABLE]
+        server.close()
+
+
+def runs_processes() -> set[int]:
+    """Processes that may be a run's: of the runs' uids when root, else of this uid."""
+    if os.geteuid() == 0:
+        return {pid for slot in range(MAX_SLOTS) for pid in _processes_of(sandbox_uid(slot))}
+    return set(_processes_of(os.geteuid()))
+
+
+async def attempt(probe: Probe, sandbox: Sandbox, limits: SandboxLimits = LIMITS) -> list[str]:
+    """Run `probe`; what went wrong ([] when contained)."""
+    before = runs_processes()
+    reply = await python_tool(limits, sandbox).fn(code=probe.program)
+    problems = []
+    if not any(told in reply for told in probe.told):
+        problems.append(f"not told {' or '.join(map(repr, probe.told))}: {reply[-300:]!r}")
+    if CANARY in reply:
+        problems.append("a secret leaked into its output")
+    if await asyncio.to_thread(OUTSIDE.exists):
+        problems.append(f"wrote {OUTSIDE}")
+    if left := runs_processes() - before:
+        problems.append(f"processes left behind: {sorted(left)}")
+    return problems
+
+
+async def attempt_all(sandbox: Sandbox) -> dict[str, list[str]]:
+    with bait() as (secret, port):
+        return {
+            probe.name: await attempt(probe, sandbox) for probe in probes(secret, port, os.getpid())
+        }
+
+
+def main() -> int:
+    sandbox = Sandbox(LIMITS)
+    try:
+        sandbox.check()
+    except SandboxUnavailableError as exc:
+        print(f"no sandbox here: {exc}")
+        return 1
+    outcomes = asyncio.run(attempt_all(sandbox))
+    for name, problems in outcomes.items():
+        print(f"{name:40} {'; '.join(problems) or 'contained'}")
+    escaped = [name for name, problems in outcomes.items() if problems]
+    print(f"{len(outcomes) - len(escaped)} of {len(outcomes)} hostile programs contained")
+    return 1 if escaped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
