@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -32,11 +33,16 @@ from env_svc.sandbox.runner import (
     _processes_of,
     sandbox_uid,
 )
+from env_svc.sandbox.seccomp import ARCHES
 from env_svc.sandbox.tool import python_tool
 
 CANARY = "marlaas-canary-7f3a"
 CANARY_VARIABLE = "MARLAAS_SANDBOX_CANARY"
 LIMITS = SandboxLimits(cpu_s=2, wall_s=4.0, memory_bytes=256 * 2**20, output_bytes=4096)
+RISKY_CALLS: tuple[str, ...] = ("ptrace", "bpf", "io_uring_setup", "mount", "keyctl")
+RISKY_CALLS += ("perf_event_open", "userfaultfd", "setns", "init_module", "process_vm_readv")
+RISKY = {arch: {n: spec.numbers[n] for n in RISKY_CALLS} for arch, spec in ARCHES.items()}
+"""Calls the code has no use for, by number on each architecture: each must fail with EPERM."""
 OUTSIDE = Path("/usr/evil")
 """Where the probe that writes outside its directory tries to."""
 
@@ -49,9 +55,19 @@ class Probe:
     """The reply must hold one of these (what the model is told)."""
 
 
-def probes(secret: Path, port: int, own_pid: int) -> list[Probe]:
-    """The hostile programs, against a secret file of the process's, a port it listens on (as
-    the broker and Redis do) and its own pid."""
+@dataclass(frozen=True, slots=True)
+class Bait:
+    secret: Path
+    """A readable file of the process's own, holding `CANARY` (as env_svc's credentials)."""
+    port: int
+    """A port it listens on, on the loopback (as the broker and Redis do)."""
+    victim: int
+    """The pid of a process of its own (as env_svc is) that no run may kill."""
+
+
+def probes(bait: Bait) -> list[Probe]:
+    """The hostile programs, against what `bait` holds out."""
+    secret, port = bait.secret, bait.port
     listed = {
         "fork bomb": ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
         "thread bomb": (
@@ -101,29 +117,40 @@ def probes(secret: Path, port: int, own_pid: int) -> list[Probe]:
             "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "if libc.unshare(0x10000000):  # CLONE_NEWUSER: root in it, the kernel's ns code\n"
             "    print('refused', os.strerror(ctypes.get_errno()))",
-            "refused No space left on device",
+            "refused Operation not permitted",
         ),
-        "kills env_svc": (f"import os\nos.kill({own_pid}, 9)", "ProcessLookupError"),
+        "calls the kernel's riskier interfaces": (
+            "import ctypes, os, platform\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"numbers = {RISKY!r}[platform.machine()]\n"
+            "refused = [n for n, nr in numbers.items()\n"
+            "           if libc.syscall(nr, 0, 0, 0, 0, 0) == -1 and ctypes.get_errno() == 1]\n"
+            "print(f'refused {len(refused)} of {len(numbers)}')",
+            f"refused {len(RISKY_CALLS)} of {len(RISKY_CALLS)}",
+        ),
+        "kills env_svc": (f"import os\nos.kill({bait.victim}, 9)", "ProcessLookupError"),
     }
     return [Probe(name, code, tuple(told.split("|"))) for name, (code, told) in listed.items()]
 
 
 @contextlib.contextmanager
-def bait() -> Iterator[tuple[Path, int]]:
+def bait() -> Iterator[Bait]:
     """A secret in this process's environment and a readable file of its own (as env_svc's
-    credentials and state), and a port it listens on: (the file, the port)."""
+    credentials and state), a port it listens on, and a process of its own."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     os.environ[CANARY_VARIABLE] = CANARY
     try:
         with tempfile.TemporaryDirectory(prefix="env_svc_state") as folder:
             secret = Path(folder) / "redis.password"
             secret.write_text(CANARY)
             secret.chmod(0o644)
-            yield secret, server.getsockname()[1]
+            yield Bait(secret, server.getsockname()[1], victim.pid)
     finally:
         del os.environ[CANARY_VARIABLE]
+        victim.kill()
+        victim.wait()
         server.close()
 
 
@@ -134,7 +161,9 @@ def runs_processes() -> set[int]:
     return set(_processes_of(os.geteuid()))
 
 
-async def attempt(probe: Probe, sandbox: Sandbox, limits: SandboxLimits = LIMITS) -> list[str]:
+async def attempt(
+    probe: Probe, sandbox: Sandbox, bait: Bait, limits: SandboxLimits = LIMITS
+) -> list[str]:
     """Run `probe`; what went wrong ([] when contained)."""
     before = runs_processes()
     reply = await python_tool(limits, sandbox).fn(code=probe.program)
@@ -145,16 +174,24 @@ async def attempt(probe: Probe, sandbox: Sandbox, limits: SandboxLimits = LIMITS
         problems.append("a secret leaked into its output")
     if await asyncio.to_thread(OUTSIDE.exists):
         problems.append(f"wrote {OUTSIDE}")
-    if left := runs_processes() - before:
+    if left := runs_processes() - before - {bait.victim}:
         problems.append(f"processes left behind: {sorted(left)}")
+    if not _alive(bait.victim):
+        problems.append(f"killed process {bait.victim} of its host")
     return problems
 
 
 async def attempt_all(sandbox: Sandbox) -> dict[str, list[str]]:
-    with bait() as (secret, port):
-        return {
-            probe.name: await attempt(probe, sandbox) for probe in probes(secret, port, os.getpid())
-        }
+    with bait() as held_out:
+        return {probe.name: await attempt(probe, sandbox, held_out) for probe in probes(held_out)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def main() -> int:

@@ -34,9 +34,13 @@ import os
 import resource
 import shutil
 import signal
-from collections.abc import Callable
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from env_svc.sandbox.seccomp import filter_program
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +119,19 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self._free = set(range(slots))
         self.bwrap = shutil.which("bwrap") or ""
+        self.proc = True
+        """Whether runs get a /proc of their own. Off where none can be mounted (a container
+        whose /proc has masked paths, as Docker's are): the runs then have no /proc at all,
+        never the container's."""
+        self._filter = b""
+        """The code's own seccomp filter (env_svc/sandbox/seccomp.py), set by `check`."""
+        self._trial: str | None = None
+        """None: not tried yet; "": a run starts here; else why none does."""
+        self._trial_lock = threading.Lock()
 
     def check(self) -> None:
-        """Raise `SandboxUnavailableError` unless code can be run isolated here."""
+        """Raise `SandboxUnavailableError` unless code can be run isolated here: bubblewrap,
+        the interpreter, and a first run that starts (tried once, before any other)."""
         if not self.bwrap:
             raise SandboxUnavailableError(
                 "the code sandbox needs bubblewrap (`apt-get install bubblewrap`); "
@@ -125,6 +139,45 @@ class Sandbox:
             )
         if not Path(PYTHON).exists():
             raise SandboxUnavailableError(f"the code sandbox needs {PYTHON} (Debian's python3)")
+        with self._trial_lock:
+            if self._trial is None:
+                try:
+                    self._filter = filter_program()
+                except ValueError as exc:
+                    self._trial = f"{exc}; no code is run"
+                else:
+                    self._trial = self._try_a_run()
+        if self._trial:
+            raise SandboxUnavailableError(self._trial)
+
+    def _try_a_run(self) -> str:
+        """Start `true` in the sandbox, with a /proc of its own, else without one: "" when it
+        runs, else bubblewrap's reason. No run is in flight meanwhile (`check` comes first)."""
+        root = os.geteuid() == 0
+        refused = ""
+        for proc in (True, False):
+            self.proc = proc
+            with self._filter_fd() as fd:
+                done = subprocess.run(
+                    self._bwrap_argv(["/usr/bin/true"], self.limits, fd),
+                    env={},
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    pass_fds=(fd,),
+                    preexec_fn=_confine(self.limits, sandbox_uid(0) if root else None),
+                )
+            if done.returncode == 0:
+                if refused:
+                    log.warning("code sandbox: %s; its runs get no /proc", refused)
+                return ""
+            refused = done.stderr.strip()[-300:]
+            if "proc" not in refused:
+                break
+        return (
+            f"the code sandbox cannot start here: {refused} (in a container, env_svc needs the "
+            "seccomp profile deploy/seccomp/env-sandbox.json); no code is run"
+        )
 
     async def run_python(self, code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         """Run `code` with `python3 -I` under `limits` (default: this sandbox's); never
@@ -145,15 +198,17 @@ class Sandbox:
 
     async def _run(self, command: list[str], uid: int, limits: SandboxLimits) -> SandboxResult:
         root = os.geteuid() == 0
-        process = await asyncio.create_subprocess_exec(
-            *self._bwrap_argv(command, limits),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={},
-            start_new_session=True,
-            preexec_fn=_confine(limits, uid if root else None),
-        )
+        with self._filter_fd() as fd:
+            process = await asyncio.create_subprocess_exec(
+                *self._bwrap_argv(command, limits, fd),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={},
+                start_new_session=True,
+                pass_fds=(fd,),
+                preexec_fn=_confine(limits, uid if root else None),
+            )
         budget = [limits.output_bytes]
         out: list[bytes] = []
         err: list[bytes] = []
@@ -179,11 +234,22 @@ class Sandbox:
             cpu_s=limits.cpu_s,
         )
 
-    def _bwrap_argv(self, command: list[str], limits: SandboxLimits) -> list[str]:
+    @contextlib.contextmanager
+    def _filter_fd(self) -> Iterator[int]:
+        """A pipe's read end holding the code's seccomp filter, for bubblewrap to read."""
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, self._filter)  # a few hundred bytes: within a pipe's buffer
+            os.close(write_end)
+            yield read_end
+        finally:
+            os.close(read_end)
+
+    def _bwrap_argv(self, command: list[str], limits: SandboxLimits, filter_fd: int) -> list[str]:
         argv = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--as-pid-1"]
-        # A user namespace always (not only "try"), and none nested inside it: the code cannot
-        # reach the kernel's namespace code from a namespace where it is root.
-        argv += ["--unshare-user", "--disable-userns", "--clearenv"]
+        # A user namespace always (not only "try"); the code's own filter refuses it any
+        # namespace, mount or other call it has no use for (env_svc/sandbox/seccomp.py).
+        argv += ["--unshare-user", "--seccomp", str(filter_fd), "--clearenv"]
         argv += ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             target = Path("/") / link
@@ -191,7 +257,7 @@ class Sandbox:
                 argv += ["--symlink", os.readlink(target), f"/{link}"]
             elif target.is_dir():
                 argv += ["--ro-bind", str(target), f"/{link}"]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--proc", "/proc", "--dev", "/dev"] if self.proc else ["--dev", "/dev"]
         argv += [
             "--size",
             str(self.limits.disk_bytes),

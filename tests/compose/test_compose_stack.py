@@ -152,6 +152,17 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
 
     upgraded: list[str] = []  # the job of the rolling upgrade, once submitted
 
+    # The code sandbox where env_svc runs, while the jobs do: every hostile program
+    # (env_svc/sandbox/probes.py) contained in an env_svc container, as its uid 1000 under the
+    # seccomp profile compose gives it (deploy/seccomp/), and the replica goes on serving.
+    t_probes = time.monotonic()
+    probed = stack.docker(
+        "exec", stack.containers("env_svc")[0], "python", "-m", "env_svc.sandbox.probes",
+        timeout_s=600,
+    )  # fmt: skip
+    assert re.search(r"(\d+) of \1 hostile programs contained", probed), probed
+    stack.timings["sandbox_probes_s"] = time.monotonic() - t_probes
+
     # Mid-run: once every job has trained a version, kill a trainer and a rollout replica.
     wait_for(
         "every job trained a first version",

@@ -10,7 +10,6 @@ run tries the same programs in env_svc's container, as its uid 1000).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -20,36 +19,46 @@ import pytest
 from env_svc.calls import EnvCalls
 from env_svc.envs.arithmetic import ArithmeticEnv
 from env_svc.protocol import finish
-from env_svc.sandbox import Sandbox, python_tool
-from env_svc.sandbox.probes import CANARY, LIMITS, Probe, attempt, bait, probes, runs_processes
+from env_svc.sandbox import Sandbox, SandboxUnavailableError, python_tool
+from env_svc.sandbox.probes import (
+    CANARY,
+    LIMITS,
+    Bait,
+    Probe,
+    attempt,
+    bait,
+    probes,
+    runs_processes,
+)
 
 
 @pytest.fixture(scope="module")
-def baited() -> Iterator[tuple[Path, int]]:
+def baited() -> Iterator[Bait]:
     """A secret in this process's environment and a readable file of its own, as a real
-    replica has (its Redis password, its state directory), and a port it listens on."""
-    with bait() as (secret, port):
-        yield secret, port
+    replica has (its Redis password, its state directory), a port it listens on and a process
+    of its own."""
+    with bait() as held_out:
+        yield held_out
 
 
-def hostile(secret: Path, port: int) -> dict[str, Probe]:
-    return {probe.name: probe for probe in probes(secret, port, os.getpid())}
+def hostile(held_out: Bait) -> dict[str, Probe]:
+    return {probe.name: probe for probe in probes(held_out)}
 
 
-@pytest.mark.parametrize("name", sorted(hostile(Path("x"), 0)))
+@pytest.mark.parametrize("name", sorted(hostile(Bait(Path("x"), 0, 0))))
 async def test_a_hostile_program_is_contained_and_leaves_nothing_behind(
-    name: str, baited: tuple[Path, int]
+    name: str, baited: Bait
 ) -> None:
-    assert await attempt(hostile(*baited)[name], Sandbox(LIMITS)) == []
+    assert await attempt(hostile(baited)[name], Sandbox(LIMITS), baited) == []
 
 
 async def test_other_episodes_complete_while_hostile_programs_run(
-    baited: tuple[Path, int],
+    baited: Bait,
 ) -> None:
     """Every hostile program at once on one replica's sandbox, and another job's episodes
     (a synchronous environment, in the replica's workers) all finish meanwhile."""
     sandbox = Sandbox(LIMITS, slots=16)
-    programs = [probe.program for probe in hostile(*baited).values()]
+    programs = [probe.program for probe in hostile(baited).values()]
     env, calls = ArithmeticEnv(), EnvCalls(timeout_s=30, workers=4)
     finished: list[float] = []
 
@@ -86,3 +95,23 @@ def test_code_is_never_run_without_isolation(monkeypatch: pytest.MonkeyPatch) ->
 async def test_a_plain_program_prints_and_its_directory_starts_empty() -> None:
     result = await Sandbox(LIMITS).run_python("import os\nprint(os.listdir('.'), 2 ** 100)")
     assert result.text() == "[] 1267650600228229401496703205376"
+
+
+async def test_where_no_proc_can_be_mounted_runs_get_none_and_every_program_is_contained(
+    baited: Bait,
+) -> None:
+    """In a container whose /proc has masked paths (Docker's), bubblewrap cannot mount a /proc
+    of the run's own: the sandbox then gives runs none (never the container's)."""
+    sandbox = Sandbox(LIMITS)
+    sandbox.check()
+    sandbox.proc = False  # as the first run found it in such a container
+    for probe in hostile(baited).values():
+        assert await attempt(probe, sandbox, baited) == [], probe.name
+    assert "No such file" in (await sandbox.run_python("open('/proc/self/environ')")).text()
+
+
+def test_a_sandbox_that_cannot_start_runs_nothing_and_says_why() -> None:
+    sandbox = Sandbox(LIMITS)
+    sandbox.bwrap = "/usr/bin/false"  # as bubblewrap refused by a seccomp profile
+    with pytest.raises(SandboxUnavailableError, match=r"cannot start here.*no code is run"):
+        python_tool(LIMITS, sandbox)
