@@ -11,3 +11,6 @@ MAX_TOKENS = 1024
 """The most tokens one answer may have."""
 MAX_PROMPT_CHARS = 32_768
 """A request's messages, all together: tokenised on the replica's event loop."""
+JOB_HEADER = "X-Marlaas-Job"
+"""A request made for a job's episode (a judged reward's): the replica queues it as the job's
+tenant's, beside the rollouts, instead of in the endpoint's own few slots."""

@@ -38,7 +38,14 @@ from common.messages import (
     SamplingSettings,
     Trajectory,
 )
-from env_svc.protocol import ChatMessage, Environment, RewardResult, encode_state, unanswered
+from env_svc.protocol import (
+    EPISODE_JOB,
+    ChatMessage,
+    Environment,
+    RewardResult,
+    encode_state,
+    unanswered,
+)
 
 _SENTINEL = "\x00marlaas-assistant-content\x00"
 """Stands in for an assistant turn's content to find the text the template puts after it."""
@@ -259,6 +266,7 @@ async def advance_episode(
     A coroutine that suspends only where the environment's own code awaits: env_svc drives
     one of a synchronous environment to its end in a worker thread (`run_sync`), one of an
     environment that awaits on its event loop."""
+    EPISODE_JOB.set(job.job_id)  # this call's context only (its task's, or its thread's run)
     carry = decode_carry(result.env_state)
     completion_ids = list(result.completion_token_ids)
     context_ids = list(result.context_token_ids)

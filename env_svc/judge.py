@@ -9,6 +9,10 @@ score over `max_score`. Greedy, so one (question, answer) always gets one score:
 cached per pair (an LRU of `cache_size`), and a group's identical answers cost one request. A
 judge that cannot be reached, answers past `timeout_s` or with no score in range raises
 `JudgeError`: the reward records it and the episode ends with that error, never env_svc.
+
+Each request names the job whose episode it scores (`X-Marlaas-Job`): the stack's rollout
+service admits it through the tenants' fair queue as that job's tenant's, beside its rollouts,
+so a tenant's judging shares the engine as its sampling does (rollout_svc/service.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from common.chat import CHAT
-from env_svc.protocol import ChatMessage, Task, last_assistant_text
+from common.chat import CHAT, JOB_HEADER
+from env_svc.protocol import EPISODE_JOB, ChatMessage, Task, last_assistant_text
 from env_svc.tools.calls import strip_tool_calls
 
 _SCORE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -82,6 +86,8 @@ class Judge:
             "temperature": 0.0,
         }
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if job := EPISODE_JOB.get():  # the stack's endpoint queues it as the job's tenant's
+            headers[JOB_HEADER] = job
         self.requests += 1
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s) as http:

@@ -12,6 +12,7 @@ a job, in any order, on any replica.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import importlib.metadata
 import inspect
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "marlaas.envs"
 """Third-party packages register `name = "module:EnvironmentClass"` in this group."""
+EPISODE_JOB: contextvars.ContextVar[str] = contextvars.ContextVar("episode_job", default="")
+"""The job whose episode env_svc is driving ("" outside one): what a reward that asks a shared
+service names, so the service charges the request to the job's tenant (env_svc/judge.py)."""
 ENVIRONMENTS_VAR = "MARLAAS_ENVIRONMENTS"
 """`name=module:EnvironmentClass[,name=...]`: environments importable by env_svc (on its
 Python path) but not packaged with an entry point, e.g. a module beside the deployment."""

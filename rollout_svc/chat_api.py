@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from common.chat import MAX_PROMPT_CHARS, MAX_TOKENS
+from common.chat import JOB_HEADER, MAX_PROMPT_CHARS, MAX_TOKENS
 from common.messages import (
     MAX_SEED,
     GenerationRequest,
@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024
 _MODEL = re.compile(r"^(?P<job>[^@]+?)(?:@v(?P<version>\d+))?$")
 
-Generate = Callable[[GenerationRequest, str, int | None], Awaitable[GenerationResult]]
+Generate = Callable[[GenerationRequest, str, int | None, str], Awaitable[GenerationResult]]
+"""(request, job id, adapter version or None for the latest, the job it is made for or "") ->
+the sampled turn."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-"""(request, job id, adapter version or None for the latest) -> the sampled turn."""
 
 
 class ChatError(Exception):
@@ -149,12 +150,15 @@ class ChatAPI:
                 raise ChatError(400, f"the body is not JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise ChatError(400, "the body must be a JSON object")
-            return web.json_response(await self.complete(body))
+            for_job = request.headers.get(JOB_HEADER, "")
+            return web.json_response(await self.complete(body, for_job=for_job))
         except ChatError as exc:
             error = {"message": str(exc), "type": "invalid_request_error", "code": exc.status}
             return web.json_response({"error": error}, status=exc.status)
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any], *, for_job: str = "") -> dict[str, Any]:
+        """One completion; `for_job`: the job it is made for (a judged reward's, header
+        `X-Marlaas-Job`), whose tenant's share of the engine it is admitted in."""
         model = body.get("model")
         messages = body.get("messages")
         if not isinstance(model, str) or not model:
@@ -193,7 +197,7 @@ class ChatAPI:
             pinned_adapter_version=-1 if version is None else version,
         )
         try:
-            result = await self._generate(request, job_id, version)
+            result = await self._generate(request, job_id, version, for_job)
         except LookupError as exc:
             raise ChatError(404, str(exc)) from None
         except ValueError as exc:  # e.g. a context longer than the engine takes

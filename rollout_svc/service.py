@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, Protocol
 
@@ -153,9 +153,9 @@ class RolloutService(Service):
         )
         self.latest: dict[str, AdapterRef] = {}
         """Newest adapter version per job; only moves forward."""
-        self._waiting: FairQueue[tuple[GenerationRequest, Callable[[], None], str]] = FairQueue()
-        """Requests read, their commits held, not yet in the engine; with each its release and
-        its tenant."""
+        self._waiting: FairQueue[tuple[Callable[[], Awaitable[None]], str]] = FairQueue()
+        """Work not yet in the engine, with its tenant: requests read (their commits held) and
+        chat requests made for a job (a judge's). Each is served once admitted."""
         self._tenant_in_engine: dict[str, int] = {}
         self._tenant_peak: dict[str, tuple[int, float]] = {}
         """Each tenant's recent peak demand (waiting + in the engine) and when it was seen: its
@@ -217,10 +217,12 @@ class RolloutService(Service):
         return chat
 
     async def sample_for_chat(
-        self, request: GenerationRequest, job_id: str, version: int | None
+        self, request: GenerationRequest, job_id: str, version: int | None, for_job: str = ""
     ) -> GenerationResult:
         """One chat completion with the job's latest adapter (`version` None), exactly
-        `version`, or the base model (no job); in the engine beside the rollouts."""
+        `version`, or the base model (no job); in the engine beside the rollouts. Made for a
+        job (`for_job`: a judged reward's), it waits in the fair queue as that job's tenant's
+        and takes one of the rollouts' slots; otherwise one of the endpoint's own few."""
         adapter: AdapterRef | None = None
         if job_id:
             store = self.io.require_store()
@@ -233,8 +235,28 @@ class RolloutService(Service):
                 adapter = await self._pinned(job_id, version)
             except ValueError as exc:
                 raise LookupError(str(exc)) from None
+        if for_job:
+            return await self._admitted_for(for_job, request, adapter)
         async with self._slots_for_chat:
             return await self._generate_with(request, adapter)
+
+    async def _admitted_for(
+        self, job_id: str, request: GenerationRequest, adapter: AdapterRef | None
+    ) -> GenerationResult:
+        """Sample `request` once the fair queue admits it as `job_id`'s tenant's."""
+        done: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+
+        async def serve() -> None:
+            try:
+                done.set_result(await self._generate_with(request, adapter))
+            except Exception as exc:
+                done.set_exception(exc)
+
+        tenant = await self._tenant_of(job_id)
+        self._waiting.put(tenant, job_id, (serve, tenant), rank=None)
+        self._note_demand(tenant)
+        self._admit()
+        return await done
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
@@ -312,10 +334,11 @@ class RolloutService(Service):
         if request.tenant:  # schema 4 on: carried, no registry read
             self._tenants.setdefault(request.job_id, request.tenant)
         tenant = await self._tenant_of(request.job_id)
+        serve = partial(self._serve_rollout, request, delivery.hold_commit())
         self._waiting.put(
             tenant,
             request.job_id,
-            (request, delivery.hold_commit(), tenant),
+            (serve, tenant),
             rank=group_index_of(request.job_id, request.group_id),  # None: an evaluation's
         )
         self._note_demand(tenant)
@@ -345,18 +368,13 @@ class RolloutService(Service):
             and not self._engine_died.is_set()
         ):
             try:
-                request, release_commit, tenant = self._waiting.pop(
-                    partial(self._below, self._shares())
-                )
+                serve, tenant = self._waiting.pop(partial(self._below, self._shares()))
             except LookupError:  # every waiting tenant holds its share: keep the rest free
                 return
             self._room.set()
             self._in_engine += 1
             self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 0) + 1
-            task = asyncio.create_task(
-                self._generate(request, release_commit, tenant),
-                name=f"generate-{request.request_id}",
-            )
+            task = asyncio.create_task(self._in_engine_slot(serve, tenant), name="generate")
             self._generations.add(task)
             task.add_done_callback(self._generations.discard)
 
@@ -385,30 +403,34 @@ class RolloutService(Service):
             demands[tenant] = max(current, peak if now - at <= grace else 0)
         return water_fill(demands, self.settings.max_in_flight)
 
-    async def _generate(
-        self, request: GenerationRequest, release_commit: Callable[[], None], tenant: str
-    ) -> None:
-        """Sample, send the result, and only then let the request's offset be committed: a
-        result that never reached the broker leaves its request to be read again."""
+    async def _in_engine_slot(self, serve: Callable[[], Awaitable[None]], tenant: str) -> None:
+        """Serve admitted work in its engine slot, then free the slot for the next."""
         try:
-            try:
-                result = await self._sample(request)
-            except _EngineDied:  # left uncommitted for the restarted replica
-                log.warning("request %s not served: the engine died", request.request_id)
-                return
-            ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
-            try:
-                await self.io.send(result)
-            except Exception as exc:  # the broker refuses it (e.g. too large): end the episode
-                await self._give_up(request, exc)
-                await self.io.send(aborted(request))
-            fault_point("rollout.after_send")
-            release_commit()
+            await serve()
         finally:
             self._in_engine -= 1
             self._tenant_in_engine[tenant] = self._tenant_in_engine.get(tenant, 1) - 1
             self._note_demand(tenant)
             self._admit()
+
+    async def _serve_rollout(
+        self, request: GenerationRequest, release_commit: Callable[[], None]
+    ) -> None:
+        """Sample, send the result, and only then let the request's offset be committed: a
+        result that never reached the broker leaves its request to be read again."""
+        try:
+            result = await self._sample(request)
+        except _EngineDied:  # left uncommitted for the restarted replica
+            log.warning("request %s not served: the engine died", request.request_id)
+            return
+        ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
+        try:
+            await self.io.send(result)
+        except Exception as exc:  # the broker refuses it (e.g. too large): end the episode
+            await self._give_up(request, exc)
+            await self.io.send(aborted(request))
+        fault_point("rollout.after_send")
+        release_commit()
 
     async def _sample(self, request: GenerationRequest) -> GenerationResult:
         try:

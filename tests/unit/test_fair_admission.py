@@ -445,3 +445,34 @@ async def test_a_tenants_job_finishes_in_its_time_alone_beside_another_tenants_f
     beside = await rounds_until_done(with_flood=True)
     assert alone == 4  # one round per step: its 8 requests fit the engine's 16 slots
     assert beside <= 1.5 * alone, (alone, beside)
+
+
+async def test_a_judges_request_waits_its_tenants_turn_in_a_rollout_slot() -> None:
+    """A chat request made for a job (a judged reward's, env_svc/judge.py) is queued as that
+    job's tenant's beside the rollouts, not in the endpoint's own slots: with acme's backlog
+    holding the one slot, globex's judge goes in next, before acme's waiting requests."""
+    async with memory_backend() as backend:
+        acme, globex = spec_of("a1", "acme"), spec_of("g1", "globex")
+        await registered(backend, acme, globex)
+        engine = TurnstileEngine()
+        service = service_with(backend, engine, 1)
+        await read(
+            Inbox(Topic.PROMPTS), service, [request_for(acme.job_id, i, 0) for i in range(3)]
+        )
+        await engine.until_entered(1)
+        judged = msgspec.structs.replace(request_for("base", 99, 0), request_id="chat-judge")
+        answer = asyncio.create_task(service.sample_for_chat(judged, "", None, globex.job_id))
+        try:
+            async with asyncio.timeout(10):  # a hang guard, not a measure
+                while "globex" not in service._waiting.waiting():  # noqa: ASYNC110 - no event to wait on: the queue is plain bookkeeping
+                    await asyncio.sleep(0.01)
+            assert service._waiting.waiting() == {"acme": 2, "globex": 1}
+            engine.let_out(engine.entered[0])
+            await engine.until_entered(2)
+            assert engine.entered[1].request_id == "chat-judge"  # globex's turn before acme's
+            assert service._tenant_in_engine == {"acme": 0, "globex": 1}
+            engine.let_out(engine.entered[1])
+            result = await asyncio.wait_for(answer, 10)
+            assert result.completion_token_ids == [7]
+        finally:
+            await stopped(service, engine)

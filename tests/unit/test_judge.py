@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from common.chat import JOB_HEADER
 from env_svc.judge import Judge
-from env_svc.protocol import ChatMessage, Reward, Task, ascore
+from env_svc.protocol import EPISODE_JOB, ChatMessage, Reward, Task, ascore
 
 REPLIES = {"good": "9", "bad": "2 out of 10", "rambling": "It depends.", "slow": "5"}
 """What the stand-in judge says for an answer (by its text)."""
@@ -21,10 +22,12 @@ REPLIES = {"good": "9", "bad": "2 out of 10", "rambling": "It depends.", "slow":
 
 class StandIn(BaseHTTPRequestHandler):
     asked: list[dict[str, object]] = []
+    for_jobs: list[str | None] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         StandIn.asked.append(body)
+        StandIn.for_jobs.append(self.headers.get(JOB_HEADER))
         answer = body["messages"][-1]["content"].split("Answer: ")[1].split("\n")[0]
         if answer == "slow":
             time.sleep(1.0)
@@ -76,3 +79,17 @@ async def test_an_unreachable_judge_ends_the_episode_not_the_replica() -> None:
     judge = Judge("Is it right?", endpoint="http://127.0.0.1:9/v1", timeout_s=1.0)
     result = await ascore([Reward("judged", judge)], Task(question="q"), said("good"))
     assert result.error.startswith("reward 'judged' failed: JudgeError: judge at")
+
+
+async def test_a_judge_names_the_job_whose_episode_it_scores(endpoint: str) -> None:
+    """The stack's endpoint admits the request as that job's tenant's (rollout_svc); env_svc
+    sets the job while it drives the episode (env_svc/episodes.py)."""
+    judge = Judge("Is it right?", endpoint=endpoint)
+    StandIn.for_jobs.clear()
+    await ascore([Reward("judged", judge)], Task(question="q1"), said("good"))
+    token = EPISODE_JOB.set("acme-job-1")
+    try:
+        await ascore([Reward("judged", judge)], Task(question="q2"), said("good"))
+    finally:
+        EPISODE_JOB.reset(token)
+    assert StandIn.for_jobs == [None, "acme-job-1"]
