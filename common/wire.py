@@ -14,6 +14,7 @@ schema-1 record is read.
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
 from collections.abc import Mapping, Sequence
@@ -172,8 +173,7 @@ def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[
     structs do not have; the tag field counts as known."""
     if not isinstance(data, dict):
         return []
-    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
-    tag_field = kind.__struct_config__.tag_field
+    fields, tag_field = _fields_of(kind)
     found = []
     for key, value in data.items():
         path = f"{at}{key}"
@@ -184,6 +184,14 @@ def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[
         elif isinstance(info.type, type) and issubclass(info.type, msgspec.Struct):
             found += unknown_fields(value, info.type, f"{path}.")
     return found
+
+
+@functools.cache
+def _fields_of(kind: type[msgspec.Struct]) -> tuple[dict[str, Any], str | None]:
+    """`kind`'s fields by wire name, and its tag field: read once per type (msgspec resolves
+    the type annotations on every call, a cost that showed on every record env_svc handled)."""
+    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
+    return fields, kind.__struct_config__.tag_field
 
 
 def topic_of(message: Message) -> Topic:
