@@ -5,7 +5,10 @@ root (a pool of `SANDBOX_UID_BASE` + slot), in a new session and process group:
 
 - **namespaces** (`--unshare-all`): its own network (no interface but a loopback no one
   listens on: neither the broker, Redis nor the internet is reachable), pids (it sees only
-  its own processes; /proc is its own), IPC, UTS, cgroup and user namespaces;
+  its own processes; /proc is its own, or there is none where none can be mounted, as in a
+  Docker container), IPC, UTS, cgroup and user namespaces;
+- **system calls** (`--seccomp`, env_svc/sandbox/seccomp.py): no namespaces of its own, no
+  mounts, ptrace, BPF, keyrings, io_uring, modules and the like;
 - **filesystem**: nothing of the host but /usr read-only (the system's programs and
   libraries, where the interpreter comes from) and an empty tmpfs of `disk_bytes` as its
   working directory, gone with the run: no /etc, /home, /root, /work, no env_svc files,
@@ -21,8 +24,8 @@ root (a pool of `SANDBOX_UID_BASE` + slot), in a new session and process group:
   that is killed too.
 
 What it does not stop: reading what /usr holds (world-readable system files), spending the
-CPU it is given (the host's scheduler shares it), and kernel exploits (no seccomp filter of
-its own; Docker's applies in compose). docs/architecture.md, "The code sandbox".
+CPU it is given (the host's scheduler shares it), and kernel exploits through the calls it
+may still make. docs/architecture.md, "The code sandbox".
 """
 
 from __future__ import annotations
