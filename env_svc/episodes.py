@@ -76,9 +76,23 @@ class ChatTokenizer:
     def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:
         return cls(PreTrainedTokenizerFast.from_pretrained(str(model_dir)))
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders a `tools=` list, and in the Hermes/Qwen `<tool_call>`
+        format the tool layer parses (a template with another call format is given none)."""
+        template = str(self._tokenizer.chat_template)
+        return "tools" in template and "<tool_call>" in template
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        extra = {} if tools is None else {"tools": tools}
         text = self._tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
         assert isinstance(text, str)
         return text
@@ -95,8 +109,10 @@ class ChatTokenizer:
             )
         )
 
-    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(
+        self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
     def continuation_ids(
         self,
@@ -104,6 +120,7 @@ class ChatTokenizer:
         new_messages: Sequence[ChatMessage],
         *,
         completion_ended_with_eos: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Tokens to append after a sampled assistant turn (the last of `messages_before`):
         the rest of that turn's closing, `new_messages`, and the next generation prompt.
@@ -114,21 +131,25 @@ class ChatTokenizer:
         """
         if not messages_before or messages_before[-1]["role"] != "assistant":
             raise ValueError("messages_before must end with the sampled assistant turn")
-        before = self.render(messages_before, add_generation_prompt=False)
-        after = self.render([*messages_before, *new_messages], add_generation_prompt=True)
+        before = self.render(messages_before, add_generation_prompt=False, tools=tools)
+        after = self.render(
+            [*messages_before, *new_messages], add_generation_prompt=True, tools=tools
+        )
         if not after.startswith(before):
             # Templates that rewrite earlier turns (e.g. drop old reasoning) cannot be extended.
             raise ValueError("the chat template does not render earlier turns stably")
-        closing = self._assistant_closing(messages_before[:-1])
+        closing = self._assistant_closing(messages_before[:-1], tools)
         if completion_ended_with_eos:
             if not closing.startswith(self._eos_text):
                 raise ValueError(f"the template does not close a turn with {self._eos_text!r}")
             closing = closing[len(self._eos_text) :]
         return self.encode(closing + after[len(before) :])
 
-    def _assistant_closing(self, history: Sequence[ChatMessage]) -> str:
+    def _assistant_closing(
+        self, history: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         sentinel: ChatMessage = {"role": "assistant", "content": _SENTINEL}
-        rendered = self.render([*history, sentinel], add_generation_prompt=False)
+        rendered = self.render([*history, sentinel], add_generation_prompt=False, tools=tools)
         return rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
 
 
@@ -240,7 +261,7 @@ async def _first_request(
     eval_version: int = -1,
 ) -> GenerationRequest:
     state, messages = await env.areset(task)
-    prompt_ids = tokenizer.prompt_ids(messages)
+    prompt_ids = tokenizer.prompt_ids(messages, env.template_tools())
     room = job.rl.max_context_tokens - job.rl.sampling.max_new_tokens
     if len(prompt_ids) > room:
         raise ContextTooLongError(
@@ -301,7 +322,10 @@ async def advance_episode(
     messages_before = [*await env.prompt(step.state.task), *history]
     ended_with_eos = bool(completion_ids) and completion_ids[-1] == tokenizer.eos_token_id
     context_ids += tokenizer.continuation_ids(
-        messages_before, step.messages, completion_ended_with_eos=ended_with_eos
+        messages_before,
+        step.messages,
+        completion_ended_with_eos=ended_with_eos,
+        tools=env.template_tools(),
     )
     if len(context_ids) + job.rl.sampling.max_new_tokens > job.rl.max_context_tokens:
         # No room for another turn: score the episode as it stands; unsent replies get no tokens.

@@ -310,6 +310,15 @@ class Environment(ABC, Generic[T]):
         be `async def` (awaited on env_svc's event loop, with the call's time limit)."""
         return None
 
+    template_takes_tools: bool = False
+    """Set by env_svc from the base model's chat template: it renders a `tools=` list in the
+    Hermes/Qwen `<tool_call>` format (env_svc/episodes.py `ChatTokenizer.takes_tools`)."""
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tool schemas for the chat template's `tools=` (None: the template gets none; a
+        tool environment then lists its tools in its system prompt)."""
+        return None
+
     @property
     def max_turns(self) -> int:
         return 1

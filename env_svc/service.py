@@ -592,6 +592,7 @@ class EnvService(Service):
             env = await self.calls.run(
                 f"job {spec.job_id}: environment", partial(environment_for, spec)
             )
+            env.template_takes_tools = self.tokenizer.takes_tools
             self._envs[spec.job_id] = env
         return env
 

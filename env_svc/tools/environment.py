@@ -1,8 +1,9 @@
 """`ToolEnvironment`: an environment whose model may call tools before it answers.
 
 A subclass declares its tools (plain or `async def` functions, or `Tool`s) and the words
-around the tool list; the layer does the rest: the system prompt (the Hermes/Qwen format,
-for chat templates that take no `tools=`, as SmolLM2's), parsing one or several calls per
+around the tool list; the layer does the rest: the tool list (the chat template's `tools=`
+where the template renders them in the Hermes/Qwen format, as Qwen's do; in the system prompt
+in that format for templates that take no `tools=`, as SmolLM2's), parsing one or several calls per
 turn, argument checks, running the calls at once with their time limits, the `tool`
 messages (masked out of the loss by the episode driver), and the episode's end on a turn
 without a call (the final answer) or at `max_turns` (or the job's token limit). Every
@@ -122,11 +123,21 @@ class ToolEnvironment(Environment[T]):
         return tools
 
     def system_prompt(self) -> str:
+        """The tools in the Hermes/Qwen format, between `tools_intro` and `tools_outro`; where
+        the chat template renders the tools itself (`template_takes_tools`), only those words
+        around them."""
+        if self.template_takes_tools:
+            return f"{self.tools_intro}\n{self.tools_outro}"
         tools = list(self.toolbox.tools.values())
         example = self.tools_example or (tools[0].name, {})
         return hermes_system_prompt(
             tools, intro=self.tools_intro, example=example, outro=self.tools_outro
         )
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.template_takes_tools:
+            return None
+        return [tool.schema() for tool in self.toolbox.tools.values()]
 
     def demonstration(self) -> list[ChatMessage]:
         """Messages shown between the system prompt and the task (a worked exchange)."""
