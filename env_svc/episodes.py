@@ -286,8 +286,18 @@ async def advance_episode(
 
     A coroutine that suspends only where the environment's own code awaits: env_svc drives
     one of a synchronous environment to its end in a worker thread (`run_sync`), one of an
-    environment that awaits on its event loop."""
-    EPISODE_JOB.set(job.job_id)  # this call's context only (its task's, or its thread's run)
+    environment that awaits on its event loop. Meanwhile `EPISODE_JOB` names the job (what a
+    judged reward's requests are charged to)."""
+    named = EPISODE_JOB.set(job.job_id)
+    try:
+        return await _advance(env, tokenizer, job, result)
+    finally:
+        EPISODE_JOB.reset(named)
+
+
+async def _advance(
+    env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, result: GenerationResult
+) -> GenerationRequest | Trajectory:
     carry = decode_carry(result.env_state)
     completion_ids = list(result.completion_token_ids)
     context_ids = list(result.context_token_ids)
