@@ -214,11 +214,8 @@ def main() -> None:
         "--scripted-engine", action="store_true", help="a deterministic engine (with --tiny)"
     )
     args = parser.parse_args()
-    if args.scripted_engine:  # read by rollout_svc; the repository on its path for the module
+    if args.scripted_engine:  # read by rollout_svc (the repository on its path: below)
         os.environ["ROLLOUT_ENGINE"] = "tests.chaos.scripted_engine:ScriptedEngine"
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(EXAMPLE_ENVS.parent.parent), os.environ.get("PYTHONPATH")])
-        )
         args.tiny = True
         args.tag = "-".join(filter(None, ["scripted", args.tag]))
     if args.tiny:
@@ -228,7 +225,8 @@ def main() -> None:
         args.tag = "-".join(filter(None, ["tiny", args.tag]))
     args.run_id = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.run_dir = Path("runs").resolve() / f"slow-verifier-{args.run_id}"
-    use_example_env("remote_verifier=remote_verifier:RemoteVerifierEnv")
+    repository = [EXAMPLE_ENVS.parent.parent] if args.scripted_engine else []
+    use_example_env("remote_verifier=remote_verifier:RemoteVerifierEnv", *repository)
     for name, value in (
         ("ENV_SVC_RECORDS_IN_FLIGHT", args.records_in_flight),
         ("ENV_SVC_ENV_WORKERS", args.env_workers),

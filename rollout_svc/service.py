@@ -252,10 +252,7 @@ class RolloutService(Service):
             except Exception as exc:
                 done.set_exception(exc)
 
-        tenant = await self._tenant_of(job_id)
-        self._waiting.put(tenant, job_id, (serve, tenant), rank=None)
-        self._note_demand(tenant)
-        self._admit()
+        self._queue(await self._tenant_of(job_id), job_id, serve, rank=None)
         return await done
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
@@ -333,14 +330,18 @@ class RolloutService(Service):
             await self._room_or_stop()
         if request.tenant:  # schema 4 on: carried, no registry read
             self._tenants.setdefault(request.job_id, request.tenant)
-        tenant = await self._tenant_of(request.job_id)
-        serve = partial(self._serve_rollout, request, delivery.hold_commit())
-        self._waiting.put(
-            tenant,
+        self._queue(
+            await self._tenant_of(request.job_id),
             request.job_id,
-            (serve, tenant),
+            partial(self._serve_rollout, request, delivery.hold_commit()),
             rank=group_index_of(request.job_id, request.group_id),  # None: an evaluation's
         )
+
+    def _queue(
+        self, tenant: str, job_id: str, serve: Callable[[], Awaitable[None]], *, rank: int | None
+    ) -> None:
+        """Queue `serve` as `tenant`'s (for `job_id`) and start what the free slots allow."""
+        self._waiting.put(tenant, job_id, (serve, tenant), rank=rank)
         self._note_demand(tenant)
         self._admit()
 
