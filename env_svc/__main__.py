@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = start_settings(EnvServiceSettings, check=check)
     from common.models import resolve_tokenizer
-    from env_svc.episodes import ChatTokenizer
+    from env_svc.chat_template import ChatTokenizer
     from env_svc.protocol import available_environments
     from env_svc.service import EnvService
 

@@ -14,20 +14,16 @@ env_svc replicas keep no state: everything an episode needs between turns (`Epis
 rides in `GenerationRequest.env_state`, which rollout_svc echoes back in the result, while the
 context itself travels as `context_token_ids`.
 
-The tokenizer is loaded as `PreTrainedTokenizerFast`, not `AutoTokenizer`: in transformers 5,
-`AutoTokenizer` imports torch (model-class resolution), which env_svc must not pay for.
+The chat template and tokenizer that render and extend contexts: env_svc/chat_template.py.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
-from transformers import PreTrainedTokenizerFast
 
 from common.evals import eval_group_id
 from common.messages import (
@@ -38,17 +34,14 @@ from common.messages import (
     SamplingSettings,
     Trajectory,
 )
+from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import (
     EPISODE_JOB,
-    ChatMessage,
     Environment,
     RewardResult,
     encode_state,
     unanswered,
 )
-
-_SENTINEL = "\x00marlaas-assistant-content\x00"
-"""Stands in for an assistant turn's content to find the text the template puts after it."""
 
 
 class EpisodeError(ValueError):
@@ -57,100 +50,6 @@ class EpisodeError(ValueError):
 
 class EpisodeCarryError(EpisodeError):
     """`env_state` bytes that are not a valid, consistent episode carry."""
-
-
-# --- tokenizer ------------------------------------------------------------------------
-
-
-class ChatTokenizer:
-    """A chat template plus tokenizer that only ever appends to a token context."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if tokenizer.eos_token_id is None or not tokenizer.chat_template:
-            raise ValueError("the tokenizer needs an eos token and a chat template")
-        self._tokenizer = tokenizer
-        self.eos_token_id: int = tokenizer.eos_token_id
-        self._eos_text: str = tokenizer.eos_token
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ChatTokenizer:
-        return cls(PreTrainedTokenizerFast.from_pretrained(str(model_dir)))
-
-    @property
-    def takes_tools(self) -> bool:
-        """Whether the template renders a `tools=` list, and in the Hermes/Qwen `<tool_call>`
-        format the tool layer parses (a template with another call format is given none)."""
-        template = str(self._tokenizer.chat_template)
-        return "tools" in template and "<tool_call>" in template
-
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        extra = {} if tools is None else {"tools": tools}
-        text = self._tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
-        )
-        assert isinstance(text, str)
-        return text
-
-    def encode(self, text: str) -> list[int]:
-        # The template writes its special tokens as text; nothing may be added around them.
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def text(self, ids: Sequence[int]) -> str:
-        """What the model wrote: special tokens (the closing eos) dropped, spaces untouched."""
-        return str(
-            self._tokenizer.decode(
-                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-        )
-
-    def prompt_ids(
-        self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
-
-    def continuation_ids(
-        self,
-        messages_before: Sequence[ChatMessage],
-        new_messages: Sequence[ChatMessage],
-        *,
-        completion_ended_with_eos: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        """Tokens to append after a sampled assistant turn (the last of `messages_before`):
-        the rest of that turn's closing, `new_messages`, and the next generation prompt.
-
-        The template's closing of an assistant turn is `eos` + "\\n" in ChatML; a turn that
-        ended with the eos token needs only the "\\n", one cut off by length (or by a stop
-        string) gets the whole closing here, as context the trainer does not score.
-        """
-        if not messages_before or messages_before[-1]["role"] != "assistant":
-            raise ValueError("messages_before must end with the sampled assistant turn")
-        before = self.render(messages_before, add_generation_prompt=False, tools=tools)
-        after = self.render(
-            [*messages_before, *new_messages], add_generation_prompt=True, tools=tools
-        )
-        if not after.startswith(before):
-            # Templates that rewrite earlier turns (e.g. drop old reasoning) cannot be extended.
-            raise ValueError("the chat template does not render earlier turns stably")
-        closing = self._assistant_closing(messages_before[:-1], tools)
-        if completion_ended_with_eos:
-            if not closing.startswith(self._eos_text):
-                raise ValueError(f"the template does not close a turn with {self._eos_text!r}")
-            closing = closing[len(self._eos_text) :]
-        return self.encode(closing + after[len(before) :])
-
-    def _assistant_closing(
-        self, history: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        sentinel: ChatMessage = {"role": "assistant", "content": _SENTINEL}
-        rendered = self.render([*history, sentinel], add_generation_prompt=False, tools=tools)
-        return rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
 
 
 # --- carry ----------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class Environment(ABC, Generic[T]):
 
     template_takes_tools: bool = False
     """Set by env_svc from the base model's chat template: it renders a `tools=` list in the
-    Hermes/Qwen `<tool_call>` format (env_svc/episodes.py `ChatTokenizer.takes_tools`)."""
+    Hermes/Qwen `<tool_call>` format (env_svc/chat_template.py `ChatTokenizer.takes_tools`)."""
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """Tool schemas for the chat template's `tools=` (None: the template gets none; a

@@ -71,8 +71,8 @@ from common.store import RedisStore
 from common.tenants import QuotaError
 from common.wire import job_named_in
 from env_svc.calls import EnvCalls
+from env_svc.chat_template import ChatTokenizer
 from env_svc.episodes import (
-    ChatTokenizer,
     EpisodeError,
     advance_episode,
     failed_trajectory,

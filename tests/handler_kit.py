@@ -27,7 +27,7 @@ from common.messages import (
     result_for,
 )
 from common.store import RedisStore
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.engine import AdapterRef
 from rollout_svc.service import GenerationEngine, RolloutService

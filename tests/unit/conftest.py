@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.models import tiny_model
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from tests.fakes import Backend, kafka_backend, memory_backend
 
 

@@ -24,8 +24,8 @@ from common.messages import (
     result_for,
 )
 from env_svc import episodes
+from env_svc.chat_template import ChatTokenizer
 from env_svc.episodes import (
-    ChatTokenizer,
     EpisodeCarry,
     EpisodeCarryError,
     EpisodeError,
@@ -134,7 +134,8 @@ def assert_sampled_exactly(trajectory: Trajectory, results: list[GenerationResul
 def test_env_svc_tokenizer_does_not_import_torch(smollm2_dir: Path) -> None:
     code = (
         "import sys\n"
-        "from env_svc.episodes import ChatTokenizer\n"
+        "import env_svc.episodes\n"
+        "from env_svc.chat_template import ChatTokenizer\n"
         f"tok = ChatTokenizer.from_dir({str(smollm2_dir)!r})\n"
         "tok.prompt_ids([{'role': 'user', 'content': 'hi'}])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -20,7 +20,7 @@ from common import faults
 from common.artifacts import latest_checkpoint_version
 from common.audit import audit
 from common.messages import GenerationRequest, Topic, result_for
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from tests.fakes import Backend, Inbox, memory_backend
 from tests.handler_kit import GatedEngine, job_spec, request_for, trajectory
 from tests.unit.test_faults import env_service, running_job, trainer_service

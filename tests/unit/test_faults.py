@@ -41,7 +41,7 @@ from common.messages import (
 from common.registry import ENDED_TTL_S
 from common.wire import decode
 from env_svc import protocol
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.service import RolloutService
 from tests.fakes import Backend, Inbox

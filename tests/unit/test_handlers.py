@@ -30,7 +30,7 @@ from common.messages import (
     new_id,
     result_for,
 )
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import environment_for
 from env_svc.service import EnvService
 from tests.fakes import Backend, Inbox

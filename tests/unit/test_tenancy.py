@@ -22,7 +22,7 @@ from common.messages import (
 from common.registry import ENDED_TTL_S, REJECTION_TTL_S
 from common.tenants import TenantLimits
 from common.wire import encode
-from env_svc.episodes import ChatTokenizer
+from env_svc.chat_template import ChatTokenizer
 from env_svc.service import ForeignJobError
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (

@@ -1,7 +1,8 @@
-"""Tools through the chat template's `tools=` (env_svc/tools/environment.py, env_svc/episodes.py):
-where the base model's template renders a tool list in the Hermes/Qwen `<tool_call>` format (as
-Qwen's do), the tool layer hands it the schemas and its system prompt keeps only the words
-around them; SmolLM2's template takes no tools, and the system prompt lists them as before."""
+"""Tools through the chat template's `tools=` (env_svc/tools/environment.py,
+env_svc/chat_template.py): where the base model's template renders a tool list in the
+Hermes/Qwen `<tool_call>` format (as Qwen's do), the tool layer hands it the schemas and its
+system prompt keeps only the words around them; SmolLM2's template takes no tools, and the
+system prompt lists them as before."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from common.models import tiny_model
+from env_svc.chat_template import ChatTokenizer
 from env_svc.envs.calculator import CalculatorEnv
-from env_svc.episodes import ChatTokenizer
 from env_svc.protocol import ChatMessage
 
 QWEN_LIKE = """
