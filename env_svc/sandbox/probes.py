@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import socket
 import subprocess
@@ -155,10 +156,39 @@ def bait() -> Iterator[Bait]:
 
 
 def runs_processes() -> set[int]:
-    """Processes that may be a run's: of the runs' uids when root, else of this uid."""
+    """Processes that may be a run's: of the runs' uids when root, else this process's live
+    descendants (`main` makes it their subreaper, so an orphan that escaped its run is one).
+    Not every process of this uid: in a container, the healthcheck's own `python -c` runs as
+    env_svc's uid too, started and ended on its own clock."""
     if os.geteuid() == 0:
         return {pid for slot in range(MAX_SLOTS) for pid in _processes_of(sandbox_uid(slot))}
-    return set(_processes_of(os.geteuid()))
+    return _descendants(os.getpid())
+
+
+def _descendants(root: int) -> set[int]:
+    """Live (not zombie) processes below `root`, from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                state, parent = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if state != "Z":
+                    children.setdefault(int(parent), []).append(int(entry.name))
+    found: set[int] = set()
+    below = children.get(root, [])
+    while below:
+        pid = below.pop()
+        found.add(pid)
+        below += children.get(pid, [])
+    return found
+
+
+def _become_subreaper() -> None:
+    """Orphans of this process's descendants become its children, not init's (Linux
+    PR_SET_CHILD_SUBREAPER), so `runs_processes` still finds a daemon that left its run."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 async def attempt(
@@ -195,6 +225,7 @@ def _alive(pid: int) -> bool:
 
 
 def main() -> int:
+    _become_subreaper()
     sandbox = Sandbox(LIMITS)
     try:
         sandbox.check()

@@ -10,6 +10,8 @@ run tries the same programs in env_svc's container, as its uid 1000).
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -115,3 +117,25 @@ def test_a_sandbox_that_cannot_start_runs_nothing_and_says_why() -> None:
     sandbox.bwrap = "/usr/bin/false"  # as bubblewrap refused by a seccomp profile
     with pytest.raises(SandboxUnavailableError, match=r"cannot start here.*no code is run"):
         python_tool(LIMITS, sandbox)
+
+
+def test_as_one_uid_the_probes_count_an_escaped_daemon_and_not_a_neighbour() -> None:
+    """Not root (env_svc's uid in a container), the probes count their own descendants
+    (`runs_processes`): an orphan that left its parent still counts (they are its subreaper),
+    a process of the same uid started beside them (the container's healthcheck) does not."""
+    neighbour = subprocess.Popen(["sleep", "30"])
+    found = subprocess.run(
+        [sys.executable, "-c",
+         "import os, subprocess\n"
+         "from env_svc.sandbox.probes import _become_subreaper, _descendants\n"
+         "_become_subreaper()\n"
+         "daemon = subprocess.run(['sh', '-c', 'setsid sleep 30 >/dev/null 2>&1 & echo $!'],\n"
+         "                        capture_output=True, text=True).stdout.strip()\n"
+         "print(daemon, sorted(_descendants(os.getpid())))\n"
+         "os.kill(int(daemon), 9)"],
+        capture_output=True, text=True, check=True, timeout=30,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    neighbour.kill()
+    daemon, counted = found.stdout.split(" ", 1)
+    assert counted.strip() == f"[{daemon}]"
