@@ -205,19 +205,27 @@ class EnvServiceSettings(BaseSettings):
     eval_timeout_s: float = Field(default=600.0, gt=0)
     """An evaluation not finished this long after its requests were sent is finished by
     the sweep if all its episodes are in, else its requests are sent again."""
-    env_workers: int = Field(default=64, ge=1, le=4096)
+    env_workers: int = Field(default=256, ge=1, le=65536)
     """Threads running synchronous environment and reward code (an `async def` one runs on
     the event loop instead). Sized for waiting, not for cores: a reward that blocks on a
     remote verifier or a `time.sleep` holds its thread for the whole wait, so a replica
     scores at most this many such episodes at once (a waiting thread costs about its stack;
-    CPU-bound code gains nothing past the cores). A replica whose every worker hangs in a
-    timed-out call exits, to be restarted with fresh ones."""
+    CPU-bound code gains nothing past the cores). Default: `records_in_flight`, so every
+    record in hand can wait at once. A replica whose every worker hangs in a timed-out call
+    exits, to be restarted with fresh ones."""
     records_in_flight: int = Field(default=256, ge=1, le=65536)
     """Records (episode turns, rewards, job messages) this replica handles at once; those
     of one key (an episode, a job) in order. Bounds the memory of what is in hand, and with
     `env_workers` how many slow calls wait at once."""
+
     metrics_port: int = Field(default=9101, ge=0, le=65535)
     """Port of /metrics, /healthz and /readyz; 0 picks a free one (logged at start)."""
+
+    @model_validator(mode="after")
+    def _workers_for_every_record(self) -> EnvServiceSettings:
+        if "env_workers" not in self.model_fields_set:
+            self.env_workers = self.records_in_flight
+        return self
 
 
 class RolloutSettings(BaseSettings):
