@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from api_svc.limits import BodyLimit, TenantGate
 from api_svc.routes import jobs, outputs, sample, tenant
 from common.config import SharedSettings
+from common.wire import TOO_DEEP
 from console.client import MarlaasClient
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,17 @@ def create_app(
     for module in (tenant, sample, jobs, outputs):
         app.include_router(module.router)
     app.add_exception_handler(HTTPException, _error)  # type: ignore[arg-type]
+    app.add_exception_handler(RecursionError, _too_deep)
     return app
 
 
 async def _error(_: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _too_deep(_: Request, __: Exception) -> JSONResponse:
+    """A body whose JSON nests past the parser's stack (`[[[[...`): the client's error."""
+    return JSONResponse({"error": f"the body is not usable JSON: {TOO_DEEP}"}, status_code=400)
 
 
 async def serve(

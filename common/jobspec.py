@@ -12,7 +12,13 @@ from typing import Any
 import msgspec
 from msgspec import inspect
 
-from common.messages import JobSpec
+from common.messages import (
+    MAX_PARAMS_BYTES,
+    MAX_PARAMS_DEPTH,
+    NAME_MAX_LEN,
+    JobSpec,
+    clipped,
+)
 from common.tenants import TenantLimits, job_limit_problems
 
 # Job ids name directories, Redis keys, metric labels and vLLM adapters (`<job>@v<n>`):
@@ -20,7 +26,6 @@ from common.tenants import TenantLimits, job_limit_problems
 # also rules out `.`, `..` and hidden directories.
 NAME_CHARS = "A-Za-z0-9._-"
 """The characters of a job id or tenant (a regex character class body)."""
-NAME_MAX_LEN = 128
 _NAME = re.compile(f"[A-Za-z0-9][{NAME_CHARS}]{{0,{NAME_MAX_LEN - 1}}}")
 NAME_RULE = (
     f"must be 1-{NAME_MAX_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -70,6 +75,7 @@ def _problems(
         ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
         ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
         *((field, False, message) for field, message in bound_problems(spec)),
+        *(("env.params", False, message) for message in params_problems(spec.env.params)),
         (
             "rl.sampling.temperature",
             sampling.temperature > 0,
@@ -121,6 +127,34 @@ def _problems(
     return [f"{field}: {message}" for field, ok, message in checks if not ok]
 
 
+def params_problems(params: Mapping[str, Any]) -> list[str]:
+    """What is wrong with an environment's `params` as a whole (its number of keys is a
+    declared bound): nested too deep, or too large encoded."""
+    if (depth := _depth(params)) > MAX_PARAMS_DEPTH:
+        return [f"must nest at most {MAX_PARAMS_DEPTH} maps or lists deep, got {depth}"]
+    try:
+        size = len(msgspec.msgpack.encode(params))
+    except (TypeError, OverflowError) as exc:
+        return [f"cannot be encoded: {exc}"]
+    if size > MAX_PARAMS_BYTES:
+        return [f"must encode in at most {MAX_PARAMS_BYTES} bytes, got {size}"]
+    return []
+
+
+def _depth(value: Any) -> int:
+    """How many maps and lists nest in `value` (0 for a scalar), level by level (no
+    recursion: JSON that decodes may nest deeper than Python's stack), counted to one past
+    the bound."""
+    depth, level = 0, [value]
+    while depth <= MAX_PARAMS_DEPTH:
+        inside = [item for item in level if isinstance(item, dict | list)]
+        if not inside:
+            break
+        depth += 1
+        level = [v for c in inside for v in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
 def bound_problems(
     value: msgspec.Struct | Mapping[str, Any],
     kind: type[msgspec.Struct] | None = None,
@@ -135,6 +169,8 @@ def bound_problems(
 
 
 def _bounds(value: Any, info: inspect.Type, at: str, or_unset: str = "") -> list[tuple[str, str]]:
+    if isinstance(info, inspect.Metadata):  # a description for the schema around the type
+        return _bounds(value, info.type, at, or_unset)
     if isinstance(info, inspect.StructType):
         found: list[tuple[str, str]] = []
         for field in info.fields:
@@ -152,15 +188,33 @@ def _bounds(value: Any, info: inspect.Type, at: str, or_unset: str = "") -> list
         if isinstance(value, bool) or not isinstance(value, int | float) or _within(value, info):
             return []
         return [(at, f"must be {_range(info)}{or_unset}, got {value}")]
+    if isinstance(info, inspect.StrType) and isinstance(value, str):
+        if (problem := _length(len(value), info, "characters")) is None:
+            return []
+        return [(at, f"{problem}{or_unset}")]
+    if isinstance(info, inspect.DictType) and isinstance(value, Mapping):
+        found = [(at, problem)] if (problem := _length(len(value), info, "keys")) else []
+        for key in value:
+            if isinstance(key, str) and (problem := _length(len(key), info.key_type, "characters")):
+                return [*found, (f"{at} key {clipped(key, 40)!r}", problem)]
+        return found
     if isinstance(info, inspect.ListType | inspect.VarTupleType) and isinstance(
         value, list | tuple
     ):
-        low, high = info.min_length or 0, info.max_length
-        if len(value) >= low and (high is None or len(value) <= high):
-            return []
-        span = f"{low}-{high}" if high is not None else f"at least {low}"
-        return [(at, f"must have {span} items, got {len(value)}")]
+        if (problem := _length(len(value), info, "items")) is not None:
+            return [(at, problem)]
+        items = enumerate(value)
+        return [p for i, item in items for p in _bounds(item, info.item_type, f"{at}[{i}]")]
     return []
+
+
+def _length(n: int, info: Any, unit: str) -> str | None:
+    """What is wrong with a length of `n` under `info`'s declared bounds (None: nothing)."""
+    low, high = getattr(info, "min_length", None) or 0, getattr(info, "max_length", None)
+    if n >= low and (high is None or n <= high):
+        return None
+    span = f"{low}-{high}" if high is not None else f"at least {low}"
+    return f"must have {span} {unit}, got {n}"
 
 
 def _within(value: float, info: inspect.IntType | inspect.FloatType) -> bool:

@@ -51,10 +51,21 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+MAX_REASON_CHARS = 1000
+"""Longest reason kept or sent (a rejection, a dead letter): a reason may quote what came,
+a field name of any length, and is stored for days."""
+
+
+def clipped(reason: str, limit: int = MAX_REASON_CHARS) -> str:
+    """`reason`, cut to `limit` characters with the cut said."""
+    return reason if len(reason) <= limit else f"{reason[: limit - 20]}... ({len(reason)} chars)"
+
+
 class MessageDecodeError(ValueError):
     """Bytes on a topic that are not a valid message of that topic."""
 
     def __init__(self, topic: str, reason: str) -> None:
+        reason = clipped(reason)
         super().__init__(f"cannot decode message on {topic}: {reason}")
         self.topic = topic
         self.reason = reason
@@ -110,14 +121,39 @@ MAX_LORA_RANK = 512
 MAX_TARGET_MODULES = 32
 MAX_EVAL_TASKS = 1024
 MAX_SEED = 2**63 - 1
+# ... and on every string and map, which reach Redis keys, metric labels, log lines and the
+# shared engine (a stop string is matched against every token the job samples).
+NAME_MAX_LEN = 128
+"""A job id, tenant, environment or module name."""
+MAX_PATH_LEN = 4096
+"""A base model's name or directory (PATH_MAX)."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_PARAMS = 64
+"""Keys of `env.params` (each map inside it too)."""
+MAX_PARAMS_BYTES = 64 * 2**10
+"""`env.params` encoded (msgpack): the whole of an environment's settings, a dataset path
+included."""
+MAX_PARAMS_DEPTH = 8
+"""Maps and lists inside `env.params`, nested."""
+
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_MAX_LEN)]
 
 
 class EnvSettings(_Part):
-    name: str
+    name: Name
     """Registered environment name, e.g. `arithmetic`, `calculator`, `countdown`."""
-    params: dict[str, Any] = {}
+    params: Annotated[
+        dict[Name, Any],
+        Meta(
+            max_length=MAX_PARAMS,
+            description=f"At most {MAX_PARAMS} keys, maps and lists nested at most "
+            f"{MAX_PARAMS_DEPTH} deep, at most {MAX_PARAMS_BYTES} bytes encoded as msgpack.",
+        ),
+    ] = {}
     """Environment-specific parameters (operand ranges, max turns, ...); the environment
-    checks them at submission, and a bad one rejects the job."""
+    checks them at submission, and a bad one rejects the job. At most 64 keys, nested at most
+    8 deep and 64 KiB encoded (`common.jobspec`)."""
     seed: int = 0
     """Seeds the task sampler (and the adapter's initial LoRA weights), so a job's task stream
     is reproducible."""
@@ -132,7 +168,7 @@ class LoraSettings(_Part):
     dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     """LoRA dropout probability in [0, 1), passed to PEFT. The trainer keeps the model in eval
     mode, so it has no effect at present."""
-    target_modules: Annotated[list[str], Meta(min_length=1, max_length=MAX_TARGET_MODULES)] = (
+    target_modules: Annotated[list[Name], Meta(min_length=1, max_length=MAX_TARGET_MODULES)] = (
         msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     )
     """Names of the base model's linear modules that get an adapter (Llama-style names); at
@@ -149,9 +185,12 @@ class SamplingSettings(_Part):
     max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_CONTEXT_TOKENS)] = 32
     """Most tokens sampled per turn, >= 1; a turn that reaches it ends with finish reason
     `length`. Counts against `max_context_tokens`."""
-    stop: list[str] = []
-    """Strings that end a turn early, besides the end-of-turn token; empty = none (rollout_svc
-    then skips detokenizing)."""
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+        Meta(max_length=MAX_STOP_STRINGS),
+    ] = []
+    """Strings that end a turn early, besides the end-of-turn token: at most 16, of 1-256
+    characters; empty = none (rollout_svc then skips detokenizing)."""
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     """Seeds sampling, in [0, 2^63): each turn draws from its own stream, named by this seed,
     the group's place in its job (not the job's id), the sample and the turn
@@ -238,9 +277,9 @@ class JobSpec(_Wire, tag="job_spec", kw_only=True):
     """CLI (or any Kafka client) -> env_svc: a tenant asks for an RL job. De-duplicated on
     `job_id`."""
 
-    job_id: str
-    tenant: str
-    base_model: str = ""
+    job_id: Name
+    tenant: Name
+    base_model: Annotated[str, Meta(max_length=MAX_PATH_LEN)] = ""
     """The deployment's base model (its name or directory); empty: whatever it serves
     (env_svc registers the job with that filled in)."""
     env: EnvSettings
@@ -259,8 +298,8 @@ JobAction = Literal["pause", "resume", "cancel"]
 class JobCommand(_Wire, tag="job_command"):
     """CLI -> env_svc: change a running job's state. De-duplicated on `command_id`."""
 
-    command_id: str
-    job_id: str
+    command_id: Name
+    job_id: Name
     action: JobAction
     issued_at: float = 0.0
 
@@ -530,7 +569,7 @@ def job_event(
         service=service,
         tenant=tenant,
         step=step,
-        reason=reason,
+        reason=clipped(reason),
         metrics=metrics or {},
         at=time.time(),
         groups=groups or [],

@@ -17,7 +17,7 @@ from typing import Any
 
 from common.keyspace import JOBS, job_key, owner_key, rejection_key, tenant_jobs_key
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
-from common.messages import JobSpec, Topic
+from common.messages import JobSpec, Topic, clipped
 from common.redis_part import Lua, RedisPart, text
 from common.tenants import QuotaError, TenantLimits, quota_problem, samples_in_flight
 from common.wire import decode, encode
@@ -201,7 +201,7 @@ class JobRegistry(RedisPart):
         """Why a job was rejected (it is never registered), kept a week for its sender; the
         id's binding to its tenant ends with it (a rejected job leaves no key forever)."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(rejection_key(job_id), reason, ex=REJECTION_TTL_S)
+            pipe.set(rejection_key(job_id), clipped(reason), ex=REJECTION_TTL_S)
             pipe.expire(owner_key(job_id), REJECTION_TTL_S)
             await pipe.execute()
 

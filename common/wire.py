@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from common.jobspec import is_name
 from common.messages import (
     SCHEMA_VERSION,
     TOPIC_MESSAGES,
@@ -39,6 +40,7 @@ MAX_DEAD_LETTER_RAW_BYTES = 512 * 1024
 """A dead letter keeps at most this much of the record it reports, so the letter itself
 always fits under MAX_RECORD_BYTES: a letter that could never be written would stop its
 partition."""
+TOO_DEEP = "nested too deeply (maps or lists inside each other past the decoder's stack)"
 
 
 def dead_letter(
@@ -109,6 +111,8 @@ def decode(topic: str, raw: bytes | None) -> Message:
             generic = msgspec.msgpack.decode(raw) if known is Topic.JOBS else None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MessageDecodeError(topic, str(exc)) from None
+    except RecursionError:
+        raise MessageDecodeError(topic, TOO_DEEP) from None
     if generic is not None and message.schema <= SCHEMA_VERSION:
         # A job of this schema or older with a field this build does not know: a typo in
         # hand-written JSON, never a newer writer's field.
@@ -158,14 +162,14 @@ def job_named_in(raw: bytes | None) -> tuple[str, str] | None:
     raw = raw or b""
     try:
         data = msgspec.json.decode(raw) if _is_json(raw) else msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("kind") != "job_spec":
         return None
     job_id, tenant = data.get("job_id"), data.get("tenant", "")
-    if not isinstance(job_id, str) or not job_id:
-        return None
-    return job_id, tenant if isinstance(tenant, str) else ""
+    if not isinstance(job_id, str) or not is_name(job_id):
+        return None  # nothing to key a rejection by: the dead letter says what came
+    return job_id, tenant if isinstance(tenant, str) and is_name(tenant) else ""
 
 
 def unknown_fields(data: Any, kind: type[msgspec.Struct], at: str = "") -> list[str]:

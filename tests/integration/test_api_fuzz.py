@@ -158,3 +158,55 @@ def test_job_bodies_of_any_shape_get_no_5xx(fuzzed: Fuzzed) -> None:
     submit()
     counts = fuzzed.statuses["POST /v1/jobs (any JSON)"]
     assert counts.get(422, 0) + counts.get(400, 0) > EXAMPLES // 2, counts
+
+
+def test_a_hostile_tenants_largest_fields_are_refused_before_anything_is_kept(
+    fuzzed: Fuzzed, local_stack: LocalStack
+) -> None:
+    """Issue 42's findings, as found: twenty jobs with a 1 MB `env.name` were each accepted
+    (202) and their rejections grew Redis by 13 MB; a 1 MB dataset path and 60,000 stop
+    strings were accepted; 100,000 nested brackets gave a 500. Each is refused at the door
+    with the limit named, and Redis keeps nothing of them."""
+    megabyte = "x" * (2**20 - 500)  # under the API's 1 MiB body limit with the rest of the spec
+    hostile = {
+        "env.name": ({"env": {"name": megabyte}}, "length <= 128"),
+        "dataset path": (
+            {"env": {"name": "dataset", "params": {"path": megabyte}}},
+            "env.params: must encode in at most 65536 bytes",
+        ),
+        "stop list": (
+            {"env": {"name": "arithmetic"}, "rl": {"sampling": {"stop": ["\n"] * 60_000}}},
+            "length <= 16",
+        ),
+    }
+
+    def redis_bytes() -> int:
+        async def used(store: RedisStore) -> int:
+            return int((await store.client.info("memory"))["used_memory"])
+
+        return with_store(local_stack.redis_url, used)
+
+    before = redis_bytes()
+    for what, (body, limit) in hostile.items():
+        for _ in range(20 if what == "env.name" else 2):
+            response = fuzzed.session.post(
+                f"{fuzzed.url}/v1/jobs",
+                data=json.dumps(body),
+                headers={"Authorization": f"Bearer {fuzzed.key}"},
+                timeout=30,
+            )
+            fuzzed.check(f"POST /v1/jobs ({what})", response)
+            assert response.status_code == 422, (what, response.status_code)
+            assert limit in response.json()["error"], (what, response.text[:300])
+            assert len(response.text) < 2000, what  # the limit named, the value not quoted
+    assert redis_bytes() - before < 2**20
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path, said in (("/v1/jobs", "nested too deeply"), ("/v1/jobs/j/sample", "parsing")):
+        response = fuzzed.session.post(
+            f"{fuzzed.url}{path}",
+            data=deep,
+            headers={"Authorization": f"Bearer {fuzzed.key}", "Content-Type": "application/json"},
+            timeout=30,
+        )
+        fuzzed.check(f"POST {path} (deep JSON)", response)
+        assert response.status_code == 400 and said in response.text, (path, response.text)

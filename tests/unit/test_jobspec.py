@@ -7,6 +7,7 @@ import pytest
 
 from common.jobspec import JobSpecError, bound_problems, validate_job
 from common.messages import (
+    MAX_REASON_CHARS,
     EnvSettings,
     EvalSettings,
     JobSpec,
@@ -15,9 +16,10 @@ from common.messages import (
     RLSettings,
     SamplingSettings,
     Topic,
+    job_event,
 )
 from common.tenants import TenantLimits
-from common.wire import decode, json_schema
+from common.wire import decode, job_named_in, json_schema
 
 
 def spec(**changes: object) -> JobSpec:
@@ -151,3 +153,108 @@ def test_bounds_are_declared_once_and_carried_by_decoding_and_the_schema() -> No
         0,
         1,
     )
+
+
+MEGABYTE = "x" * 2**20
+
+
+@pytest.mark.parametrize(
+    ("changes", "named", "decoded"),
+    [
+        # A hostile tenant's job (issue 42): each field as large as the body limit allows.
+        (
+            {"env": EnvSettings(name=MEGABYTE)},
+            "env.name: must have 1-128 characters, got 1048576",
+            "Expected `str` of length <= 128 - at `$.env.name`",
+        ),
+        (
+            {"base_model": MEGABYTE},
+            "base_model: must have 0-4096 characters, got 1048576",
+            "Expected `str` of length <= 4096 - at `$.base_model`",
+        ),
+        (
+            {"rl": RLSettings(sampling=SamplingSettings(stop=["\n"] * 60_000))},
+            "rl.sampling.stop: must have 0-16 items, got 60000",
+            "Expected `array` of length <= 16 - at `$.rl.sampling.stop`",
+        ),
+        (
+            {"rl": RLSettings(sampling=SamplingSettings(stop=["ok", "y" * 300]))},
+            "rl.sampling.stop[1]: must have 1-256 characters, got 300",
+            "Expected `str` of length <= 256 - at `$.rl.sampling.stop[1]`",
+        ),
+        (
+            {"lora": LoraSettings(target_modules=["q_proj", MEGABYTE])},
+            "lora.target_modules[1]: must have 1-128 characters",
+            "Expected `str` of length <= 128 - at `$.lora.target_modules[1]`",
+        ),
+        (
+            {"env": EnvSettings(name="dataset", params={f"k{i}": i for i in range(100)})},
+            "env.params: must have 0-64 keys, got 100",
+            "Expected `object` of length <= 64 - at `$.env.params`",
+        ),
+        (
+            {"env": EnvSettings(name="dataset", params={MEGABYTE: 1})},
+            "env.params key 'xxxxxxxxxxxxxxxxxxxx... (1048576 chars)': must have 1-128 characters",
+            "Expected `str` of length <= 128 - at `key` in `$.env.params`",
+        ),
+    ],
+)
+def test_every_string_list_and_map_is_bounded_with_the_limit_named(
+    changes: dict[str, object], named: str, decoded: str
+) -> None:
+    bad = spec(**changes)
+    with pytest.raises(JobSpecError) as info:
+        validate_job(bad)
+    assert named in str(info.value)
+    assert len(str(info.value)) < 2000  # the limit named, not the value quoted
+    with pytest.raises(MessageDecodeError) as refused:
+        decode(Topic.JOBS, msgspec.json.encode(bad))
+    assert decoded in refused.value.reason
+
+
+def test_params_are_bounded_as_a_whole_in_depth_and_size() -> None:
+    deep: object = 1
+    for _ in range(9):
+        deep = [deep]
+    path = {"path": "data/" + "d" * 70_000 + ".jsonl"}  # a dataset path of any length
+    for params, message in (
+        ({"a": deep}, "env.params: must nest at most 8 maps or lists deep, got 9"),
+        (path, "env.params: must encode in at most 65536 bytes, got 70"),
+    ):
+        with pytest.raises(JobSpecError, match=message):
+            validate_job(spec(env=EnvSettings(name="dataset", params=params)))
+    shallow: object = 1
+    for _ in range(7):
+        shallow = {"k": shallow}
+    validate_job(spec(env=EnvSettings(name="dataset", params={"a": shallow, "path": "d.jsonl"})))
+
+
+def test_json_nested_past_the_decoders_stack_is_refused_not_raised() -> None:
+    """100,000 brackets: Python's and msgspec's decoders raise RecursionError, which is no
+    decode error a handler expects; the record is refused as undecodable."""
+    raw = b'{"kind": "job_spec", "job_id": "j", "tenant": "t", "env": {"name": "x", "params": '
+    raw += b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}}"
+    with pytest.raises(MessageDecodeError, match="nested too deeply"):
+        decode(Topic.JOBS, raw)
+
+
+def test_a_record_naming_no_usable_job_id_leaves_nothing_to_key_a_rejection_by() -> None:
+    good = msgspec.json.encode({"kind": "job_spec", "job_id": "j1", "tenant": "acme"})
+    assert job_named_in(good) == ("j1", "acme")
+    for job_id, tenant in ((MEGABYTE, "acme"), ("a/b", "acme"), ("j1", MEGABYTE)):
+        named = job_named_in(
+            msgspec.json.encode({"kind": "job_spec", "job_id": job_id, "tenant": tenant})
+        )
+        assert named in (None, ("j1", "")), (job_id[:10], tenant[:10], named)
+    assert job_named_in(b'{"kind": "job_spec", "job_id": ' + b"[" * 100_000) is None
+
+
+def test_a_reason_kept_or_sent_is_clipped() -> None:
+    unknown = msgspec.json.encode(
+        {"kind": "job_spec", "job_id": "j", "tenant": "t", "env": {"name": "x"}, MEGABYTE: 1}
+    )
+    with pytest.raises(MessageDecodeError) as info:
+        decode(Topic.JOBS, unknown)
+    assert len(info.value.reason) <= MAX_REASON_CHARS
+    assert info.value.reason.endswith(f"({len(MEGABYTE) + len(': unknown field')} chars)")
+    assert len(job_event("j", "rejected", "env_svc", reason=MEGABYTE).reason) <= MAX_REASON_CHARS

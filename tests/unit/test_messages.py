@@ -63,8 +63,10 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy[Any]:
                 allow_nan=False,
                 allow_infinity=False,
             )
-        case mi.StrType():
-            return _text
+        case mi.StrType(min_length=low, max_length=high):  # within its declared length
+            return st.text(min_size=low or 0, max_size=min(high or 12, 12))
+        case mi.Metadata(type=inner):  # a description around a type
+            return strategy_for(inner)
         case mi.BoolType():
             return st.booleans()
         case mi.BytesType():

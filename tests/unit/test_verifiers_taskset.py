@@ -81,7 +81,7 @@ async def test_tasks_rewards_and_metrics_map(registered: None) -> None:
         ({"taskset": "needs-runtime"}, "its reward 'ran' needs a runtime, which does not map"),
         ({"taskset": "has-tools"}, "it has toolsets, which do not map"),
         ({"taskset": "mini-arith", "eval_fraction": 0.9}, "must be in (0, 0.5]"),
-        ({"taskset": "x" * 129}, "length <= 128"),
+        ({"taskset": "x" * 129}, "must have 1-128 characters, got 129"),
         ({}, "required"),
     ],
 )
