@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from common.chat import JOB_HEADER, MAX_PROMPT_CHARS, MAX_TOKENS
+from common.jobspec import bound_problems
 from common.messages import (
     MAX_SEED,
     GenerationRequest,
@@ -79,13 +80,16 @@ def sampling_of(body: dict[str, Any]) -> SamplingSettings:
         isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED
     ):
         raise ChatError(400, f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
-    return SamplingSettings(
+    sampling = SamplingSettings(
         temperature=temperature,
         top_p=top_p,
         max_new_tokens=max_tokens,
         stop=list(stop),
         seed=seed,
     )
+    if problems := bound_problems(sampling):  # a job's bounds: the stop list's above all
+        raise ChatError(400, "; ".join(f"{field}: {what}" for field, what in problems))
+    return sampling
 
 
 class ChatAPI:

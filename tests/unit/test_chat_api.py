@@ -25,6 +25,8 @@ def test_model_names() -> None:
         ({"max_tokens": "lots"}, "bad sampling parameter"),
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"stop": [1]}, "stop must be a string"),
+        ({"stop": ["\n"] * 60_000}, "stop: must have 0-16 items, got 60000"),
+        ({"stop": ["x" * 300]}, r"stop\[0\]: must have 1-256 characters"),
         ({"seed": "7"}, "seed must be an integer"),
         ({"seed": 1.5}, "seed must be an integer"),
         ({"seed": True}, "seed must be an integer"),
