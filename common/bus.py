@@ -44,6 +44,7 @@ from common.wire import (
     dead_letter,
     decode,
     encode,
+    fits_record,
     key_bytes,
     topic_of,
 )
@@ -174,6 +175,7 @@ class Producer:
     async def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
         if self._producer is None:
             raise RuntimeError("producer not started")
+        fits_record(topic, value)
         headers = self.signing.headers(topic, key, value) if self.signing else None
         await self._producer.send_and_wait(topic, value, key=key, headers=headers)
 

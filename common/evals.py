@@ -10,10 +10,17 @@ episodes never reach the trainer: env_svc tallies each finished one here and, wh
 one is in, sends an `eval` event with the mean reward, the accuracy (share of episodes the
 environment counts as solved, `Environment.solved`) and its standard error.
 
-State: `evals:{job}` maps each evaluated version to when its requests were last sent (a
-claim, re-sent by the sweeper when old) or `done`; `evalresends:{job}` counts the re-sends
-per version; `evalseen:{job}:{v}` holds the episodes counted, so a redelivered result is
-counted once; `eval:{job}:{v}` holds the tally.
+A job has one evaluation in flight at a time: a version reached while another is evaluated
+waits its turn, so a job's evaluation episodes in flight never pass `eval.tasks`, the share
+of its tenant's quota they are counted at (`common.tenants.samples_in_flight`), however often
+it evaluates. They go through the rollout replicas' fair queue as the job's other requests
+do, in its tenant's turns.
+
+State: `evals:{job}` maps each evaluated version to when its requests were last sent (in
+flight: a claim, re-sent by the sweeper when old), `waiting` (behind the one in flight) or
+`done`; `evalresends:{job}` counts the re-sends per version; `evalseen:{job}:{v}` holds the
+episodes counted, so a redelivered result is counted once (and a re-send skips them);
+`eval:{job}:{v}` holds the tally.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from common.messages import JobSpec
 from common.redis_part import Lua, RedisPart, text, texts
 
 DONE = "done"
+WAITING = "waiting"
 MAX_RESENDS = 2
 """An evaluation still short of episodes after its requests were sent again this often ends
 with the episodes it has (a result lost mid-episode never comes): `eval_episodes` says how
@@ -128,9 +136,36 @@ def _record_args(
 
 
 _CLAIM_EVAL = """
--- KEYS[1] evals:{job}; ARGV version, now -> 1 when this caller claimed the version's
--- evaluation (and sends its requests), 0 when it was claimed before
-return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+-- KEYS[1] evals:{job}; ARGV version, now -> 1 when this caller starts the version's
+-- evaluation (and sends its requests); 0 when it was claimed before, or waits behind the
+-- job's evaluation in flight (a state that is a time)
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+for _, state in ipairs(redis.call('HVALS', KEYS[1])) do
+  if tonumber(state) ~= nil then
+    redis.call('HSET', KEYS[1], ARGV[1], 'waiting')
+    return 0
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+_NEXT_EVAL = """
+-- KEYS[1] evals:{job}; ARGV version done ('' for none), now -> the waiting version whose
+-- evaluation this caller starts (and sends), the lowest; -1 when none waits or one is in flight
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], 'done') end
+local states = redis.call('HGETALL', KEYS[1])
+local next = nil
+for i = 1, #states, 2 do
+  if tonumber(states[i + 1]) ~= nil then return -1 end
+  if states[i + 1] == 'waiting' then
+    local version = tonumber(states[i])
+    if next == nil or version < next then next = version end
+  end
+end
+if next == nil then return -1 end
+redis.call('HSET', KEYS[1], next, ARGV[2])
+return next
 """
 
 _TAKE_STALE_EVALS = """
@@ -166,11 +201,14 @@ class EvalTallies(RedisPart):
     """Claims, re-sends and tallies of each job's evaluations."""
 
     _claim_eval = Lua(_CLAIM_EVAL)
+    _next_eval = Lua(_NEXT_EVAL)
     _take_stale_evals = Lua(_TAKE_STALE_EVALS)
     _record_eval = Lua(_RECORD_EVAL)
 
     async def claim_eval(self, job_id: str, version: int) -> bool:
-        """True for the one caller that sends the evaluation of `version`."""
+        """True for the one caller that sends the evaluation of `version` now; False when it
+        was claimed before, or waits behind the job's evaluation in flight (`finish_eval`
+        starts it)."""
         return bool(await self._claim_eval(keys=[evals_key(job_id)], args=[version, time.time()]))
 
     async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]:
@@ -210,9 +248,31 @@ class EvalTallies(RedisPart):
         """One more re-send of the evaluation of `version`; returns how many so far."""
         return int(await self._redis.hincrby(eval_resends_key(job_id), str(version), 1))
 
-    async def finish_eval(self, job_id: str, version: int) -> None:
-        """Its `eval` event is out: the sweeper leaves it alone."""
-        await self._redis.hset(evals_key(job_id), str(version), DONE)
+    async def finish_eval(self, job_id: str, version: int) -> int | None:
+        """Its `eval` event is out: the sweeper leaves it alone. Returns the waiting version
+        whose evaluation the caller now starts (and sends), if any."""
+        return await self.start_waiting_eval(job_id, done=version)
+
+    async def start_waiting_eval(self, job_id: str, *, done: int | None = None) -> int | None:
+        """The lowest waiting version, claimed for the caller to send when none is in
+        flight (after marking `done` done); None otherwise."""
+        started = int(
+            await self._next_eval(
+                keys=[evals_key(job_id)], args=["" if done is None else done, time.time()]
+            )
+        )
+        return None if started < 0 else started
+
+    async def abandon_evals(self, job_id: str) -> None:
+        """A job whose evaluations stop (cancelled, failed): every one not done is."""
+        key = evals_key(job_id)
+        left = [k for k, v in (await self._redis.hgetall(key)).items() if text(v) != DONE]
+        if left:
+            await self._redis.hset(key, mapping=dict.fromkeys(left, DONE))
+
+    async def eval_seen(self, job_id: str, version: int) -> set[str]:
+        """The episodes of `version`'s evaluation counted so far."""
+        return {text(m) for m in await self._redis.smembers(eval_seen_key(job_id, version))}
 
     async def evals(self, job_id: str) -> dict[int, str]:
         """Evaluated versions: when their requests were last sent, or `done`."""

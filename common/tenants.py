@@ -75,7 +75,7 @@ class QuotaError(ValueError):
 
 def samples_in_flight(spec: JobSpec) -> int:
     """The episodes a job may have open at once: G x B x (S + 1) issued and not yet trained,
-    and one evaluation's `eval.tasks` (sent all at once, beside training)."""
+    and one evaluation's `eval.tasks` (a job evaluates one version at a time, common/evals.py)."""
     rl = spec.rl
     return rl.group_size * rl.groups_per_step * (rl.max_staleness + 1) + spec.eval.tasks
 

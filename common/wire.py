@@ -40,6 +40,22 @@ MAX_DEAD_LETTER_RAW_BYTES = 512 * 1024
 """A dead letter keeps at most this much of the record it reports, so the letter itself
 always fits under MAX_RECORD_BYTES: a letter that could never be written would stop its
 partition."""
+
+
+class RecordTooLargeError(ValueError):
+    """A record over `MAX_RECORD_BYTES`, which the broker would refuse: the sender's error
+    (an episode's, a job's), never retried as a broker away would be."""
+
+
+def fits_record(topic: str, value: bytes) -> bytes:
+    """`value`, checked to fit in a record before it is sent."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordTooLargeError(
+            f"a {topic} record of {len(value)} bytes is over the {MAX_RECORD_BYTES}-byte limit"
+        )
+    return value
+
+
 TOO_DEEP = "nested too deeply (maps or lists inside each other past the decoder's stack)"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Coroutine, Iterable
+from collections.abc import Collection, Coroutine, Iterable
 from functools import partial
 from typing import Any
 
@@ -344,17 +344,26 @@ class EnvService(Service):
     # --- evaluation (common/evals.py) ----------------------------------------------
 
     async def evaluate(self, record: JobRecord, version: int) -> None:
-        """Send the evaluation of adapter `version` when the job evaluates it, once."""
+        """Send the evaluation of adapter `version` when the job evaluates it, once: now, or
+        when the job's evaluation in flight has finished (common/evals.py)."""
         if record.status in _NOT_EVALUATED or not evaluated(record.spec, version):
             return
         if await self.io.require_store().claim_eval(record.spec.job_id, version):
             await self._send_eval(record.spec, version)
 
-    async def _send_eval(self, spec: JobSpec, version: int) -> None:
-        """The first request of every evaluation episode; one whose task cannot start is
-        counted at once as unsolved."""
-        firsts: list[Message] = []
+    async def _send_eval(
+        self, spec: JobSpec, version: int, counted: Collection[str] = frozenset()
+    ) -> None:
+        """The first request of every evaluation episode not `counted` yet; one whose task
+        cannot start, or whose request cannot be sent (over a record's size), is counted at
+        once as unsolved with the reason."""
+        group_id = eval_group_id(spec.job_id, version)
+        firsts: list[GenerationRequest] = []
+        failed: list[tuple[str, str]] = []
         for index in range(spec.eval.tasks):
+            episode_id = f"{group_id}/{index}"
+            if episode_id in counted:
+                continue
             try:
                 env = await self._env(spec)
                 start = partial(
@@ -365,12 +374,18 @@ class EnvService(Service):
             except Exception as exc:
                 if is_transient(exc):
                     raise
-                episode_id = f"{eval_group_id(spec.job_id, version)}/{index}"
-                await self._count_eval(spec, version, episode_id, 0.0, {}, _reason(exc))
-        await self.io.send_all(firsts)
+                failed.append((episode_id, _reason(exc)))
+        sent = await asyncio.gather(*map(self.io.send, firsts), return_exceptions=True)
+        for request, outcome in zip(firsts, sent, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception) or is_transient(outcome):
+                    raise outcome
+                failed.append((request.episode_id, _reason(outcome)))
         job_logger(log, spec.job_id, spec.tenant).info(
-            "evaluating v%d on %d held-out tasks", version, spec.eval.tasks
+            "evaluating v%d on %d held-out tasks", version, len(firsts)
         )
+        for episode_id, reason in failed:
+            await self._count_eval(spec, version, episode_id, 0.0, {}, reason)
 
     async def _count_eval(
         self,
@@ -413,7 +428,7 @@ class EnvService(Service):
                 reason=worse,
             )
         )
-        await store.finish_eval(spec.job_id, version)
+        waited = await store.finish_eval(spec.job_id, version)
         logger = job_logger(log, spec.job_id, spec.tenant)
         logger.info(
             "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)",
@@ -425,16 +440,20 @@ class EnvService(Service):
         )
         if worse:
             logger.warning("eval v%d: %s", version, worse)
+        if waited is not None:  # the job's next evaluation, which waited for this one
+            await self._send_eval(spec, waited)
 
     async def _sweep_evals(self, record: JobRecord) -> None:
         """Finish evaluations whose episodes are all in (their event was not sent), or that
-        were sent `MAX_RESENDS` times (with the episodes they have), and send the requests of
-        other unfinished ones again."""
+        were sent `MAX_RESENDS` times (with the episodes they have); send the requests of
+        other unfinished ones again (those of episodes not counted yet); start one that
+        waits when none is in flight (its start was lost with a replica)."""
         store, spec = self.io.require_store(), record.spec
+        if record.status in _NOT_EVALUATED:
+            await store.abandon_evals(spec.job_id)
+            return
         for version in await store.take_stale_evals(spec.job_id, self.settings.eval_timeout_s):
-            if record.status in _NOT_EVALUATED:
-                await store.finish_eval(spec.job_id, version)
-            elif (await store.eval_tally(spec.job_id, version)).episodes >= spec.eval.tasks:
+            if (await store.eval_tally(spec.job_id, version)).episodes >= spec.eval.tasks:
                 await self._finish_eval(spec, version)
             elif await store.count_eval_resend(spec.job_id, version) > MAX_RESENDS:
                 await self._finish_eval(spec, version)
@@ -442,7 +461,9 @@ class EnvService(Service):
                 job_logger(log, spec.job_id, spec.tenant).warning(
                     "evaluation of v%d unfinished; sending its requests again", version
                 )
-                await self._send_eval(spec, version)
+                await self._send_eval(spec, version, await store.eval_seen(spec.job_id, version))
+        if (waiting := await store.start_waiting_eval(spec.job_id)) is not None:
+            await self._send_eval(spec, waiting)
 
     async def sweep_claims(self) -> int:
         """Send again every group claimed more than `claim_timeout_s` ago and never finished

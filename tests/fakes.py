@@ -26,7 +26,7 @@ from common.messages import Message, Topic
 from common.offsets import OffsetTracker
 from common.ports import Sender
 from common.store import RedisStore
-from common.wire import decode, encode, topic_of
+from common.wire import decode, encode, fits_record, topic_of
 
 HANDLER_TESTS_DB = 2
 
@@ -74,7 +74,7 @@ class MemoryBus:
     async def send(self, message: Message) -> None:
         topic = topic_of(message)
         # Through the wire format, so a message the real bus could not carry fails here too.
-        self.topics.setdefault(topic, []).append(decode(topic, encode(message)))
+        self.topics.setdefault(topic, []).append(decode(topic, fits_record(topic, encode(message))))
 
 
 class KafkaTap:

@@ -16,7 +16,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from common import wire
 from common.flow import issue_limit
+from common.keyspace import evals_key
 from common.messages import (
     AdapterUpdate,
     EvalSettings,
@@ -30,6 +32,7 @@ from common.messages import (
     new_id,
     result_for,
 )
+from common.tenants import samples_in_flight
 from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import environment_for
 from env_svc.service import EnvService
@@ -146,9 +149,28 @@ async def test_env_svc_turns_a_result_into_a_trajectory_once(
     assert sum(trajectory.loss_mask) == len(completion)
 
 
+async def answer_evaluation(
+    service: EnvService, tokenizer: ChatTokenizer, requests: list[GenerationRequest]
+) -> None:
+    """Each evaluation episode's one turn, answered (wrongly: "0")."""
+    results = Inbox(Topic.ROLLOUTS)
+    completion = [*tokenizer.encode("0"), tokenizer.eos_token_id]
+    for request in requests:
+        result = result_for(
+            request,
+            completion_token_ids=completion,
+            logprobs=[-0.1] * len(completion),
+            adapter_version=request.pinned_adapter_version,
+            finish_reason="stop",
+        )
+        await results.hand(service.handle, result)
+
+
 async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_greedily(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
+    """One evaluation of a job in flight at a time: versions reached meanwhile wait their
+    turn, in order, so its evaluation episodes in flight never pass `eval.tasks`."""
     service = env_service(backend, tokenizer)
     spec = job_spec(
         "evals",
@@ -180,14 +202,58 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
     for version in (1, 2, 2, 3):  # v2 redelivered: evaluated once
         await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
         await adapters.hand(service.handle, adapter_update(job_id, version))
+    found = await evaluations(2 * 3 + 3)
+    assert sorted(found) == [f"{job_id}/eval0"]  # v2 and v3 wait for the base's
+    states = await backend.store.evals(job_id)
+    assert (states[2], states[3]) == ("waiting", "waiting") and float(states[0]) > 0
+    await answer_evaluation(service, tokenizer, base)
+    found = await evaluations(2 * 3 + 2 * 3)
+    assert sorted(found) == [f"{job_id}/eval0", f"{job_id}/eval2"]
+    assert {r.pinned_adapter_version for r in found[f"{job_id}/eval2"]} == {2}
+    await answer_evaluation(service, tokenizer, found[f"{job_id}/eval2"])
     found = await evaluations(2 * 3 + 3 * 3)
     assert sorted(found) == [f"{job_id}/eval{v}" for v in (0, 2, 3)]
     assert all(len(requests) == 3 for requests in found.values())
-    assert {r.pinned_adapter_version for r in found[f"{job_id}/eval2"]} == {2}
     # The same held-out tasks for every version.
     assert [r.context_token_ids for r in found[f"{job_id}/eval3"]] == [
         r.context_token_ids for r in base
     ]
+    await answer_evaluation(service, tokenizer, found[f"{job_id}/eval3"])
+    steps = [e.step for e in events(await backend.sent(Topic.EVENTS, job_id, expect=4), "eval")]
+    assert steps == [0, 2, 3]
+    assert await backend.store.evals(job_id) == {0: "done", 2: "done", 3: "done"}
+
+
+async def test_a_job_evaluating_every_version_has_one_evaluation_in_flight(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A tenant's job evaluating 16 tasks at every one of 10 fast versions: its evaluation
+    episodes in flight stay within the 16 its quota counts (the review saw 176 with 18
+    counted), and every version is evaluated in the end."""
+    service = env_service(backend, tokenizer)
+    spec = job_spec(
+        "often",
+        group_size=2,
+        groups_per_step=1,
+        max_staleness=0,
+        max_steps=10,
+        evals=EvalSettings(tasks=16, every_steps=1),
+    )
+    job_id = spec.job_id
+    assert samples_in_flight(spec) == 2 + 16
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    adapters, answered = Inbox(Topic.ADAPTERS), 0
+    for version in range(1, 11):
+        await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
+        await adapters.hand(service.handle, adapter_update(job_id, version))
+    for _ in range(11):
+        sent = await backend.sent(Topic.PROMPTS, job_id, expect=11 * 2 + answered + 16)
+        evaluating = [r for r in sent if isinstance(r, GenerationRequest) and "/eval" in r.group_id]
+        assert len(evaluating) - answered == 16  # in flight: one evaluation's tasks
+        await answer_evaluation(service, tokenizer, evaluating[answered:])
+        answered += 16
+    evals = events(await backend.sent(Topic.EVENTS, job_id, expect=12), "eval")
+    assert [e.step for e in evals] == list(range(11))
 
 
 async def evaluated_job(
@@ -255,7 +321,8 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
             job_id, 0, f"{job_id}/eval0/{index}", reward=1.0, solved=index == 0, components={}
         )
     await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
-    await backend.store.claim_eval(job_id, 2)  # claimed, its requests lost
+    # Reached while the base's evaluation is in flight: v2 waits for it.
+    assert not await backend.store.claim_eval(job_id, 2)
     await asyncio.sleep(0.3)
     await service.sweep_claims()
     (event,) = events(await backend.sent(Topic.EVENTS, job_id, expect=2), "eval")
@@ -270,14 +337,62 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
     ]
     evals = await backend.store.evals(job_id)
     assert evals[0] == "done" and evals[2] != "done"
-    # Its results never come (lost mid-episode): sent again once more, then it ends with the
-    # episodes it has, so a watcher waiting for it is not left waiting forever.
-    for _ in range(2):
+    # One episode of v2 is counted, the other's result never comes (lost mid-episode): its
+    # request alone is sent again, twice, then the evaluation ends with the episodes it has,
+    # so a watcher waiting for it is not left waiting forever.
+    await backend.store.record_eval(
+        job_id, 2, f"{job_id}/eval2/0", reward=0.0, solved=False, components={}
+    )
+    for _ in range(3):
         await asyncio.sleep(0.3)
         await service.sweep_claims()
+    # Besides: v2's first sending, and the job's second (last) group of 2, issued at v2.
+    sent = await backend.sent(Topic.PROMPTS, job_id, expect=len(first_sent) + 2 + 2 + 2)
+    v2 = [r.episode_id for r in sent if "/eval2/" in r.episode_id]  # type: ignore[union-attr]
+    assert len(sent) == len(first_sent) + 2 + 2 + 2
+    assert v2[2:] == [f"{job_id}/eval2/1"] * 2
     final = events(await backend.sent(Topic.EVENTS, job_id, expect=3), "eval")[-1]
-    assert (final.step, final.metrics["eval_episodes"]) == (2, 0)
+    assert (final.step, final.metrics["eval_episodes"]) == (2, 1)
     assert (await backend.store.evals(job_id))[2] == "done"
+
+
+async def test_an_evaluation_request_too_large_to_send_is_an_unsolved_episode(
+    backend: Backend, tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record over the broker's size limit is refused before it is sent; an evaluation's
+    becomes an unsolved episode with the reason, as a training group's becomes a failed
+    group, and the replica goes on (the review saw one crash a replica from the sweep)."""
+    monkeypatch.setattr(wire, "MAX_RECORD_BYTES", 400)  # its requests (~500 bytes) are over it
+    _, spec, sent = await evaluated_job(backend, tokenizer, "large", 2)
+    assert not [m for m in sent if isinstance(m, GenerationRequest)]
+    (event,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=2), "eval")
+    assert (event.metrics["eval_episodes"], event.metrics["eval_accuracy"]) == (2, 0.0)
+    assert await backend.store.evals(spec.job_id) == {0: "done"}
+    failed = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=2)
+    assert all("over the 400-byte limit" in t.error for t in failed)  # type: ignore[union-attr]
+
+
+async def test_a_waiting_evaluation_whose_start_was_lost_is_started_by_the_sweep(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """The replica that finished an evaluation died before it started the next: the sweep
+    starts it; a cancelled job's waiting evaluations end instead of holding its state."""
+    service, spec, first_sent = await evaluated_job(backend, tokenizer, "lost", 2)
+    job_id = spec.job_id
+    assert not await backend.store.claim_eval(job_id, 2)  # waits behind the base's
+    await backend.store.client.hset(evals_key(job_id), "0", "done")  # finished, v2 not started
+    await service.sweep_claims()
+    sent = await backend.sent(Topic.PROMPTS, job_id, expect=len(first_sent) + 2)
+    assert sorted(r.episode_id for r in sent[len(first_sent) :]) == [  # type: ignore[union-attr]
+        f"{job_id}/eval2/0",
+        f"{job_id}/eval2/1",
+    ]
+    assert not await backend.store.claim_eval(job_id, 3)
+    await Inbox(Topic.JOBS).hand(
+        service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="cancel")
+    )
+    await service.sweep_claims()
+    assert set((await backend.store.evals(job_id)).values()) == {"done"}
 
 
 # --- trainer_svc ------------------------------------------------------------------------
