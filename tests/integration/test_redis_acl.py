@@ -162,13 +162,17 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await env.record_eval(job_id, 0, "e0", reward=1.0, solved=True, components={})
         assert (await env.eval_tally(job_id, 0)).solved == 1
         assert await env.count_eval_resend(job_id, 0) == 1
-        await env.finish_eval(job_id, 0)
-        assert await env.evals(job_id) == {0: "done"}
+        assert not await env.claim_eval(job_id, 2)  # waits behind v0's
+        assert await env.eval_seen(job_id, 0) == {"e0"}
+        assert await env.finish_eval(job_id, 0) == 2
+        assert await env.start_waiting_eval(job_id) is None
+        await env.abandon_evals(job_id)
+        assert await env.evals(job_id) == {0: "done", 2: "done"}
         assert await env.mark_seen("results", job_id, "req-1")
         assert await env.seen("results", job_id, "req-1")
         assert await env.published_uri(job_id, 1) == "file:///a/v1"
         assert await env.mark_seen(COMMANDS, job_id, "command-1")
-        await env.expire_after_end(env_working_state(job_id, [0]))  # its own keys only
+        await env.expire_after_end(env_working_state(job_id, [0, 2]))  # its own keys only
         assert (await env.replica_stats())["r-env"].max_model_len == 512
         await env.ping()
 
