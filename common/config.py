@@ -105,8 +105,14 @@ class SharedSettings(BaseSettings):
     """Python logging level of every process."""
     log_format: LogFormat = "text"
     """Log lines as text (`... job=<id> tenant=<tenant>`) or as JSON objects, one a line."""
-    metrics_host: str = "0.0.0.0"
-    """Address each service's metrics and health endpoint listens on (port: per service)."""
+    metrics_host: str = "127.0.0.1"
+    """Address each service's metrics and health endpoint (and rollout_svc's chat endpoint)
+    listens on (port: per service). Loopback by default: they answer whoever reaches them,
+    so a deployment opens them (`0.0.0.0`) only inside its own network (compose, k8s)."""
+    metrics_tenant_labels: bool = False
+    """Label per-job series on /metrics with `job_id` and `tenant` (and serve vLLM's series
+    that list adapters by job). Off: such counters and histograms are summed over jobs and
+    per-job gauges left out, so a scrape names no tenant and no job."""
     bus_key: SecretStr = SecretStr("")
     """The deployment's bus key: every record produced is signed with it and every service
     drops records not signed with it (common/signing.py). Empty: nothing is signed or checked

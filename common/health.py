@@ -1,6 +1,7 @@
 """Each service's HTTP endpoints on one port: /metrics, /healthz, /readyz.
 
-- `/metrics`: the Prometheus text format of the default registry (common/metrics.py).
+- `/metrics`: the Prometheus text format of the default registry (common/metrics.py); with
+  no job or tenant label unless `tenant_labels` (`MARLAAS_METRICS_TENANT_LABELS`).
 - `/healthz`: liveness, 200 whenever the event loop answers (it serves this very request).
 - `/readyz`: readiness, 200 when every check passes, else 503; the JSON body names each
   check (`{"ready": false, "checks": {"kafka": true, "redis": false, ...}}`).
@@ -18,6 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
+
+from common.metrics import WithoutJobLabels
 
 if TYPE_CHECKING:
     from common.store import RedisStore
@@ -54,20 +58,22 @@ async def redis_ready(store: RedisStore | None) -> bool:
 
 
 class HealthServer:
-    """Serves /metrics, /healthz and /readyz on `host:port` (port 0: a free one)."""
+    """Serves /metrics, /healthz and /readyz on `host:port` (port 0: a free one); /metrics
+    labels per-job series with their job and tenant only with `tenant_labels`."""
 
     def __init__(
         self,
         readiness: Readiness,
         *,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         port: int = 0,
         registry: CollectorRegistry = REGISTRY,
+        tenant_labels: bool = False,
     ) -> None:
         self.host = host
         self._requested_port = port
         self._readiness = readiness
-        self._registry = registry
+        self._metrics: Collector = registry if tenant_labels else WithoutJobLabels(registry)
         self._server: asyncio.Server | None = None
 
     @property
@@ -129,7 +135,7 @@ class HealthServer:
             return 405, _TEXT, b"only GET and HEAD\n"
         match path:
             case "/metrics":
-                return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+                return 200, CONTENT_TYPE_LATEST, generate_latest(self._metrics)
             case "/healthz":
                 return 200, _TEXT, b"ok\n"
             case "/readyz":

@@ -5,14 +5,18 @@ They live in prometheus_client's default registry, which `/metrics` serves
 `export_service_metrics` (so env_svc does not export a rollout gauge stuck at 0). In
 rollout_svc, vLLM's own `vllm:*` metrics join them there.
 Per-job series are labelled `job_id`, not `job`: Prometheus puts its scrape job in `job`
-on every series and would rename ours to `exported_job`.
+on every series and would rename ours to `exported_job`. They carry those labels on /metrics
+only where the operator asks (`MARLAAS_METRICS_TENANT_LABELS`); otherwise /metrics serves
+them through `WithoutJobLabels`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 # A `*_created` twin of every counter and histogram doubles the series for a timestamp that
@@ -160,3 +164,44 @@ def export_service_metrics(service: str) -> None:
         if metric not in _exported:
             REGISTRY.register(metric)
             _exported.add(metric)
+
+
+# --- what /metrics shows of jobs ------------------------------------------------------
+
+JOB_LABELS = frozenset({"job_id", "tenant"})
+"""Labels that name a job or its tenant."""
+JOB_NAMED_FAMILIES = frozenset({"vllm:lora_requests_info"})
+"""Families whose label values list jobs' adapters by name (`<job>@v<n>`)."""
+
+
+class WithoutJobLabels(Collector):
+    """`registry`'s metrics with no job or tenant in them, for a /metrics that anyone who
+    reaches the port may read: counters and histograms are summed over jobs (the sum of
+    every job's steps is the trainer's), a per-job gauge is left out (one job's level does
+    not add up with another's), and so is a family that names adapters."""
+
+    def __init__(self, registry: Collector) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name in JOB_NAMED_FAMILIES:
+                continue
+            if not any(JOB_LABELS & sample.labels.keys() for sample in family.samples):
+                yield family
+            elif family.type != "gauge":
+                yield _summed_over_jobs(family)
+
+
+def _summed_over_jobs(family: Metric) -> Metric:
+    """`family` with its job labels dropped and the samples that then coincide added up (a
+    histogram's buckets keep their order: the first job's samples set it)."""
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in family.samples:
+        labels = tuple((k, v) for k, v in sample.labels.items() if k not in JOB_LABELS)
+        key = (sample.name, labels)
+        values[key] = values.get(key, 0.0) + sample.value
+    summed = Metric(family.name, family.documentation, family.type, family.unit)
+    for (name, labels), value in values.items():
+        summed.add_sample(name, dict(labels), value)
+    return summed

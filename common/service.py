@@ -234,14 +234,16 @@ async def run_service(
     *,
     grace_s: float = 30.0,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = "127.0.0.1",
+    metrics_tenant_labels: bool = False,
 ) -> int:
     """Run until SIGTERM/SIGINT or until any task ends; returns the process exit code.
 
     A task that raises or returns stops the whole service (exit code 1): a half-working
     replica is worse than a restarted one. With a `metrics_port` (0: a free one) the
     service's health endpoints are up the whole time; /readyz also requires `start()` to
-    have returned and no stop to have begun ("serving").
+    have returned and no stop to have begun ("serving"); /metrics names jobs and tenants
+    only with `metrics_tenant_labels`.
     """
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -254,7 +256,9 @@ async def run_service(
 
     health: HealthServer | None = None
     if metrics_port is not None:
-        health = HealthServer(readiness, host=metrics_host, port=metrics_port)
+        health = HealthServer(
+            readiness, host=metrics_host, port=metrics_port, tenant_labels=metrics_tenant_labels
+        )
         await health.start()
         log.info("%s: metrics and health on %s", service.name, health.url)
     try:

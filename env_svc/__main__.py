@@ -27,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"env_svc start-up check passed: tokenizer {tokenizer_dir}; {environments}")
         return 0
     return asyncio.run(
-        run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
+        run_service(
+            service,
+            metrics_port=settings.metrics_port,
+            metrics_host=shared.metrics_host,
+            metrics_tenant_labels=shared.metrics_tenant_labels,
+        )
     )
 
 

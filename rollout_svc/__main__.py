@@ -39,7 +39,12 @@ def main() -> int:
     )
     service = RolloutService(shared, settings, engine)
     return asyncio.run(
-        run_service(service, metrics_port=settings.metrics_port, metrics_host=shared.metrics_host)
+        run_service(
+            service,
+            metrics_port=settings.metrics_port,
+            metrics_host=shared.metrics_host,
+            metrics_tenant_labels=shared.metrics_tenant_labels,
+        )
     )
 
 

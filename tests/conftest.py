@@ -125,13 +125,14 @@ def pipeline_services(
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     # Each as its own Redis user, as `marlaas up` starts them (common/access.py).
     redis_urls: dict[str, str] = {s: local_stack.redis_url_for(s) for s in SERVICES}
-    # The operator registered the example MCP server and agentic environments (tests/agentic.py).
+    # The operator registered the example MCP server and agentic environments (tests/agentic.py),
+    # and asked for per-job series on /metrics (tests/integration/test_pipeline.py reads them).
     children = start_services(
         SERVICES,
         settings,
         local_stack.kafka_bootstrap,
         redis_urls,
-        environ=operator_registrations(),
+        environ=operator_registrations() | {"MARLAAS_METRICS_TENANT_LABELS": "1"},
     )
     yield RunningServices(settings, children, site)
     stop_services(children)

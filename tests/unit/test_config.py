@@ -32,6 +32,8 @@ def test_defaults_point_at_loopback_and_state_dir(state_dir: Path) -> None:
     assert settings.state_dir == state_dir
     assert settings.artifacts == state_dir / "artifacts"
     assert settings.topic_partitions == 12
+    # /metrics and /healthz answer whoever reaches them: loopback, naming no tenant.
+    assert settings.metrics_host == "127.0.0.1" and not settings.metrics_tenant_labels
 
 
 def test_stack_env_file_is_the_fallback_and_env_vars_win(

@@ -10,10 +10,18 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import EnvServiceSettings, RolloutSettings, TrainerSettings
 from common.health import HealthServer
-from common.metrics import consumer_metrics
+from common.metrics import (
+    TRAINER_GROUPS_DROPPED,
+    TRAINER_STEP_SECONDS,
+    TRAINER_STEPS,
+    TRAINER_TOKENS_PER_SECOND,
+    consumer_metrics,
+)
 from common.service import Service, run_service
 from tests.unit.test_compose import COMPOSE_FILE
 
@@ -102,6 +110,67 @@ async def test_garbage_request_is_closed_and_the_server_goes_on() -> None:
         assert (await get(server.port, "/healthz"))[0] == 200
 
 
+def samples(body: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+async def test_metrics_name_no_job_or_tenant_unless_the_operator_asks() -> None:
+    """Off (the default), a scrape learns no job id and no tenant: per-job counters and
+    histograms are summed over jobs, per-job gauges and vLLM's adapter list left out."""
+    registry = CollectorRegistry()
+    trainer = (
+        TRAINER_STEPS,
+        TRAINER_STEP_SECONDS,
+        TRAINER_TOKENS_PER_SECOND,
+        TRAINER_GROUPS_DROPPED,
+    )
+    for metric in trainer:
+        registry.register(metric)
+    lora_info = Gauge(
+        "vllm:lora_requests_info", "Running stats on lora requests.",
+        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry,
+    )  # fmt: skip
+    lora_info.labels("8", "", "secret-job-a@v3,secret-job-b@v1").set(1.0)
+    for job_id, tenant, steps in (("secret-job-a", "acme", 3), ("secret-job-b", "globex", 2)):
+        TRAINER_STEPS.labels(job_id, tenant).inc(steps)
+        TRAINER_STEP_SECONDS.labels(job_id).observe(0.4)
+        TRAINER_TOKENS_PER_SECOND.labels(job_id).set(100.0)
+        TRAINER_GROUPS_DROPPED.labels(job_id, "dropped_stale").inc()
+    readiness = Flags().readiness
+    try:
+        async with HealthServer(readiness, host="127.0.0.1", registry=registry) as server:
+            body = (await get(server.port, "/metrics"))[2]
+        for named in (b"secret-job", b"acme", b"globex", b"job_id", b"tenant", b"lora"):
+            assert named not in body, named
+        summed = samples(body)
+        assert summed[("marlaas_trainer_steps_total", frozenset())] == 5
+        assert summed[("marlaas_trainer_step_seconds_count", frozenset())] == 2
+        assert summed[("marlaas_trainer_step_seconds_bucket", frozenset({("le", "0.5")}))] == 2
+        dropped = frozenset({("kind", "dropped_stale")})
+        assert summed[("marlaas_trainer_groups_dropped_total", dropped)] == 2
+        assert not [name for name, _ in summed if name.startswith("marlaas_trainer_tokens")]
+
+        async with HealthServer(
+            readiness, host="127.0.0.1", registry=registry, tenant_labels=True
+        ) as server:
+            per_job = samples((await get(server.port, "/metrics"))[2])
+        job_a = frozenset({("job_id", "secret-job-a"), ("tenant", "acme")})
+        assert per_job[("marlaas_trainer_steps_total", job_a)] == 3
+        tokens = frozenset({("job_id", "secret-job-b")})
+        assert per_job[("marlaas_trainer_tokens_per_second", tokens)] == 100
+        assert any(name == "vllm:lora_requests_info" for name, _ in per_job)
+    finally:
+        for job_id, tenant in (("secret-job-a", "acme"), ("secret-job-b", "globex")):
+            TRAINER_STEPS.remove(job_id, tenant)
+            TRAINER_STEP_SECONDS.remove(job_id)
+            TRAINER_TOKENS_PER_SECOND.remove(job_id)
+            TRAINER_GROUPS_DROPPED.remove(job_id, "dropped_stale")
+
+
 class SlowService(Service):
     """Starts when told to; its only task ends when told to (which stops the service)."""
 
@@ -147,7 +216,7 @@ async def test_run_service_answers_health_during_start_and_readiness_after(
 ) -> None:
     caplog.set_level("INFO", logger="common.service")
     service = SlowService()
-    run = asyncio.create_task(run_service(service, metrics_port=0, metrics_host="127.0.0.1"))
+    run = asyncio.create_task(run_service(service, metrics_port=0))
     port = await wait_for_port(caplog)
 
     # Still in start(): alive, not ready, and the body says why.
@@ -187,3 +256,5 @@ def test_compose_healthchecks_probe_each_services_readyz_on_its_port() -> None:
         api = [service["environment"]["ROLLOUT_API_PORT"]] if name == "rollout_svc" else []
         assert service["expose"] == [str(port), *api]
         assert f"http://127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"])
+        # Exposed ports listen on the container's address, not the default loopback only.
+        assert service["environment"]["MARLAAS_METRICS_HOST"] == "0.0.0.0"

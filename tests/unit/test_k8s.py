@@ -285,6 +285,8 @@ def test_each_service_logs_in_to_kafka_as_its_own_user_with_that_users_password(
 def test_probes_ports_and_volumes_match_the_services(docs: list[Doc]) -> None:
     deployments = of_kind(docs, "Deployment")
     assert set(deployments) == set(SERVICES)
+    # The kubelet probes the pod's address: the port must not listen on loopback only.
+    assert of_kind(docs, "ConfigMap")["marlaas-config"]["data"]["MARLAAS_METRICS_HOST"] == "0.0.0.0"
     for name, deployment in deployments.items():
         _, settings = SERVICES[name]
         pod = deployment["spec"]["template"]["spec"]
