@@ -357,17 +357,25 @@ def load(settings_class: type[S]) -> S:
 
 
 def settings_problems(settings_class: type[BaseSettings], error: ValidationError) -> str:
-    """Each of `error`'s problems as `VARIABLE=value must be ...` (one a line)."""
+    """Each of `error`'s problems as `VARIABLE=value: must be ...` (one a line). A secret's
+    value is never quoted (`VARIABLE: must be ...`), nor the input of a check across
+    variables, which holds all of them, passwords too: that line is the check's message."""
     prefix = settings_class.model_config.get("env_prefix", "")
     lines = []
     for problem in error.errors():
-        field_name = str(problem["loc"][0]) if problem["loc"] else ""
+        message = problem["msg"].replace("Input should be", "must be")
+        message = message.removeprefix("Value error, ")
+        if not problem["loc"]:
+            lines.append(message)
+            continue
+        field_name = str(problem["loc"][0])
         field = settings_class.model_fields.get(field_name)
         alias = field.validation_alias if field is not None else None
         variable = alias if isinstance(alias, str) else f"{prefix}{field_name}".upper()
-        message = problem["msg"].replace("Input should be", "must be")
-        message = message.removeprefix("Value error, ")
-        lines.append(f"{variable}={problem.get('input')!r}: {message}")
+        if field is not None and field.annotation is SecretStr:
+            lines.append(f"{variable}: {message}")
+        else:
+            lines.append(f"{variable}={problem.get('input')!r}: {message}")
     return "\n".join(lines)
 
 

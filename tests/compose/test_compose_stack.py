@@ -37,6 +37,7 @@ from tests.compose.stack import (
     partitions_in,
     wait_for,
 )
+from tests.leaks import leaks
 
 # From nothing: engine, base images, builds (minutes), then the scenario (tens of minutes).
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
@@ -212,6 +213,15 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
         names = tar.getnames()
     assert version >= 1 and any(n.endswith("adapter_model.safetensors") for n in names), names
+
+    # No secret in any container's log, killed ones too: no value of the secrets file, nor
+    # the tenant's key, in any obvious encoding (named, never shown, when found).
+    lines = stack.env_file.read_text().splitlines()
+    secrets = dict(line.split("=", 1) for line in lines if line.startswith("MARLAAS_"))
+    secrets["the tenant's API key"] = tenant.key
+    every_log = {name: stack.logs(name) for name in stack.containers(running=False)}
+    leaked = leaks(every_log, secrets)  # names only: a failure's output is a log too
+    assert not leaked, leaked
 
     # A rolling upgrade: env_svc rebuilt with another revision, then recreated alone while a
     # job is mid-run; the other services' containers are untouched and the job completes.

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.config import (
     EnvServiceSettings,
+    KafkaAuthSettings,
     RolloutSettings,
     SettingsError,
     SharedSettings,
@@ -71,6 +74,34 @@ def test_invalid_values_are_refused_with_the_field_name(
     monkeypatch.setenv("MARLAAS_TOPIC_PARTITIONS", "0")
     with pytest.raises(SettingsError, match=r"^MARLAAS_TOPIC_PARTITIONS='0': must be greater"):
         load(SharedSettings)
+
+
+def test_a_refused_setting_never_quotes_a_secret(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SASL without a username is refused by a check across variables, whose input is every
+    variable given, the password among them: the line is the check's message alone."""
+    password = "kafka-password-0f1e2d3c"
+    monkeypatch.setenv("MARLAAS_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("MARLAAS_KAFKA_PASSWORD", password)
+    monkeypatch.delenv("MARLAAS_KAFKA_USERNAME", raising=False)
+    with pytest.raises(SettingsError) as refused:
+        load(KafkaAuthSettings)
+    assert str(refused.value) == (
+        "MARLAAS_KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT needs MARLAAS_KAFKA_USERNAME and "
+        "MARLAAS_KAFKA_PASSWORD"
+    )
+
+    class Keyed(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="TEST_")
+        key: SecretStr = Field(min_length=32)
+
+    monkeypatch.setenv("TEST_KEY", "a-short-secret")
+    with pytest.raises(SettingsError) as refused:
+        load(Keyed)
+    assert str(refused.value).startswith("TEST_KEY: ") and "a-short-secret" not in str(
+        refused.value
+    )
 
 
 def test_each_service_has_its_own_metrics_port(
