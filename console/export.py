@@ -2,7 +2,9 @@
 
 The format is the artifact store's own (common/artifacts.py), PEFT's standard LoRA layout, so
 `PeftModel.from_pretrained` and vLLM's `LoRARequest` load the export unchanged; it gains a
-model card and `marlaas_export.json` (the job's settings).
+model card and `marlaas_export.json` (the job's settings). A tenant receives it (the API's
+export), so neither it nor an export's error names a path or host of the servers: the base
+model is its public id or the job's own name for it unless the caller names a local copy.
 
 Nothing here imports torch or peft: exporting works on a machine with the core package only.
 """
@@ -10,6 +12,7 @@ Nothing here imports torch or peft: exporting works on a machine with the core p
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import time
@@ -85,15 +88,26 @@ def lora_tensor_names(adapter_dir: Path) -> list[str]:
     try:
         with path.open("rb") as weights:
             (header_len,) = struct.unpack("<Q", weights.read(8))
+            if header_len > os.fstat(weights.fileno()).st_size - 8:  # not read: it is not there
+                raise ValueError(f"a header of {header_len} bytes in a shorter file")
             header = json.loads(weights.read(header_len))
     except (OSError, struct.error, ValueError) as exc:
-        raise ExportError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise ExportError(
+            f"{ADAPTER_WEIGHTS}: not a readable safetensors file ({_why(exc)})"
+        ) from None
     names = sorted(name for name in header if name != "__metadata__")
     if not names or not all(
         name.startswith("base_model.model.") and name.endswith(_LORA_KEY_SUFFIXES) for name in names
     ):
-        raise ExportError(f"{path}: not PEFT LoRA weights (tensor names {names[:3]}...)")
+        raise ExportError(f"{ADAPTER_WEIGHTS}: not PEFT LoRA weights (tensor names {names[:3]}...)")
     return names
+
+
+def _why(exc: Exception) -> str:
+    """What went wrong, without the path an OSError's text names."""
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return str(exc)
 
 
 def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
@@ -101,10 +115,10 @@ def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
     try:
         config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{adapter_dir / ADAPTER_CONFIG}: unreadable ({exc})") from None
+        raise ExportError(f"{ADAPTER_CONFIG}: unreadable ({_why(exc)})") from None
     missing = [key for key in _REQUIRED_CONFIG if key not in config]
     if missing or config.get("peft_type") != "LORA":
-        raise ExportError(f"{adapter_dir}: not a PEFT LoRA config (missing {missing})")
+        raise ExportError(f"{ADAPTER_CONFIG}: not a PEFT LoRA config (missing {missing})")
     lora_tensor_names(adapter_dir)
     return dict(config)
 
@@ -120,8 +134,9 @@ async def export_adapter(
     """Copy the job's adapter (latest, or `version`) to `out_dir` as a standalone PEFT dir.
 
     The config's `base_model_name_or_path` becomes the base model's Hub id when it has one,
-    else `base_model_path` when given (where the base model lies on the exporting machine).
-    `out_dir` must not exist or be empty; it appears whole or not at all.
+    else `base_model_path` when given (where the base model lies on the exporting machine),
+    else the job's own `base_model`: never the trainer's copy. `out_dir` must not exist or be
+    empty; it appears whole or not at all.
     """
     job_id = job_id_of(job)
     record = job if isinstance(job, JobRecord) else await store.job(job_id)
@@ -141,8 +156,8 @@ async def export_adapter(
     source = adapter_path(uri) if uri else adapter_path(pointer.uri).parent / f"v{wanted}"
     if not source.is_dir():
         raise ExportError(
-            f"adapter v{wanted} of job {job_id!r} is not at {source}: run export where the "
-            "artifact store (MARLAAS_ARTIFACT_DIR) is mounted"
+            f"adapter v{wanted} of job {job_id!r} is not in this machine's artifact store: run "
+            "export where the artifact store (MARLAAS_ARTIFACT_DIR) is mounted"
         )
     config = check_adapter_dir(source)
     out_dir = Path(out_dir)
@@ -150,10 +165,9 @@ async def export_adapter(
         raise ExportError(f"{out_dir} exists and is not an empty directory")
     trained_on = str(config.get("base_model_name_or_path", ""))
     hub_id = public_model_id(record.spec.base_model) or public_model_id(trained_on)
-    if hub_id is not None:  # loads anywhere, not only where the trainer's copy lies
-        config["base_model_name_or_path"] = hub_id
-    elif base_model_path is not None:
-        config["base_model_name_or_path"] = base_model_path
+    # The trainer's copy is a path on its machine: loads nowhere else, and is none of the
+    # reader's business.
+    config["base_model_name_or_path"] = hub_id or base_model_path or record.spec.base_model
     info = {
         "job_id": job_id,
         "tenant": record.spec.tenant,
@@ -161,11 +175,9 @@ async def export_adapter(
         "version": wanted,
         "latest_version": pointer.version,
         "base_model": record.spec.base_model,
-        "source": str(source),
         "exported_at": time.time(),
         "job_state": record.status,
         "hub_base_model": hub_id,
-        "trained_on": trained_on,
         # Field by field: messages travel as arrays, a reader wants the field names.
         "spec": {
             name: msgspec.to_builtins(getattr(record.spec, name))
@@ -198,7 +210,7 @@ def _model_card(info: dict[str, object], config: dict[str, object]) -> str:
     front += ["tags:", *(f"- {tag}" for tag in ("lora", "marlaas", "grpo", info["env"]))]
     front += ["---", "", f"# LoRA adapter of MARLaaS job `{info['job_id']}` (v{info['version']})"]
     if hub_id is None:
-        origin = f"Trained on `{info['trained_on']}`, a base model without a public id."
+        origin = f"Trained on `{info['base_model']}`, a base model without a public id."
     else:  # known models come from a packaged GGUF file (common/models.py)
         origin = (
             f"Trained on [{hub_id}](https://huggingface.co/{hub_id}) as de-quantised from its "

@@ -105,6 +105,7 @@ class EvalRow:
 @dataclass
 class UtilisationRow:
     replica: str
+    """`replica <n>`, numbered in the order the replicas first reported (`_numbered`)."""
     segment: int
     """Which run of the replica process: 0, then one more after each restart."""
     at: float
@@ -145,10 +146,12 @@ def build_report(
     """
     specs = specs or {}
     by_job = _events_by_job(events, specs)
-    histories = {
-        name: _timed_samples([s.as_map() for s in samples])
-        for name, samples in (replica_history or {}).items()
-    }
+    histories = _numbered(
+        {
+            name: _timed_samples([s.as_map() for s in samples])
+            for name, samples in (replica_history or {}).items()
+        }
+    )
     report = Report(
         title,
         time.time() if generated_at is None else generated_at,
@@ -161,7 +164,7 @@ def build_report(
         report.jobs.append(_job_summary(job_id, tenant, spec, job_events, rows))
         report.steps += rows
         report.evals += _eval_rows(tenant, job_events)
-    for replica, samples in sorted(histories.items()):
+    for replica, samples in histories.items():
         report.utilisation += _utilisation_rows(replica, samples, report.started_at or 0.0)
     return report
 
@@ -283,6 +286,17 @@ def _final_state(job_events: Sequence[Event]) -> tuple[str, str]:
 
 
 # --- replicas ---------------------------------------------------------------------------
+
+
+def _numbered(
+    histories: Mapping[str, list[Mapping[str, float]]],
+) -> dict[str, list[Mapping[str, float]]]:
+    """The replicas as `replica 1`, `replica 2`, ... in the order they first reported. Their
+    own names are `<host>-<pid>`: a report goes to tenants (the API's), who have no business
+    with the servers' host names; the operator finds them in `marlaas status`."""
+    first = {name: samples[0]["at"] if samples else math.inf for name, samples in histories.items()}
+    order = sorted(histories, key=lambda name: (first[name], name))
+    return {f"replica {n}": histories[name] for n, name in enumerate(order, 1)}
 
 
 def _timed_samples(samples: Sequence[Mapping[str, float]]) -> list[Mapping[str, float]]:

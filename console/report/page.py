@@ -59,7 +59,8 @@ def _finite_or_none(value: object) -> object:
 
 
 def render_html(report: Report) -> str:
-    generated = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.generated_at))
+    # In UTC: the server's own time zone is none of a tenant's business.
+    generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(report.generated_at))
     title = html.escape(report.title)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 from pathlib import Path
 from typing import TypeVar
 
@@ -155,6 +157,30 @@ def test_an_export_of_a_known_base_names_its_public_id(
     assert "without a public id" in body
 
 
+def test_an_export_names_no_path_or_host_of_the_servers(
+    trained: tuple[MultiAdapterPolicy, str, Path],
+    published: str,
+    redis_url_module: str,
+    tmp_path: Path,
+) -> None:
+    """A tenant receives the export (the API's): none of its files names the artifact store,
+    the trainer's copy of the base model or the host. A base without a public id is named as
+    the job named it."""
+    _, job_id, artifacts = trained
+    out = tmp_path / "adapter"
+    with_store(redis_url_module, lambda r: export_adapter(r, job_id, out))
+    host = re.compile(rf"\b{re.escape(socket.gethostname())}\b")
+    weights = (out / "adapter_model.safetensors").read_bytes()
+    header = weights[8 : 8 + int.from_bytes(weights[:8], "little")].decode()
+    texts = {p.name: p.read_text() for p in out.iterdir() if p.suffix != ".safetensors"}
+    for name, text in {**texts, "safetensors header": header}.items():
+        for path in (artifacts, artifacts.resolve(), tiny_model(), tiny_model().resolve()):
+            assert str(path) not in text, (name, path)
+        assert not host.search(text), name
+    assert set(texts) == {"adapter_config.json", "marlaas_export.json", "README.md"}
+    assert json.loads(texts["adapter_config.json"])["base_model_name_or_path"] == "tiny"
+
+
 def test_vllm_accepts_the_exported_config(
     published: str, redis_url_module: str, tmp_path: Path
 ) -> None:
@@ -207,5 +233,24 @@ def test_export_errors_say_what_is_wrong(
         await registry.publish_adapter(elsewhere, 1, "file:///nonexistent/adapters/x/v1", 1)
 
     with_store(redis_url_module, publish_missing)
-    assert "run export where the artifact store" in export(elsewhere, tmp_path / "d")
+    missing = export(elsewhere, tmp_path / "d")
+    assert "run export where the artifact store" in missing and "nonexistent" not in missing
     assert not list(tmp_path.glob(".*export-*"))  # no staging dir left behind
+
+    # A tenant reads these (the API's 409): they name the file, not where it lies.
+    broken = f"broken-{new_id()[:6]}"
+    adapter_dir = tmp_path / "artifacts" / "adapters" / broken / "v1"
+    adapter_dir.mkdir(parents=True)
+    (adapter_dir / "adapter_model.safetensors").write_bytes(b"not safetensors")
+
+    async def publish_broken(registry: RedisStore) -> None:
+        await registry.register_job(spec(broken), status="running")
+        await registry.publish_adapter(broken, 1, adapter_dir.as_uri(), 1)
+
+    with_store(redis_url_module, publish_broken)
+    assert export(broken, tmp_path / "e").startswith("adapter_config.json: unreadable (")
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(config))
+    unreadable = export(broken, tmp_path / "f")
+    assert unreadable.startswith("adapter_model.safetensors: not a readable safetensors file")
+    assert str(tmp_path) not in unreadable

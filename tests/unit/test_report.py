@@ -90,15 +90,18 @@ EVENTS = [
     evaluation("job-b", 2, 0.25, 30, reason=BELOW),
     event(EVIL_JOB, "rejected", 3, reason="<script>alert(1)</script>", tenant="<b>x</b>"),
 ]
+B_HOST, A_HOST = "rollout-b.corp.internal-4242", "rollout-a.corp.internal-77"
+"""Replicas by their own names, `<host>-<pid>`; the report numbers them by first sample:
+A_HOST (first at +0) is `replica 1`, B_HOST (+5) `replica 2`."""
 SAMPLES: dict[str, list[dict[str, float]]] = {
-    "replica-1": [
+    B_HOST: [
         {"at": T0 + 5, "busy_s": 1.0, "uptime_s": 5.0, "generated_tokens": 100.0, "in_flight": 4},
         {"at": T0 + 10, "busy_s": 5.0, "uptime_s": 10.0, "generated_tokens": 600.0, "in_flight": 8},
         # restarted: its counters began again
         {"at": T0 + 15, "busy_s": 0.5, "uptime_s": 2.0, "generated_tokens": 10.0, "in_flight": 1},
         {"at": T0 + 20, "busy_s": 3.0, "uptime_s": 7.0, "generated_tokens": 210.0, "in_flight": 2},
     ],
-    "replica-2": [
+    A_HOST: [
         {"at": T0 + 0, "busy_s": 0.5, "uptime_s": 1.0, "generated_tokens": 10.0},
         {"at": T0 + 2, "busy_s": 1.5, "uptime_s": 3.0, "generated_tokens": 110.0},
         # restarted within a long gap: counters grew past the old ones, but 40 s of uptime
@@ -198,12 +201,12 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
     assert page.charts["throughput"] == {
         "trainer:job-a": [[10.0, 200.0], [20.0, 200.0], [30.0, 200.0]],
         "trainer:job-b": [[12.0, 200.0], [24.0, 200.0]],
-        "rollout:replica-1": [[10.0, 100.0], [20.0, 40.0]],
-        "rollout:replica-2": [[2.0, 50.0], [72.0, 50.0]],
+        "rollout:replica 2": [[10.0, 100.0], [20.0, 40.0]],
+        "rollout:replica 1": [[2.0, 50.0], [72.0, 50.0]],
     }
     assert page.charts["utilisation"] == {
-        "replica-1": [[10.0, 0.8], [20.0, 0.5]],
-        "replica-2": [[2.0, 0.5], [72.0, 0.5], [82.0, 1.0]],
+        "replica 2": [[10.0, 0.8], [20.0, 0.5]],
+        "replica 1": [[2.0, 0.5], [72.0, 0.5], [82.0, 1.0]],
     }
     # axis labels, whole-number step ticks and a legend entry per series, all as SVG text
     assert {"step", "mean reward", "1", "2", "3", "job-a", "job-b"} <= set(
@@ -211,7 +214,7 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
     )
     assert "1.5" not in page.chart_texts["reward"]
     legend = page.chart_texts["throughput"]
-    assert {"trainer: job-a", "trainer: job-b", "rollout: replica-1", "rollout: replica-2"} <= set(
+    assert {"trainer: job-a", "trainer: job-b", "rollout: replica 1", "rollout: replica 2"} <= set(
         legend
     )
 
@@ -224,8 +227,8 @@ def test_utilisation_rows_start_a_new_segment_at_each_restart() -> None:
             (r.segment, r.at - T0, r.utilisation, r.tokens_per_s, r.in_flight)
         )
     assert by_replica == {
-        "replica-1": [(0, 10.0, 0.8, 100.0, 8), (1, 20.0, 0.5, 40.0, 2)],
-        "replica-2": [
+        "replica 2": [(0, 10.0, 0.8, 100.0, 8), (1, 20.0, 0.5, 40.0, 2)],
+        "replica 1": [
             (0, 2.0, 0.5, 50.0, None),
             (1, 72.0, 0.5, 50.0, None),
             (1, 82.0, 1.0, None, None),
@@ -337,11 +340,11 @@ def test_csv_and_json_hold_the_same_numbers(tmp_path: Path) -> None:
     with (tmp_path / "utilisation.csv").open(encoding="utf-8") as util_file:
         util = list(csv.DictReader(util_file))
     assert [(r["replica"], r["segment"], r["utilisation"]) for r in util] == [
-        ("replica-1", "0", "0.8"),
-        ("replica-1", "1", "0.5"),
-        ("replica-2", "0", "0.5"),
-        ("replica-2", "1", "0.5"),
-        ("replica-2", "1", "1.0"),
+        ("replica 1", "0", "0.5"),
+        ("replica 1", "1", "0.5"),
+        ("replica 1", "1", "1.0"),
+        ("replica 2", "0", "0.8"),
+        ("replica 2", "1", "0.5"),
     ]
     assert all(float(r["tokens_per_s"]) >= 0 for r in util if r["tokens_per_s"])
 
@@ -400,6 +403,16 @@ def test_final_state_is_that_of_the_last_lifecycle_event(
     events = [event("job-a", k, i, reason=f"why-{k}") for i, k in enumerate(kinds)]
     report = build_report(events, specs={"job-a": SPECS["job-a"]})
     assert (report.jobs[0].state, report.jobs[0].reason) == (state, reason)
+
+
+def test_the_report_names_no_host_of_the_servers(tmp_path: Path) -> None:
+    """A tenant gets the report (the API's): the rollout replicas are numbered, not named by
+    their hosts, and the time is UTC, not the server's zone."""
+    written(tmp_path, EVENTS)
+    for path in tmp_path.iterdir():
+        text = path.read_text(encoding="utf-8")
+        assert "corp.internal" not in text, path.name
+    assert "UTC" in (tmp_path / "index.html").read_text(encoding="utf-8")
 
 
 def test_no_events_still_make_a_report_with_empty_charts(tmp_path: Path) -> None:
