@@ -82,13 +82,17 @@ class Grant:
 # fmt: off
 GRANTS: Mapping[Principal, Grant] = {
     "env_svc": Grant(
-        # register_job (job, jobs, tenant-jobs; reads the tenant's other job keys inside the
-        # script, undeclared), set_job_status, bind_owner; the issue and claim scripts; the
-        # evaluation claims, re-sends and tallies; its de-dup of generation results and commands.
+        # register_job (job, jobs, tenant-jobs, the tenant's load, active jobs),
+        # set_job_status (and the tenant's load, undeclared), the active jobs' backfill, bind_owner;
+        # the issue and claim scripts; the evaluation claims, re-sends and tallies; its de-dup
+        # of generation results and commands.
         read_write=(
             "job:*",
             "jobs",
             "tenant-jobs:*",
+            "tenant-load:*",
+            "active-jobs",
+            "active-jobs-since",
             "owner:*",
             "flow:*",
             "claims:*",
@@ -112,9 +116,11 @@ GRANTS: Mapping[Principal, Grant] = {
     ),
     "trainer_svc": Grant(
         # publish_adapter's script (pointer, published versions, trained groups, flow,
-        # fence, ledger), take_over, record_dropped_group, set_job_status.
+        # fence, ledger), take_over, record_dropped_group, set_job_status (and the tenant's
+        # load, undeclared).
         read_write=(
             "adapter:*",
+            "tenant-load:*",
             "adapter-versions:*",
             "fence:*",
             "flow:*",
@@ -136,6 +142,7 @@ GRANTS: Mapping[Principal, Grant] = {
             "apikey:*",
             "tenant-keys:*",
             "tenant-jobs:*",
+            "tenant-load:*",
             "job:*",
             "jobs",
             "rejected:*",

@@ -7,7 +7,12 @@ docs/architecture.md, "Redis keys").
 - `fence:{job}`     the job's fencing epoch: incremented by each trainer taking it over
 - `job:{job}`       hash spec (wire-encoded JobSpec), tenant, status, reason, created_at,
                     updated_at, samples (its G x B x (S + 1) + eval.tasks, for its tenant's quota)
-- `jobs`            set of every registered job id
+- `jobs`            set of every registered job id (listings; no sweep or script walks it)
+- `active-jobs`     set of the jobs env_svc's sweep still visits: registered, and not yet
+                    ended with their evaluations done (then their state expires)
+- `tenant-load:{name}` hash jobs, samples: the tenant's jobs not ended and their samples in
+                    flight, moved by registration and by the move to a terminal status (the
+                    quota's counters)
 - `rejected:{job}`  why a job was rejected (never registered), for a week
 - `tenant:{name}`, `tenants`, `apikey:{key id}`, `tenant-keys:{name}`, `owner:{job}`,
   `tenant-jobs:{name}`: tenants, their API keys, job owners and each tenant's jobs
@@ -51,6 +56,10 @@ versions_key = Key("adapter-versions:")
 fence_key = Key("fence:")
 job_key = Key("job:")
 JOBS = "jobs"
+ACTIVE_JOBS = "active-jobs"
+ACTIVE_SINCE = "active-jobs-since"
+"""Set once `active-jobs` and the `tenant-load` counters were filled from `jobs` (a
+deployment whose Redis predates them: `JobRegistry.backfill_active`)."""
 rejection_key = Key("rejected:")
 flow_key = Key("flow:")
 claims_key = Key("claims:")
@@ -73,6 +82,7 @@ api_key_key = Key("apikey:")
 tenant_keys_key = Key("tenant-keys:")
 owner_key = Key("owner:")
 tenant_jobs_key = Key("tenant-jobs:")
+tenant_load_key = Key("tenant-load:")
 stats_key = Key("stats:rollout:")
 stats_history_key = Key("stats-history:rollout:")
 runtime_key = Key("runtime:")

@@ -15,7 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.keyspace import JOBS, job_key, owner_key, rejection_key, tenant_jobs_key
+from common.keyspace import (
+    ACTIVE_JOBS,
+    ACTIVE_SINCE,
+    JOBS,
+    job_key,
+    owner_key,
+    rejection_key,
+    tenant_jobs_key,
+    tenant_load_key,
+)
 from common.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
 from common.messages import JobSpec, Topic, clipped
 from common.redis_part import Lua, RedisPart, text
@@ -28,57 +37,53 @@ ENDED_TTL_S = 7 * 24 * 3600
 it: audits and late redeliveries within a week still find it; then it goes. The job's
 record and its adapter pointers stay (exports)."""
 
-# quota(tenant's jobs set, the job's samples in flight, max_concurrent_jobs,
-# max_samples_in_flight (-1: unlimited), index in ARGV of the first terminal status) ->
-# code (1 fits / -1 too many jobs / -2 too many samples), the tenant's live jobs, their
-# samples in flight. It reads the tenant's job records without declaring them (one Redis,
-# never a cluster; a declared key needs write access under ACLs: common/access.py).
-_QUOTA_RULE = f"""
-local function quota(tenant_jobs, samples, max_jobs, max_samples, terminal_from)
-  local jobs, busy = 0, 0
-  for _, member in ipairs(redis.call('SMEMBERS', tenant_jobs)) do
-    local fields = redis.call('HMGET', '{job_key.prefix}' .. member, 'status', 'samples')
-    local live = fields[1] ~= false
-    for i = terminal_from, #ARGV do
-      if fields[1] == ARGV[i] then live = false end
-    end
-    if live then
-      jobs = jobs + 1
-      busy = busy + tonumber(fields[2] or '0')
-    end
-  end
+# quota(the tenant's load key, the job's samples in flight, max_concurrent_jobs,
+# max_samples_in_flight (-1: unlimited)) -> code (1 fits / -1 too many jobs / -2 too many
+# samples), the tenant's live jobs, their samples in flight: from its counters, whatever
+# number of jobs it ever had.
+_QUOTA_RULE = """
+local function quota(load, samples, max_jobs, max_samples)
+  local counted = redis.call('HMGET', load, 'jobs', 'samples')
+  local jobs, busy = tonumber(counted[1] or '0'), tonumber(counted[2] or '0')
   if max_jobs >= 0 and jobs + 1 > max_jobs then return -1, jobs, busy end
   if max_samples >= 0 and busy + samples > max_samples then return -2, jobs, busy end
   return 1, jobs, busy
 end
 """
 
-# KEYS[1] job key, KEYS[2] jobs set, KEYS[3] the tenant's jobs set; ARGV job_id, spec,
-# tenant, status, now, the job's samples in flight, max_concurrent_jobs,
-# max_samples_in_flight, terminal statuses... -> {1 new / 0 known / -1 too many jobs / -2 too
-# many samples, the tenant's live jobs, their samples in flight}.
+# KEYS[1] job key, KEYS[2] jobs set, KEYS[3] the tenant's jobs set, KEYS[4] the tenant's load,
+# KEYS[5] active jobs; ARGV job_id, spec, tenant, status, now, the job's samples in flight,
+# max_concurrent_jobs, max_samples_in_flight, terminal statuses... -> {1 new / 0 known / -1 too
+# many jobs / -2 too many samples, the tenant's live jobs, their samples in flight}.
 _REGISTER_JOB = (
     _QUOTA_RULE
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0, 0} end
-local code, jobs, busy = quota(KEYS[3], tonumber(ARGV[6]), tonumber(ARGV[7]),
-                               tonumber(ARGV[8]), 9)
+local code, jobs, busy = quota(KEYS[4], tonumber(ARGV[6]), tonumber(ARGV[7]),
+                               tonumber(ARGV[8]))
 if code < 0 then return {code, jobs, busy} end
 redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'tenant', ARGV[3], 'status', ARGV[4],
            'reason', '', 'created_at', ARGV[5], 'updated_at', ARGV[5], 'samples', ARGV[6])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[5], ARGV[1])
+for i = 9, #ARGV do
+  if ARGV[4] == ARGV[i] then return {1, jobs, busy} end  -- registered ended: no load
+end
+redis.call('HINCRBY', KEYS[4], 'jobs', 1)
+redis.call('HINCRBY', KEYS[4], 'samples', ARGV[6])
 return {1, jobs + 1, busy + tonumber(ARGV[6])}
 """
 )
 
-# No KEYS; ARGV the tenant's jobs set, the job's samples in flight, max_concurrent_jobs,
-# max_samples_in_flight, terminal statuses... -> {code, live jobs, their samples in flight}
+# No KEYS (a declared key needs write access under ACLs, and the API only reads it); ARGV the
+# tenant's load key, the job's samples in flight, max_concurrent_jobs, max_samples_in_flight
+# -> {code, live jobs, their samples in flight}
 _CHECK_QUOTA = (
     _QUOTA_RULE
     + """
 local code, jobs, busy = quota(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
-                               tonumber(ARGV[4]), 5)
+                               tonumber(ARGV[4]))
 return {code, jobs, busy}
 """
 )
@@ -91,15 +96,48 @@ redis.call('SET', KEYS[1], ARGV[1])
 return ARGV[1]
 """
 
-# KEYS[1] job key; ARGV status, reason, now, terminal statuses... -> {changed 0/1, status now}
-_SET_STATUS = """
+# KEYS[1] job key; ARGV status, reason, now, terminal statuses... -> {changed 0/1, status
+# now}. The move to a terminal status takes the job out of its tenant's load (a key named
+# from the record, undeclared: one Redis, never a cluster).
+_SET_STATUS = f"""
 local current = redis.call('HGET', KEYS[1], 'status')
-if not current then return {0, ''} end
+if not current then return {{0, ''}} end
+local ends = false
 for i = 4, #ARGV do
-  if current == ARGV[i] then return {0, current} end
+  if current == ARGV[i] then return {{0, current}} end
+  if ARGV[1] == ARGV[i] then ends = true end
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'reason', ARGV[2], 'updated_at', ARGV[3])
-return {1, ARGV[1]}
+if ends then
+  local job = redis.call('HMGET', KEYS[1], 'tenant', 'samples')
+  local load = '{tenant_load_key.prefix}' .. job[1]
+  redis.call('HINCRBY', load, 'jobs', -1)
+  redis.call('HINCRBY', load, 'samples', -tonumber(job[2] or '0'))
+end
+return {{1, ARGV[1]}}
+"""
+
+# KEYS[1] jobs, KEYS[2] active jobs, KEYS[3] the marker; ARGV terminal statuses -> jobs
+# taken in, or -1 when done before. Once per deployment, for a Redis from before the active
+# set and the tenants' counters: every job is active (the sweep retires the ended), and
+# each tenant's load counts its jobs not ended.
+_BACKFILL_ACTIVE = f"""
+if not redis.call('SET', KEYS[3], '1', 'NX') then return -1 end
+local members = redis.call('SMEMBERS', KEYS[1])
+for _, member in ipairs(members) do
+  redis.call('SADD', KEYS[2], member)
+  local job = redis.call('HMGET', '{job_key.prefix}' .. member, 'status', 'tenant', 'samples')
+  local live = job[1] ~= false
+  for i = 1, #ARGV do
+    if job[1] == ARGV[i] then live = false end
+  end
+  if live then
+    local load = '{tenant_load_key.prefix}' .. job[2]
+    redis.call('HINCRBY', load, 'jobs', 1)
+    redis.call('HINCRBY', load, 'samples', tonumber(job[3] or '0'))
+  end
+end
+return #members
 """
 
 _TERMINAL = sorted(TERMINAL_STATES)
@@ -136,6 +174,7 @@ class JobRegistry(RedisPart):
     _check_quota = Lua(_CHECK_QUOTA)
     _bind_owner = Lua(_BIND_OWNER)
     _set_status = Lua(_SET_STATUS)
+    _backfill_active = Lua(_BACKFILL_ACTIVE)
 
     async def register_job(
         self,
@@ -149,7 +188,13 @@ class JobRegistry(RedisPart):
         With `limits`, raises QuotaError (naming the limit) instead of registering a job that
         would take its tenant past `max_concurrent_jobs` or `max_samples_in_flight`."""
         code, jobs, busy = await self._register_job(
-            keys=[job_key(spec.job_id), JOBS, tenant_jobs_key(spec.tenant)],
+            keys=[
+                job_key(spec.job_id),
+                JOBS,
+                tenant_jobs_key(spec.tenant),
+                tenant_load_key(spec.tenant),
+                ACTIVE_JOBS,
+            ],
             args=[
                 spec.job_id,
                 encode(spec),
@@ -157,6 +202,7 @@ class JobRegistry(RedisPart):
                 status,
                 time.time(),
                 *_quota_args(spec, limits),
+                *_TERMINAL,
             ],
         )
         _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
@@ -167,7 +213,7 @@ class JobRegistry(RedisPart):
         limit (the tenant API asks before it puts a job on the bus; registering checks
         again, atomically)."""
         code, jobs, busy = await self._check_quota(
-            keys=[], args=[tenant_jobs_key(spec.tenant), *_quota_args(spec, limits)]
+            keys=[], args=[tenant_load_key(spec.tenant), *_quota_args(spec, limits)]
         )
         _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
 
@@ -225,7 +271,25 @@ class JobRegistry(RedisPart):
         )
 
     async def job_ids(self) -> list[str]:
+        """Every job ever registered (listings: the status board, reports)."""
         return sorted(text(member) for member in await self._redis.smembers(JOBS))
+
+    async def active_job_ids(self) -> list[str]:
+        """The jobs env_svc's sweep still visits (`retire` takes one out)."""
+        return sorted(text(member) for member in await self._redis.smembers(ACTIVE_JOBS))
+
+    async def retire(self, job_id: str) -> None:
+        """An ended job whose evaluations are done and whose state now expires: no sweep
+        visits it again."""
+        await self._redis.srem(ACTIVE_JOBS, job_id)
+
+    async def backfill_active(self) -> int | None:
+        """Fill `active-jobs` and the tenants' load counters from `jobs`, once per
+        deployment (a Redis from before them); the jobs taken in, or None when done before."""
+        taken = int(
+            await self._backfill_active(keys=[JOBS, ACTIVE_JOBS, ACTIVE_SINCE], args=_TERMINAL)
+        )
+        return None if taken < 0 else taken
 
     async def set_job_status(self, job_id: str, status: JobState, reason: str = "") -> bool:
         """Move a job to `status`; a job in a terminal status stays there (returns False).
@@ -240,13 +304,12 @@ class JobRegistry(RedisPart):
         return bool(changed)
 
 
-def _quota_args(spec: JobSpec, limits: TenantLimits | None) -> list[int | str]:
-    """The quota rule's arguments: samples, the two limits (-1: none), terminal statuses."""
+def _quota_args(spec: JobSpec, limits: TenantLimits | None) -> list[int]:
+    """The quota rule's arguments: samples, the two limits (-1: none)."""
     return [
         samples_in_flight(spec),
         limits.max_concurrent_jobs if limits else -1,
         limits.max_samples_in_flight if limits else -1,
-        *_TERMINAL,
     ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Collection, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from functools import partial
 from typing import Any
 
@@ -108,14 +108,14 @@ class EnvService(Service):
         self.consumer: ConsumerLoop[Message] | None = None
         # An environment is stateless after construction, so caching it per job is safe.
         self._envs: dict[str, Environment[Any]] = {}
-        self._ended: set[str] = set()
-        """Ended jobs whose state was set to expire: the sweeps skip them."""
         self._stopping = asyncio.Event()
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
 
     async def start(self) -> None:
         asyncio.get_running_loop().set_default_executor(self.calls.executor)
         await self.io.open()
+        if (taken := await self.io.require_store().backfill_active()) is not None:
+            log.info("active jobs and tenants' counters filled from %d registered jobs", taken)
         self.consumer = await self.io.consume(
             SERVICE,
             self.settings.consumer_group,
@@ -351,13 +351,16 @@ class EnvService(Service):
         if await self.io.require_store().claim_eval(record.spec.job_id, version):
             await self._send_eval(record.spec, version)
 
-    async def _send_eval(
-        self, spec: JobSpec, version: int, counted: Collection[str] = frozenset()
-    ) -> None:
-        """The first request of every evaluation episode not `counted` yet; one whose task
-        cannot start, or whose request cannot be sent (over a record's size), is counted at
-        once as unsolved with the reason."""
+    async def _send_eval(self, spec: JobSpec, version: int) -> None:
+        """The first request of every evaluation episode not counted yet (all of them, but
+        when sent again); one whose task cannot start, or whose request cannot be sent (over
+        a record's size), is counted at once as unsolved with the reason. Finished at once
+        when every episode was counted."""
         group_id = eval_group_id(spec.job_id, version)
+        counted = await self.io.require_store().eval_seen(spec.job_id, version)
+        if len(counted) >= spec.eval.tasks:
+            await self._finish_eval(spec, version)
+            return
         firsts: list[GenerationRequest] = []
         failed: list[tuple[str, str]] = []
         for index in range(spec.eval.tasks):
@@ -461,7 +464,7 @@ class EnvService(Service):
                 job_logger(log, spec.job_id, spec.tenant).warning(
                     "evaluation of v%d unfinished; sending its requests again", version
                 )
-                await self._send_eval(spec, version, await store.eval_seen(spec.job_id, version))
+                await self._send_eval(spec, version)
         if (waiting := await store.start_waiting_eval(spec.job_id)) is not None:
             await self._send_eval(spec, waiting)
 
@@ -471,11 +474,13 @@ class EnvService(Service):
         allows (in case the record that should have prompted it, an AdapterUpdate or a
         GroupDropped, never arrived); returns how many groups were sent again."""
         store, resent = self.io.require_store(), 0
-        for job_id in await store.job_ids():
-            if job_id in self._ended:
-                continue
+        active = await store.active_job_ids()
+        for job_id in set(self._envs) - set(active):  # retired, maybe by another replica
+            del self._envs[job_id]
+        for job_id in active:
             record = await store.job(job_id)
             if record is None:
+                await store.retire(job_id)
                 continue
             if record.status in TERMINAL_STATES:
                 self._envs.pop(job_id, None)  # a cache: rebuilt should a late result need it
@@ -496,8 +501,8 @@ class EnvService(Service):
 
     async def _expire_when_done(self, record: JobRecord) -> bool:
         """An ended job whose evaluations are all done: its audit is kept in its record, its
-        state here expires in a week, and the sweeps skip it from now on. False while
-        something is left to finish."""
+        state here expires in a week, and it is retired (no sweep visits it again). False
+        while something is left to finish."""
         store, job_id = self.io.require_store(), record.spec.job_id
         evals = await store.evals(job_id)
         if any(state != DONE for state in evals.values()):
@@ -512,7 +517,7 @@ class EnvService(Service):
         )
         await store.put_audit_summary(job_id, summary.to_json())
         await store.expire_after_end(working_state_keys(job_id, evals))
-        self._ended.add(job_id)
+        await store.retire(job_id)
         return True
 
     async def _sweep_loop(self) -> None:

@@ -151,6 +151,8 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await env.register_job(spec(job_id, tenant), limits=limits)
         assert {first, job_id} <= set(await env.job_ids())
         assert await env.set_job_status(job_id, "running")
+        assert job_id in await env.active_job_ids()
+        await env.backfill_active()  # once per deployment, maybe by another test before
         record = await env.job(job_id)
         assert record is not None and record.status == "running"
         issued = await env.try_issue_group(job_id, max_staleness=0, groups_per_step=1, max_groups=9)
@@ -173,6 +175,8 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await env.published_uri(job_id, 1) == "file:///a/v1"
         assert await env.mark_seen(COMMANDS, job_id, "command-1")
         await env.expire_after_end(env_working_state(job_id, [0, 2]))  # its own keys only
+        await env.retire(job_id)
+        assert job_id not in await env.active_job_ids()
         assert (await env.replica_stats())["r-env"].max_model_len == 512
         await env.ping()
 

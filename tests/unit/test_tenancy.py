@@ -9,7 +9,15 @@ import msgspec
 import pytest
 
 from common.audit import Audit
-from common.keyspace import flow_key, job_key, ledger_key, owner_key
+from common.keyspace import (
+    ACTIVE_JOBS,
+    ACTIVE_SINCE,
+    flow_key,
+    job_key,
+    ledger_key,
+    owner_key,
+    tenant_load_key,
+)
 from common.messages import (
     EnvSettings,
     Event,
@@ -19,12 +27,13 @@ from common.messages import (
     Topic,
     new_id,
 )
+from common.redis_part import texts
 from common.registry import ENDED_TTL_S, REJECTION_TTL_S
-from common.tenants import TenantLimits
+from common.tenants import QuotaError, TenantLimits
 from common.wire import encode
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import ForeignJobError
-from tests.fakes import Backend, Inbox
+from tests.fakes import Backend, Inbox, KafkaBackend
 from tests.handler_kit import (
     GatedEngine,
     adapter_update,
@@ -184,11 +193,12 @@ async def test_a_replayed_command_changes_nothing(
 async def test_an_ended_jobs_environment_leaves_the_cache(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
-    service = env_service(backend, tokenizer)
+    service, other = env_service(backend, tokenizer), env_service(backend, tokenizer)
     jobs = Inbox(Topic.JOBS)
     spec = job_spec("ends", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await jobs.hand(service.handle, spec)
     assert spec.job_id in service._envs
+    await other._env(spec)  # another replica, which ran one of its episodes
     await jobs.hand(
         service.handle, JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")
     )
@@ -199,10 +209,70 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     for key in (ledger_key(spec.job_id), flow_key(spec.job_id)):
         assert 0 < await client.ttl(key) <= ENDED_TTL_S, key
     assert await client.ttl(job_key(spec.job_id)) == -1
-    assert spec.job_id in service._ended
+    assert spec.job_id not in await backend.store.active_job_ids()  # no sweep visits it
+    await other.sweep_claims()  # nor keeps its environment
+    assert spec.job_id not in other._envs
     # Its audit is kept in the record, for when the ledger has gone.
     summary = await backend.store.audit_summary(spec.job_id)
     assert summary is not None
     kept = Audit.from_json(summary)
     assert (kept.status, kept.issued, kept.ok) == ("cancelled", 1, True)
     assert kept.to_json() == summary
+
+
+async def test_a_tenants_quota_is_counted_from_registration_to_its_end(backend: Backend) -> None:
+    """The quota reads the tenant's two counters (`tenant-load:{tenant}`): a job counts from
+    its registration until its move to a terminal status, once, however many jobs the tenant
+    ever had; a deployment whose Redis predates the counters fills them once."""
+    store, tenant = backend.store, f"load-{new_id()[:6]}"
+    job = job_spec("load", group_size=2, groups_per_step=2, max_staleness=1, max_steps=2)
+    specs = [msgspec.structs.replace(job, job_id=f"{tenant}-{i}", tenant=tenant) for i in range(5)]
+    limits = TenantLimits(max_concurrent_jobs=3, max_samples_in_flight=1000)
+    for spec in specs[:3]:
+        assert await store.register_job(spec, status="running", limits=limits)
+    with pytest.raises(QuotaError, match="has 3 jobs that have not ended"):
+        await store.check_quota(specs[3], limits)
+    assert await store.set_job_status(specs[0].job_id, "completed")
+    assert not await store.set_job_status(specs[0].job_id, "cancelled")  # ended once
+    await store.check_quota(specs[3], limits)
+    assert await store.register_job(specs[3], status="running", limits=limits)
+    assert await store.register_job(specs[4], status="completed")  # ended: no load
+    load = await store.client.hgetall(tenant_load_key(tenant))
+    assert texts(load) == {"jobs": "3", "samples": str(3 * 8)}
+    assert set(await store.active_job_ids()) >= {s.job_id for s in specs}
+    # A Redis from before the counters and the active set (every tenant's: the store may be
+    # shared with other tests): filled once, from the records.
+    loads = [key async for key in store.client.scan_iter(match=tenant_load_key("*"))]
+    await store.client.delete(*loads, ACTIVE_JOBS, ACTIVE_SINCE)
+    assert await store.backfill_active() is not None
+    assert await store.backfill_active() is None
+    load = await store.client.hgetall(tenant_load_key(tenant))
+    assert texts(load) == {"jobs": "3", "samples": str(3 * 8)}
+    assert set(await store.active_job_ids()) >= {s.job_id for s in specs}
+
+
+async def test_no_quota_check_or_sweep_walks_a_tenants_history(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A tenant with 200 ended jobs: the quota's script reads one hash (Valkey's command
+    counts: it looped over all 200 job records before), and env_svc's sweep visits none of
+    them once they are retired."""
+    if not isinstance(backend, KafkaBackend):
+        pytest.skip("command counts are Valkey's (INFO commandstats)")
+    store, tenant = backend.store, f"history-{new_id()[:6]}"
+    job = job_spec("old", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
+    for i in range(200):
+        spec = msgspec.structs.replace(job, job_id=f"{tenant}-{i}", tenant=tenant)
+        await store.register_job(spec, status="running")
+        await store.set_job_status(spec.job_id, "completed")
+    service = env_service(backend, tokenizer)
+    await service.sweep_claims()  # retires what has ended (their evaluations are done)
+    assert not {f"{tenant}-{i}" for i in range(200)} & set(await store.active_job_ids())
+
+    async def hmget_calls() -> int:
+        stats = await store.client.info("commandstats")
+        return int(stats.get("cmdstat_hmget", {}).get("calls", 0))
+
+    before = await hmget_calls()
+    await store.check_quota(msgspec.structs.replace(job, tenant=tenant), TenantLimits())
+    assert await hmget_calls() - before == 1
