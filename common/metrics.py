@@ -115,8 +115,8 @@ ROLLOUT_ADAPTERS_LOADED = Gauge(
 
 TRAINER_STEP_SECONDS = Histogram(
     "marlaas_trainer_step_seconds",
-    "Wall time of one training step: forward and backward passes, checkpoint, publishing.",
-    ["job_id"],
+    "Wall time of one training step: forward and backward passes, checkpoint, publishing "
+    "(every job's: a job's own are in its step events).",
     buckets=_STEP_BUCKETS_S,
     registry=None,
 )
@@ -139,6 +139,26 @@ TRAINER_GROUPS_DROPPED = Counter(
     ["job_id", "kind"],
     registry=None,
 )
+
+ENDED_JOB = "(ended)"
+"""The `job_id` under which the trainer keeps the counts of the jobs it no longer holds."""
+
+
+def forget_job(job_id: str) -> None:
+    """Drop `job_id`'s series from the trainer's per-job metrics (the job ended, or another
+    replica took it over), so that series do not pile up with every job ever trained: each
+    counter's count moves to its `ENDED_JOB` series (a sum over jobs never goes down, as a
+    counter's must not), the gauge goes."""
+    for counter in (TRAINER_STEPS, TRAINER_GROUPS_DROPPED):
+        for family in counter.collect():
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name.endswith("_total") and labels.get("job_id") == job_id:
+                    rest = [v for k, v in labels.items() if k != "job_id"]
+                    counter.labels(ENDED_JOB, *rest).inc(sample.value)
+                    counter.remove(job_id, *rest)
+    TRAINER_TOKENS_PER_SECOND.remove(job_id)
+
 
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     "rollout_svc": (

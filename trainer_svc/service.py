@@ -53,6 +53,7 @@ from common.metrics import (
     TRAINER_STEPS,
     TRAINER_TOKENS_PER_SECOND,
     export_service_metrics,
+    forget_job,
 )
 from common.pointers import FencedError
 from common.ports import Sender
@@ -373,8 +374,7 @@ class TrainerService(Service):
         self.jobs.pop(job_id, None)
         if job_id in self.policy.jobs:
             self.policy.remove_job(job_id)
-        # A gauge of a job trained elsewhere (or finished) would repeat its last value forever.
-        TRAINER_TOKENS_PER_SECOND.remove(job_id)
+        forget_job(job_id)  # its series, which would otherwise pile up with every job
 
     # --- training -------------------------------------------------------------------
 
@@ -789,7 +789,7 @@ class TrainerService(Service):
         spec, version = job.spec, job.version
         await self._step_event(job, version, metrics, group_ids)
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
-        TRAINER_STEP_SECONDS.labels(spec.job_id).observe(metrics.wall_step_s or 0.0)
+        TRAINER_STEP_SECONDS.observe(metrics.wall_step_s or 0.0)
         if (tokens_per_s := metrics.trainer_tokens_per_s) is not None:
             TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens_per_s)
         job_log = job_logger(log, spec.job_id, spec.tenant)

@@ -12,15 +12,19 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from common.config import EnvServiceSettings, RolloutSettings, TrainerSettings
 from common.health import HealthServer
+from common.messages import new_id
 from common.metrics import (
+    ENDED_JOB,
     TRAINER_GROUPS_DROPPED,
     TRAINER_STEP_SECONDS,
     TRAINER_STEPS,
     TRAINER_TOKENS_PER_SECOND,
     consumer_metrics,
+    forget_job,
 )
 from common.service import Service, run_service
 from tests.unit.test_compose import COMPOSE_FILE
@@ -135,9 +139,10 @@ async def test_metrics_name_no_job_or_tenant_unless_the_operator_asks() -> None:
         ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry,
     )  # fmt: skip
     lora_info.labels("8", "", "secret-job-a@v3,secret-job-b@v1").set(1.0)
+    steps_before = _count(TRAINER_STEP_SECONDS, "marlaas_trainer_step_seconds_count")
     for job_id, tenant, steps in (("secret-job-a", "acme", 3), ("secret-job-b", "globex", 2)):
         TRAINER_STEPS.labels(job_id, tenant).inc(steps)
-        TRAINER_STEP_SECONDS.labels(job_id).observe(0.4)
+        TRAINER_STEP_SECONDS.observe(0.4)
         TRAINER_TOKENS_PER_SECOND.labels(job_id).set(100.0)
         TRAINER_GROUPS_DROPPED.labels(job_id, "dropped_stale").inc()
     readiness = Flags().readiness
@@ -148,8 +153,7 @@ async def test_metrics_name_no_job_or_tenant_unless_the_operator_asks() -> None:
             assert named not in body, named
         summed = samples(body)
         assert summed[("marlaas_trainer_steps_total", frozenset())] == 5
-        assert summed[("marlaas_trainer_step_seconds_count", frozenset())] == 2
-        assert summed[("marlaas_trainer_step_seconds_bucket", frozenset({("le", "0.5")}))] == 2
+        assert summed[("marlaas_trainer_step_seconds_count", frozenset())] == steps_before + 2
         dropped = frozenset({("kind", "dropped_stale")})
         assert summed[("marlaas_trainer_groups_dropped_total", dropped)] == 2
         assert not [name for name, _ in summed if name.startswith("marlaas_trainer_tokens")]
@@ -166,7 +170,6 @@ async def test_metrics_name_no_job_or_tenant_unless_the_operator_asks() -> None:
     finally:
         for job_id, tenant in (("secret-job-a", "acme"), ("secret-job-b", "globex")):
             TRAINER_STEPS.remove(job_id, tenant)
-            TRAINER_STEP_SECONDS.remove(job_id)
             TRAINER_TOKENS_PER_SECOND.remove(job_id)
             TRAINER_GROUPS_DROPPED.remove(job_id, "dropped_stale")
 
@@ -258,3 +261,44 @@ def test_compose_healthchecks_probe_each_services_readyz_on_its_port() -> None:
         assert f"http://127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"])
         # Exposed ports listen on the container's address, not the default loopback only.
         assert service["environment"]["MARLAAS_METRICS_HOST"] == "0.0.0.0"
+
+
+def _count(metric: Collector, name: str, **labels: str) -> float:
+    """The value of `metric`'s sample `name` with `labels` (0 when it has none)."""
+    found = [
+        sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name == name and sample.labels == labels
+    ]
+    return sum(found)
+
+
+def test_a_job_the_trainer_lets_go_of_leaves_no_series_and_the_sums_stay() -> None:
+    """The trainer's per-job series go with the job (they piled up with every job ever
+    trained); its counts move to the `(ended)` series, so a sum over jobs never goes down."""
+    job_id, tenant = f"ends-{new_id()[:6]}", f"t-{new_id()[:6]}"
+    TRAINER_STEPS.labels(job_id, tenant).inc(4)
+    TRAINER_GROUPS_DROPPED.labels(job_id, "dropped_stale").inc(2)
+    TRAINER_TOKENS_PER_SECOND.labels(job_id).set(50.0)
+    ended_drops = _count(
+        TRAINER_GROUPS_DROPPED, "marlaas_trainer_groups_dropped_total",
+        job_id=ENDED_JOB, kind="dropped_stale",
+    )  # fmt: skip
+    forget_job(job_id)
+    named = [
+        sample
+        for metric in (TRAINER_STEPS, TRAINER_GROUPS_DROPPED, TRAINER_TOKENS_PER_SECOND)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.labels.get("job_id") == job_id
+    ]
+    assert named == []
+    steps = _count(TRAINER_STEPS, "marlaas_trainer_steps_total", job_id=ENDED_JOB, tenant=tenant)
+    assert steps == 4
+    drops = _count(
+        TRAINER_GROUPS_DROPPED, "marlaas_trainer_groups_dropped_total",
+        job_id=ENDED_JOB, kind="dropped_stale",
+    )  # fmt: skip
+    assert drops == ended_drops + 2
+    TRAINER_STEPS.remove(ENDED_JOB, tenant)
