@@ -84,6 +84,10 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    def job_ids(self) -> set[str]:
+        """The jobs with an item waiting."""
+        return {job for jobs in self._tenants.values() for job in jobs}
+
     def waiting_of(self, tenant: str) -> int:
         """Items waiting of one tenant."""
         return sum(len(items) for items in self._tenants.get(tenant, {}).values())

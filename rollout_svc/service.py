@@ -59,6 +59,10 @@ SERVICE: ServiceName = "rollout_svc"
 STATS_INTERVAL_S = 5.0
 ENGINE_LOOK_S = 5.0
 """How often the replica looks whether its engine is still alive while no request fails."""
+IDLE_JOB_S = 600.0
+"""A job with no request here for this long (and none waiting) is forgotten: its newest
+adapter leaves the engine and its entries go, which would otherwise pile up with every job
+ever served. A later request of it reads its pointer again (`_adapter_for`)."""
 READ_AHEAD_PER_SLOT = 16
 """Requests read and waiting for an engine slot, per slot, before the poll loop stops reading
 (docs/architecture.md, "Rollout admission"). Fair admission needs the waiting requests of every
@@ -153,6 +157,8 @@ class RolloutService(Service):
         )
         self.latest: dict[str, AdapterRef] = {}
         """Newest adapter version per job; only moves forward."""
+        self._used_at: dict[str, float] = {}
+        """When each job in `latest` (or `_tenants`) last had a request or an update here."""
         self._waiting: FairQueue[tuple[Callable[[], Awaitable[None]], str]] = FairQueue()
         """Work not yet in the engine, with its tenant: requests read (their commits held) and
         chat requests made for a job (a judge's). Each is served once admitted."""
@@ -187,6 +193,7 @@ class RolloutService(Service):
             self.latest[job_id] = AdapterRef(
                 job_id, pointer.version, str(adapter_path(pointer.uri))
             )
+            self._used_at[job_id] = time.monotonic()
         log.info("rollout_svc: %d adapters from Redis at start-up", len(self.latest))
         await self.engine.start()
         if self.settings.api_port is not None:
@@ -328,6 +335,7 @@ class RolloutService(Service):
         while len(self._waiting) >= self._read_ahead and not self._stopping.is_set():
             self._room.clear()
             await self._room_or_stop()
+        self._used_at[request.job_id] = time.monotonic()
         if request.tenant:  # schema 4 on: carried, no registry read
             self._tenants.setdefault(request.job_id, request.tenant)
         self._queue(
@@ -519,10 +527,21 @@ class RolloutService(Service):
             return
         new = AdapterRef(update.job_id, update.version, str(adapter_path(update.uri)))
         self.latest[update.job_id] = new
+        self._used_at[update.job_id] = time.monotonic()
         await self.engine.load(new)  # loaded before its first request needs it
         if current is not None:
             await self.engine.retire(current.job_id, current.version)
         (await self._job_log(update.job_id)).info("job now samples with v%d", update.version)
+
+    async def forget_idle(self, now: float) -> None:
+        """Forget the jobs idle here for `IDLE_JOB_S` (monotonic `now`) with nothing waiting."""
+        waiting = self._waiting.job_ids()
+        idle = [j for j, at in self._used_at.items() if now - at > IDLE_JOB_S and j not in waiting]
+        for job_id in idle:
+            del self._used_at[job_id]
+            self._tenants.pop(job_id, None)
+            if (adapter := self.latest.pop(job_id, None)) is not None:
+                await self.engine.retire(adapter.job_id, adapter.version)
 
     async def _job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
         """A logger tagged with the job and its tenant."""
@@ -542,6 +561,7 @@ class RolloutService(Service):
                 record = None
             if record is not None:
                 self._tenants[job_id] = record.spec.tenant
+                self._used_at.setdefault(job_id, time.monotonic())
         return self._tenants.get(job_id, "")
 
     async def _report_stats(self) -> None:
@@ -583,6 +603,7 @@ class RolloutService(Service):
                 log.warning(
                     "rollout stats not published (%r); next try in %.0fs", exc, STATS_INTERVAL_S
                 )
+            await self.forget_idle(now)
             try:
                 await asyncio.wait_for(self._stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:

@@ -9,6 +9,7 @@ real counterpart is tested in tests/integration/test_rollout_engine.py and the p
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from common.tenants import samples_in_flight
 from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import environment_for
 from env_svc.service import EnvService
+from rollout_svc.service import IDLE_JOB_S
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     GatedEngine,
@@ -680,6 +682,33 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
     results = {r.request_id: r for r in await backend.sent(Topic.ROLLOUTS, job_id, expect=4)}  # type: ignore[union-attr]
     assert [results[f"{job_id}/{i}/0/t0"].adapter_version for i in range(3)] == [0, 1, 2]  # type: ignore[union-attr]
     assert results[f"{job_id}/3/0/t0"].finish_reason == "abort"  # type: ignore[union-attr]
+
+
+async def test_rollout_forgets_a_job_idle_past_its_time_and_reads_it_again(
+    backend: Backend,
+) -> None:
+    """A replica's entries per job (its newest adapter, its tenant) go once the job has had
+    no request for `IDLE_JOB_S` (they piled up with every job ever served), its adapter
+    leaves the engine, and a later request reads the pointer again."""
+    engine = GatedEngine()
+    engine.gate.set()
+    service = rollout_service(backend, engine)
+    job_id = f"idle-{new_id()[:8]}"
+    await backend.store.publish_adapter(job_id, 1, Path(adapter_uri(job_id, 1)).as_uri(), 1)
+    await service.on_adapter(adapter_update(job_id, 1))
+    prompts = Inbox(Topic.PROMPTS)
+    await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=1))
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await service.forget_idle(time.monotonic())
+    assert job_id in service.latest
+    await service.forget_idle(time.monotonic() + IDLE_JOB_S + 1)
+    assert job_id not in service.latest and job_id not in service._tenants
+    assert (job_id, 1) in engine.retired
+    await prompts.hand(service.on_request, request_for(job_id, 1, min_adapter_version=1))
+    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    assert service.latest[job_id].version == 1
+    results = await backend.sent(Topic.ROLLOUTS, job_id, expect=2)
+    assert [r.adapter_version for r in results] == [1, 1]  # type: ignore[union-attr]
 
 
 async def test_env_svc_says_when_a_version_is_worse_than_the_base_on_held_out_tasks(
