@@ -274,6 +274,12 @@ class EvalTallies(RedisPart):
         """The episodes of `version`'s evaluation counted so far."""
         return {text(m) for m in await self._redis.smembers(eval_seen_key(job_id, version))}
 
+    async def eval_state(self, job_id: str, version: int) -> str | None:
+        """When `version`'s evaluation requests were last sent, `waiting`, `done`, or None
+        (never claimed, or expired with the job's state)."""
+        state = await self._redis.hget(evals_key(job_id), str(version))
+        return None if state is None else text(state)
+
     async def evals(self, job_id: str) -> dict[int, str]:
         """Evaluated versions: when their requests were last sent, or `done`."""
         raw = await self._redis.hgetall(evals_key(job_id))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Coroutine, Iterable
 from functools import partial
 from typing import Any
@@ -24,6 +25,7 @@ from common.dedup import COMMANDS, RESULTS
 from common.evals import (
     DONE,
     MAX_RESENDS,
+    WAITING,
     below_base,
     eval_group_id,
     eval_version_of,
@@ -65,7 +67,7 @@ from common.messages import (
     job_event,
 )
 from common.ports import Sender
-from common.registry import JobRecord
+from common.registry import REJECTION_TTL_S, JobRecord
 from common.service import Connections, Service, wait_any
 from common.store import RedisStore
 from common.tenants import QuotaError
@@ -149,6 +151,8 @@ class EnvService(Service):
     # --- dispatch -------------------------------------------------------------------
 
     async def handle(self, message: Message, delivery: Delivery) -> None:
+        if isinstance(message, JobSpec | JobCommand) and (stale := _stale(delivery)):
+            raise ValueError(stale)  # dead-lettered with the reason
         match message:
             case JobSpec():
                 await self.on_job(message)
@@ -399,7 +403,13 @@ class EnvService(Service):
         components: dict[str, float],
         error: str,
     ) -> None:
-        """Tally one finished evaluation episode; the last one sends the `eval` event."""
+        """Tally one finished evaluation episode; the last one sends the `eval` event. One of
+        an evaluation not in flight (finished, or gone with an ended job's state: a replayed
+        result) is not counted, nor does it bring back the state that went."""
+        state = await self.io.require_store().eval_state(spec.job_id, version)
+        if state is None or state in (DONE, WAITING):
+            log.debug("result of %s ignored: its evaluation is %s", episode_id, state or "gone")
+            return
         solved = not error and (await self._env(spec)).solved(
             RewardResult(total=reward, components=components)
         )
@@ -621,6 +631,21 @@ class EnvService(Service):
             env.template_takes_tools = self.tokenizer.takes_tools
             self._envs[spec.job_id] = env
         return env
+
+
+def _stale(delivery: Delivery) -> str:
+    """Why a job or command record is too old to act on ("" if it is not): older than env_svc
+    remembers a rejected job's id (`REJECTION_TTL_S`), a replay (a consumer group's offsets
+    lost with a week's outage, a producer's retry) could start a job that was refused, or
+    take a freed id. Submitted within the week, a record is de-duplicated by its job's
+    record and by the rejection; past it, refused by its age."""
+    age_s = time.time() - delivery.timestamp_ms / 1000
+    if delivery.timestamp_ms <= 0 or age_s <= REJECTION_TTL_S:
+        return ""
+    return (
+        f"a {delivery.topic} record produced {age_s / 86400:.1f} days ago is past the "
+        f"{REJECTION_TTL_S // 86400} days a job's id and rejection are remembered: send it again"
+    )
 
 
 def working_state_keys(job_id: str, evaluated: Iterable[int]) -> list[str]:

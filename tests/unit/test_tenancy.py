@@ -3,6 +3,8 @@ enforced where a job is accepted, and an adapter update must be the trainer's ow
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import msgspec
@@ -12,6 +14,10 @@ from common.audit import Audit
 from common.keyspace import (
     ACTIVE_JOBS,
     ACTIVE_SINCE,
+    dedup_key,
+    eval_seen_key,
+    eval_tally_key,
+    evals_key,
     flow_key,
     job_key,
     ledger_key,
@@ -20,12 +26,15 @@ from common.keyspace import (
 )
 from common.messages import (
     EnvSettings,
+    EvalSettings,
     Event,
+    GenerationRequest,
     JobCommand,
     JobSpec,
     MessageDecodeError,
     Topic,
     new_id,
+    result_for,
 )
 from common.redis_part import texts
 from common.registry import ENDED_TTL_S, REJECTION_TTL_S
@@ -188,6 +197,59 @@ async def test_a_replayed_command_changes_nothing(
     assert record is not None and record.status == "running"
     sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=3)
     assert [e.event for e in sent if isinstance(e, Event)] == ["accepted", "paused", "resumed"]
+
+
+async def test_a_job_record_older_than_its_rejection_is_remembered_is_refused(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A rejected job's id and reason are kept a week; a replay of its spec after that (a
+    consumer group's offsets lost with a long outage re-reads the topic) would have started
+    a job that was refused. A job or command record older than that is refused by its age,
+    with the reason (a dead letter); within the week the job's record and the rejection
+    de-duplicate it."""
+    service = env_service(backend, tokenizer)
+    spec = job_spec("old", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    jobs = Inbox(Topic.JOBS)
+    old = dataclasses.replace(
+        jobs.delivery(), timestamp_ms=int((time.time() - REJECTION_TTL_S - 3600) * 1000)
+    )
+    for record in (spec, JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")):
+        with pytest.raises(ValueError, match="past the 7 days a job's id and rejection"):
+            await service.handle(record, old)
+    assert await backend.store.job(spec.job_id) is None
+    await jobs.hand(service.handle, spec)  # sent again: a job
+    assert await backend.store.job(spec.job_id) is not None
+
+
+async def test_a_replayed_result_of_a_finished_evaluation_is_not_counted(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """A result of an evaluation that has finished, or whose state went with its ended job
+    (a replay), counts nothing and brings back no state without an expiry."""
+    service = env_service(backend, tokenizer)
+    spec = msgspec.structs.replace(
+        job_spec("replayed", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2),
+        eval=EvalSettings(tasks=1),
+    )
+    await Inbox(Topic.JOBS).hand(service.handle, spec)
+    sent = await backend.sent(Topic.PROMPTS, spec.job_id, expect=3)
+    (request,) = [r for r in sent if isinstance(r, GenerationRequest) and "/eval0/" in r.episode_id]
+    completion = [*tokenizer.encode("0"), tokenizer.eos_token_id]
+    result = result_for(
+        request, completion_token_ids=completion, logprobs=[-0.1] * len(completion),
+        adapter_version=0, finish_reason="stop",
+    )  # fmt: skip
+    results = Inbox(Topic.ROLLOUTS)
+    await results.hand(service.handle, result)
+    assert (await backend.store.eval_tally(spec.job_id, 0)).episodes == 1
+    client = backend.store.client
+    await client.delete(eval_tally_key(spec.job_id, 0), dedup_key("results", spec.job_id))
+    await results.hand(service.handle, result)  # its evaluation finished: not counted
+    await client.delete(evals_key(spec.job_id), eval_seen_key(spec.job_id, 0))
+    await results.hand(service.handle, result)  # its state gone (expired): nor here
+    assert not await client.exists(eval_tally_key(spec.job_id, 0), eval_seen_key(spec.job_id, 0))
+    events = await backend.sent(Topic.EVENTS, spec.job_id, expect=2)
+    assert [e.event for e in events if isinstance(e, Event)] == ["accepted", "eval"]
 
 
 async def test_an_ended_jobs_environment_leaves_the_cache(
