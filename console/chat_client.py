@@ -7,6 +7,8 @@ import json
 import urllib.error
 import urllib.request
 
+from common.chat import JOB_HEADER
+
 
 class ChatFailed(Exception):
     """The endpoint refused (`status`: its HTTP status) or could not be reached (0)."""
@@ -24,9 +26,13 @@ def chat_completion(
     max_tokens: int,
     temperature: float,
     token: str | None,
+    for_job: str = "",
 ) -> tuple[str, str]:
     """(the model that answered, its answer) to one user message; `token`: the replicas'
-    internal credential (`SharedSettings.internal_token(CHAT)`; None on an open bus)."""
+    internal credential (`SharedSettings.internal_token(CHAT)`; None on an open bus).
+    `for_job`: the job whose tenant the request is made for (a tenant's `sample`): the
+    replica admits it in the tenants' fair queue as that tenant's, not in the endpoint's
+    few slots shared by everyone."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -39,6 +45,7 @@ def chat_completion(
         headers={
             "Content-Type": "application/json",
             **({"Authorization": f"Bearer {token}"} if token else {}),
+            **({JOB_HEADER: for_job} if for_job else {}),
         },
         method="POST",
     )

@@ -31,12 +31,15 @@ async def sample(
     token = settings.internal_token(CHAT)
     close = gate(request).open_stream(tenant)  # a long call: one of the tenant's few at once
     try:
-        return await asyncio.to_thread(_chat, settings.chat_url, model, ask, token)
+        return await asyncio.to_thread(_chat, settings.chat_url, model, job_id, ask, token)
     finally:
         close()
 
 
-def _chat(base_url: str, model: str, ask: SampleRequest, token: str | None) -> SampleAnswer:
+def _chat(
+    base_url: str, model: str, job_id: str, ask: SampleRequest, token: str | None
+) -> SampleAnswer:
+    """The answer, sampled as the job's tenant's work (the tenants' fair queue)."""
     try:
         answered, content = chat_completion(
             base_url,
@@ -45,6 +48,7 @@ def _chat(base_url: str, model: str, ask: SampleRequest, token: str | None) -> S
             max_tokens=ask.max_tokens,
             temperature=ask.temperature,
             token=token,
+            for_job=job_id,
         )
     except ChatFailed as exc:
         raise HTTPException(exc.status or 502, str(exc)) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from common.config import RolloutSettings, SharedSettings
 from common.messages import EnvSettings, JobSpec, new_id
 from common.models import tiny_model
 from common.store import RedisStore
+from console.chat_client import chat_completion
 from console.cli.main import app
 from env_svc.judge import Judge
 from env_svc.protocol import ChatMessage, Reward, Task, ascore
@@ -108,6 +110,11 @@ async def test_an_openai_client_talks_to_a_jobs_adapter(
 
     said = await asyncio.to_thread(sample, job_id, "What is 2 + 3?")
     assert said == f"[{job_id}@v1] {adapted}"
+    # A tenant's `sample` (the API) is made for its job: admitted in the tenants' fair queue
+    # as its tenant's, not in the endpoint's few slots shared by everyone.
+    for_job = partial(chat_completion, url, job_id, "What is 2 + 3?", max_tokens=12)
+    answered = await asyncio.to_thread(for_job, temperature=0.0, token=token, for_job=job_id)
+    assert answered == (f"{job_id}@v1", adapted)
     failed = await asyncio.to_thread(
         CliRunner().invoke, app, ["sample", "nope", "hi", "--url", url]
     )
