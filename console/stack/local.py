@@ -29,7 +29,7 @@ from typing import IO
 from pydantic import SecretStr
 
 from common.access import Principal, new_passwords, redis_url_for, valkey_acl_lines
-from common.artifacts import atomic_write_text
+from common.artifacts import PRIVATE_DIR, atomic_write_text
 from common.config import (
     SharedSettings,
     stack_env_file,
@@ -136,6 +136,8 @@ class LocalStack:
 
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Its credentials, logs (tenants' job ids and reasons) and Redis data: the operator's.
+        self.state_dir.chmod(PRIVATE_DIR)
         self._take_lock()
         try:
             if not self._external_kafka:

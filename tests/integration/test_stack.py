@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def marlaas_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    tmp_path.chmod(0o755)  # an operator's directory, as mkdir under a usual umask makes it
     process = subprocess.Popen(
         [MARLAAS, "up", "--infra-only"],
         env=cli_env(tmp_path),
@@ -80,6 +82,7 @@ def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
 
     assert asyncio.run(check()) == {topic.value: 12 for topic in Topic}
     assert (tmp_path / "valkey").is_dir()  # Redis data lives under the state dir
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700  # secrets, logs: the operator's
 
     second = subprocess.run(
         [MARLAAS, "up", "--infra-only"],
