@@ -29,6 +29,7 @@ from common.messages import (
     Trajectory,
     new_id,
 )
+from common.metrics import ENDED_JOB
 from common.signing import RecordSigner
 from common.store import RedisStore
 from common.wire import decode
@@ -224,11 +225,9 @@ async def test_concurrent_jobs_run_to_max_steps(
     assert metric(samples["rollout_svc"], "marlaas_rollout_generated_tokens_total") > 0
     # A service exports the consumer metrics and its own, not another service's.
     assert not [name for name, _ in samples["env_svc"] if name.startswith("marlaas_rollout_")]
+    # An ended job's series are gone; its steps are counted among its tenant's ended jobs'.
+    counted = "marlaas_trainer_steps_total"
     for spec in (lagging, on_policy, duplicated):
-        trained = metric(
-            samples["trainer_svc"],
-            "marlaas_trainer_steps_total",
-            job_id=spec.job_id,
-            tenant=spec.tenant,
-        )
+        assert not metric(samples["trainer_svc"], counted, job_id=spec.job_id, tenant=spec.tenant)
+        trained = metric(samples["trainer_svc"], counted, job_id=ENDED_JOB, tenant=spec.tenant)
         assert trained == spec.rl.max_steps, spec.job_id
