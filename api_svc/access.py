@@ -12,7 +12,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Request
 
-from api_svc.limits import TenantGate
+from api_svc.limits import TenantGate, bearer_token, vouch
 from api_svc.views import JobView
 from common.config import SharedSettings
 from common.registry import JobRecord
@@ -43,6 +43,7 @@ async def _tenant_of(request: Request) -> str:
     tenant = await _client(request).store.tenants.authenticate(token)
     if tenant is None:
         raise unauthorized("API key not valid (unknown, revoked, or its tenant revoked)")
+    vouch(request.scope)
     gate(request).admit(tenant)
     return tenant
 
@@ -55,8 +56,7 @@ def gate(request: Request) -> TenantGate:
 
 def api_key(request: Request) -> str:
     """The request's API key (`Authorization: Bearer <key>`); "" without one."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    return bearer_token(request.headers.get("authorization", ""))
 
 
 Tenant = Annotated[str, Depends(_tenant_of)]

@@ -12,11 +12,12 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from api_svc.limits import BodyLimit, TenantGate
+from api_svc.limits import AddressGate, BodyLimit, TenantGate
 from api_svc.routes import jobs, outputs, sample, tenant
 from common.config import SharedSettings
 from common.wire import TOO_DEEP
 from console.client import MarlaasClient
+from console.eventfeed import ReadersBusy
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,23 @@ class ApiSettings(BaseSettings):
     max_streams: int = Field(default=4, ge=1)
     """Long calls a tenant may have open at once, per API replica: event streams
     (`?follow=true`) and `sample`s (each holds a worker thread while the model answers)."""
+    max_reads: int = Field(default=2, ge=1)
+    """Event reads, reports and exports a tenant may have running at once, per API replica
+    (each holds one of the replica's `readers` or a scratch copy of an adapter); more: 429."""
+    readers: int = Field(default=8, ge=1)
+    """Kafka consumers the replica keeps for event reads and reports (no consumer group,
+    nothing committed), each lent to one read at a time: at most that many run at once."""
+    reader_wait_s: float = Field(default=5.0, gt=0)
+    """How long a read waits for a free reader; then 503 with Retry-After."""
+    anonymous_requests_per_s: float = Field(default=2.0, gt=0)
+    """Sustained rate, per client address, of requests no valid key authenticates (no key,
+    a refused key, the schema pages); more gets 429 before any key is looked up."""
+    anonymous_burst: int = Field(default=20, ge=1)
+    """Such requests an address may make at once before that rate applies."""
+    forwarded_allow_ips: str = "127.0.0.1,::1"
+    """Proxies trusted to name the client in X-Forwarded-For (comma-separated addresses or
+    networks, "*" for any): the address the anonymous rate is kept for. Behind a balancer,
+    name it; otherwise every client shares the balancer's address (valid keys are exempt)."""
 
 
 def create_app(
@@ -50,11 +68,17 @@ def create_app(
     """The API over one operator-side client (opened for the app's lifetime), with the
     per-tenant limits of `limits` (api_svc/limits.py)."""
     limits = limits or ApiSettings()
-    client = MarlaasClient(settings, connect_timeout_s=connect_timeout_s)
+    client = MarlaasClient(
+        settings,
+        connect_timeout_s=connect_timeout_s,
+        readers=limits.readers,
+        reader_wait_s=limits.reader_wait_s,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with client:
+            await client.start_producer()  # one for every submission and command
             yield
 
     app = FastAPI(
@@ -64,13 +88,19 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.client, app.state.settings = client, settings
-    app.state.gate = TenantGate(limits.requests_per_s, limits.burst, limits.max_streams)
+    app.state.gate = TenantGate(
+        limits.requests_per_s, limits.burst, limits.max_streams, limits.max_reads
+    )
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(  # outermost: a flooding address is refused before anything else
+        AddressGate, rate_per_s=limits.anonymous_requests_per_s, burst=limits.anonymous_burst
+    )
     # `sample` before `jobs`, whose `/{job_id}/{action}` would take "sample" for an action.
     for module in (tenant, sample, jobs, outputs):
         app.include_router(module.router)
     app.add_exception_handler(HTTPException, _error)  # type: ignore[arg-type]
     app.add_exception_handler(RecursionError, _too_deep)
+    app.add_exception_handler(ReadersBusy, _busy)
     return app
 
 
@@ -81,6 +111,11 @@ async def _error(_: Request, exc: HTTPException) -> JSONResponse:
 async def _too_deep(_: Request, __: Exception) -> JSONResponse:
     """A body whose JSON nests past the parser's stack (`[[[[...`): the client's error."""
     return JSONResponse({"error": f"the body is not usable JSON: {TOO_DEEP}"}, status_code=400)
+
+
+async def _busy(_: Request, exc: Exception) -> JSONResponse:
+    """Every reader of this replica is lent out: the server's limit, not the tenant's."""
+    return JSONResponse({"error": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
 
 async def serve(
@@ -99,6 +134,7 @@ async def serve(
         port=api.port,
         log_level="warning",
         lifespan="on",
+        forwarded_allow_ips=api.forwarded_allow_ips,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="tenant-api")

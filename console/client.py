@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.artifacts import latest_checkpoint_version
 from common.audit import Audit, audit
+from common.bus import Producer
 from common.config import (
     SERVICE_SETTINGS,
     SharedSettings,
@@ -24,7 +25,7 @@ from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STAT
 from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from common.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.store import RedisStore
-from console.eventfeed import AdapterFeed, EventFeed
+from console.eventfeed import AdapterFeed, EventFeed, ReaderPool
 from console.export import (
     ExportedAdapter,
     ExportError,
@@ -32,7 +33,6 @@ from console.export import (
     export_adapter,
     local_base_model,
 )
-from console.jobwatch import submit_jobs
 from console.status.board import StatusBoard
 from console.tracking import Tracker
 
@@ -42,10 +42,30 @@ class JobStateError(ValueError):
 
 
 class MarlaasClient:
-    def __init__(self, settings: SharedSettings, *, connect_timeout_s: float = 10.0) -> None:
+    """One Redis connection, one Kafka producer (opened at the first send, or by
+    `start_producer`) and at most `readers` pooled consumers for one-shot reads of the bus
+    (events, reports, audits), each waited for up to `reader_wait_s` (ReadersBusy then);
+    all held until the client closes. Following a job holds a consumer of its own."""
+
+    def __init__(
+        self,
+        settings: SharedSettings,
+        *,
+        connect_timeout_s: float = 10.0,
+        readers: int = 4,
+        reader_wait_s: float = 30.0,
+    ) -> None:
         self.settings = settings
         self.connect_timeout_s = connect_timeout_s
+        self.readers = ReaderPool(
+            settings.kafka_bootstrap,
+            size=readers,
+            wait_s=reader_wait_s,
+            connect_timeout_s=connect_timeout_s,
+        )
         self._store: RedisStore | None = None
+        self._producer: Producer | None = None
+        self._producer_started = asyncio.Lock()
 
     async def __aenter__(self) -> MarlaasClient:
         self._store = await RedisStore.connect(
@@ -54,9 +74,29 @@ class MarlaasClient:
         return self
 
     async def __aexit__(self, *_: object) -> None:
-        if self._store is not None:
-            await self._store.close()
-            self._store = None
+        try:
+            if self._producer is not None:
+                await self._producer.stop()
+                self._producer = None
+            await self.readers.close()
+        finally:
+            if self._store is not None:
+                await self._store.close()
+                self._store = None
+
+    async def start_producer(self) -> Producer:
+        """The client's producer, started now if it is not yet (the tenant API does at start,
+        so a broker it cannot reach fails the start, not a tenant's first submission)."""
+        async with self._producer_started:
+            if self._producer is None:
+                producer = Producer(
+                    self.settings.kafka_bootstrap,
+                    client_id="marlaas-client",
+                    signing=self.settings.signer,
+                )
+                await producer.start(timeout_s=self.connect_timeout_s)
+                self._producer = producer
+            return self._producer
 
     @property
     def store(self) -> RedisStore:
@@ -112,7 +152,7 @@ class MarlaasClient:
 
     async def events(self, job: Job) -> list[Event]:
         """Every event of the job so far, oldest first."""
-        async with self._feed({job_id_of(job)}) as feed:
+        async with self._feed({job_id_of(job)}, pooled=True) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         if not events:
             await self.job(job)  # UnknownJobError unless it is registered
@@ -189,6 +229,7 @@ class MarlaasClient:
             set(job_ids),
             connect_timeout_s=self.connect_timeout_s,
             signing=self.settings.signer,
+            readers=self.readers,
         ) as feed:
             updates = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         announced: dict[str, int] = {}
@@ -221,7 +262,7 @@ class MarlaasClient:
         from console.report.page import write_report
 
         job_ids = {job_id_of(job) for job in jobs}
-        async with self._feed(job_ids or None) as feed:
+        async with self._feed(job_ids or None, pooled=True) as feed:
             events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
         specs = {job.spec.job_id: job.spec for job in jobs if isinstance(job, JobRecord)}
         for job in jobs:
@@ -257,21 +298,21 @@ class MarlaasClient:
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _feed(self, job_ids: Collection[str] | None) -> EventFeed:
+    def _feed(self, job_ids: Collection[str] | None, *, pooled: bool = False) -> EventFeed:
+        """A feed of the jobs' events: `pooled` for a read to the end (its consumer lent by
+        `readers`), else with a consumer of its own (a follow may stay open for hours)."""
         return EventFeed(
             self.settings.kafka_bootstrap,
             job_ids,
             connect_timeout_s=self.connect_timeout_s,
             signing=self.settings.signer,
+            readers=self.readers if pooled else None,
         )
 
     async def _send(self, *messages: JobSpec | JobCommand) -> None:
-        await submit_jobs(
-            self.settings.kafka_bootstrap,
-            messages,
-            timeout_s=self.connect_timeout_s,
-            signing=self.settings.signer,
-        )
+        producer = await self.start_producer()
+        for message in messages:
+            await producer.send(message)
 
 
 def consumer_groups() -> dict[str, str]:

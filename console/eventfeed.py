@@ -2,11 +2,15 @@
 CLI, the demo, reports, audits.
 
 No consumer group and no commits: every reader sees the whole topic from its start, so
-`marlaas status` and `marlaas logs` work from any machine that reaches the broker.
+`marlaas status` and `marlaas logs` work from any machine that reaches the broker. A process
+that serves many short reads (the tenant API) lends them consumers from a `ReaderPool`
+instead of starting one per read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Collection
 from typing import Generic, TypeVar
@@ -14,12 +18,112 @@ from typing import Generic, TypeVar
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import start_reader
+from common.bus import partition_of, start_reader
 from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
 from common.signing import RecordSigner
 from common.wire import decode
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger(__name__)
+
+
+class ReadersBusy(Exception):
+    """Every consumer of a `ReaderPool` is lent out, and none came back in time."""
+
+
+class ReaderPool:
+    """At most `size` consumers in no group, each started once and lent to one read at a time:
+    however many reads a process serves, it holds at most `size` broker connections for them.
+    A read waits up to `wait_s` for a free consumer, then gets ReadersBusy. A consumer comes
+    back with its partitions paused, so it fetches nothing while idle (not unassigned: aiokafka
+    swallows a stop that lands while it drops an assignment's fetches, and then hangs), and is
+    lent again to reads of the same topic only (its metadata then knows that topic alone); one
+    whose read failed is closed, not lent again."""
+
+    def __init__(
+        self, bootstrap: str, *, size: int, wait_s: float, connect_timeout_s: float = 10.0
+    ) -> None:
+        self.bootstrap, self.size, self.wait_s = bootstrap, size, wait_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[str, list[AIOKafkaConsumer]] = {}
+        """Consumers given back, by the topic they read."""
+        self._started = 0
+        """Consumers started and not stopped, lent or idle: at most `size`."""
+        self._free = asyncio.Semaphore(size)
+        self._closed = False
+
+    async def lend(
+        self, topic: str, keys: Collection[str] | None
+    ) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
+        """A started consumer assigned the partitions of `topic` that records keyed `keys` go
+        to (None: all), as `start_reader` assigns one; and those partitions. `give_back` it."""
+        try:
+            await asyncio.wait_for(self._free.acquire(), self.wait_s)
+        except TimeoutError:
+            raise ReadersBusy(
+                f"all {self.size} event readers are busy (waited {self.wait_s:g}s); retry shortly"
+            ) from None
+        idle = self._idle.get(topic)
+        consumer: AIOKafkaConsumer | None = idle.pop() if idle else None
+        try:
+            if consumer is None:
+                self._started += 1  # counted before anything yields
+                idle_elsewhere = [c for same in self._idle.values() for c in same]
+                if self._started > self.size and idle_elsewhere:  # make room
+                    await self._stop(idle_elsewhere[0])
+                consumer, _ = await start_reader(
+                    self.bootstrap,
+                    topic,
+                    client_id="marlaas-pooled-reader",
+                    start_at="earliest",
+                    timeout_s=self.connect_timeout_s,
+                    keys=(),  # assigned below, as for a consumer lent again
+                )
+            partitions = consumer.partitions_for_topic(topic)
+            if not partitions:
+                await consumer.topics()  # refresh metadata once
+                partitions = consumer.partitions_for_topic(topic) or set()
+            every = sorted(partitions)
+            if keys is not None and every:
+                every = sorted({partition_of(key, every) for key in keys})
+            assigned = [TopicPartition(topic, partition) for partition in every]
+            consumer.assign(assigned)
+        except BaseException:
+            if consumer is None:
+                self._started -= 1
+            else:
+                await self._stop(consumer)
+            self._free.release()
+            raise
+        return consumer, assigned
+
+    async def give_back(self, consumer: AIOKafkaConsumer, *, usable: bool) -> None:
+        """Return a consumer from `lend`: kept for the next read when `usable`, else closed."""
+        try:
+            if usable and not self._closed:
+                consumer.pause(*consumer.assignment())
+                topic = next(iter(consumer.assignment()), TopicPartition("", 0)).topic
+                self._idle.setdefault(topic, []).append(consumer)
+            else:
+                await self._stop(consumer)
+        finally:
+            self._free.release()
+
+    async def close(self) -> None:
+        """Close the idle consumers; those lent out close when given back."""
+        self._closed = True
+        for consumer in [c for same in self._idle.values() for c in same]:
+            await self._stop(consumer)
+
+    async def _stop(self, consumer: AIOKafkaConsumer) -> None:
+        for same in self._idle.values():
+            if consumer in same:
+                same.remove(consumer)
+        self._started -= 1
+        try:
+            await asyncio.wait_for(consumer.stop(), self.connect_timeout_s)
+        except TimeoutError:  # the hang above, should a stop still meet it: not the caller's
+            log.warning("a pooled Kafka reader did not stop in %.0fs", self.connect_timeout_s)
 
 
 class TopicFeed(Generic[M]):
@@ -40,11 +144,14 @@ class TopicFeed(Generic[M]):
         *,
         connect_timeout_s: float = 10.0,
         signing: RecordSigner | None = None,
+        readers: ReaderPool | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.connect_timeout_s = connect_timeout_s
         self.signing = signing
         """Skips records not signed with the bus key (None: reads every record)."""
+        self.readers = readers
+        """Lends the feed its consumer, given back when it stops (None: it starts its own)."""
         self.job_ids = set(job_ids) if job_ids is not None else None
         self._consumer: AIOKafkaConsumer | None = None
         self._ends: dict[TopicPartition, int] = {}
@@ -53,30 +160,43 @@ class TopicFeed(Generic[M]):
         self._seen: set[str] = set()
 
     async def start(self) -> None:
-        consumer, assigned = await start_reader(
-            self.bootstrap,
-            self.topic.value,
-            client_id=f"marlaas-{self.topic.value}-reader",
-            start_at="earliest",
-            timeout_s=self.connect_timeout_s,
-            keys=self.job_ids,  # a job's records are keyed by its id: only their partitions
-        )
-        if assigned:
-            await consumer.seek_to_beginning(*assigned)
-            self._ends = dict(await consumer.end_offsets(assigned))
+        topic = self.topic.value
+        if self.readers is None:
+            consumer, assigned = await start_reader(
+                self.bootstrap,
+                topic,
+                client_id=f"marlaas-{topic}-reader",
+                start_at="earliest",
+                timeout_s=self.connect_timeout_s,
+                keys=self.job_ids,  # a job's records are keyed by its id: only their partitions
+            )
+        else:
+            consumer, assigned = await self.readers.lend(topic, self.job_ids)
         self._consumer = consumer
+        try:
+            if assigned:
+                await consumer.seek_to_beginning(*assigned)
+                self._ends = dict(await consumer.end_offsets(assigned))
+        except BaseException:
+            await self.stop(usable=False)
+            raise
 
-    async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-            self._consumer = None
+    async def stop(self, *, usable: bool = True) -> None:
+        """Close the feed's consumer, or give it back to its pool (to lend again if `usable`)."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is None:
+            return
+        if self.readers is None:
+            await consumer.stop()
+        else:
+            await self.readers.give_back(consumer, usable=usable)
 
     async def __aenter__(self) -> TopicFeed[M]:
         await self.start()
         return self
 
-    async def __aexit__(self, *_: object) -> None:
-        await self.stop()
+    async def __aexit__(self, failed: type[BaseException] | None, *_: object) -> None:
+        await self.stop(usable=failed is None)  # a failed read may have left it mid-fetch
 
     @property
     def caught_up(self) -> bool:

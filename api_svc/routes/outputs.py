@@ -1,16 +1,19 @@
 """What a job leaves: `GET /v1/jobs/{job}/events` (`?follow=true`: NDJSON until it ends),
-`GET /v1/jobs/{job}/export` (the adapter, .tar.gz) and `GET /v1/report` (.tar.gz)."""
+`GET /v1/jobs/{job}/export` (the adapter, .tar.gz) and `GET /v1/report` (.tar.gz).
+
+Archives are written to an unnamed temporary file and streamed from it, never held in memory:
+an adapter may be hundreds of MB. The file has no name, so it is gone once the response is
+(sent, or its client gone), whatever happens to the request."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import tarfile
 import tempfile
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import msgspec
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -29,7 +32,11 @@ async def events(
 ) -> Response:
     job = await owned(client, job_id, tenant) or job_id  # bound, not registered yet: its id
     if not follow:
-        found = [e for e in await client.events(job) if e.tenant == tenant]
+        done = gate(request).open_read(tenant)
+        try:
+            found = [e for e in await client.events(job) if e.tenant == tenant]
+        finally:
+            done()
         return Response(msgspec.json.encode(found), media_type="application/json")
     close = gate(request).open_stream(tenant)
     key = api_key(request)
@@ -54,19 +61,27 @@ async def events(
 
 @router.get("/jobs/{job_id}/export", response_model=None)
 async def export(
-    job_id: str, tenant: Tenant, client: Client, version: int | None = None, best: bool = False
+    job_id: str,
+    tenant: Tenant,
+    client: Client,
+    request: Request,
+    version: int | None = None,
+    best: bool = False,
 ) -> Response:
     """The job's latest adapter, `version`, or (`best`) its best evaluated version."""
     record = await registered(client, job_id, tenant)
-    with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
-        out = Path(scratch) / job_id
-        exported = await conflict_on(client.export(record, out, version=version, best=best))
-        name = f"{job_id}-v{exported.version}"
-        body = await asyncio.to_thread(_tar_gz, out, name)
-    return Response(
-        body,
-        media_type="application/gzip",
-        headers={
+    done = gate(request).open_read(tenant)
+    try:
+        with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
+            out = Path(scratch) / job_id
+            exported = await conflict_on(client.export(record, out, version=version, best=best))
+            name = f"{job_id}-v{exported.version}"
+            archive = await asyncio.to_thread(_tar_gz, out, name)
+    finally:
+        done()
+    return _streamed(
+        archive,
+        {
             "Content-Disposition": f'attachment; filename="{name}.tar.gz"',
             "X-Adapter-Version": str(exported.version),
         },
@@ -75,22 +90,55 @@ async def export(
 
 @router.get("/report", response_model=None)
 async def report(
-    tenant: Tenant, client: Client, job: Annotated[list[str] | None, Query()] = None
+    tenant: Tenant,
+    client: Client,
+    request: Request,
+    job: Annotated[list[str] | None, Query()] = None,
 ) -> Response:
     """The HTML report (+ CSV, JSON) of the named jobs, or of all the tenant's, as .tar.gz."""
     job_ids = job or await client.store.tenant_job_ids(tenant)
     records = [await registered(client, job_id, tenant) for job_id in job_ids]
     if not records:
         raise HTTPException(404, f"tenant {tenant!r} has no jobs to report on")
-    with tempfile.TemporaryDirectory(prefix="marlaas-report-") as scratch:
-        out = Path(scratch) / "report"
-        await client.report(records, out)
-        body = await asyncio.to_thread(_tar_gz, out, "report")
-    return Response(body, media_type="application/gzip")
+    done = gate(request).open_read(tenant)
+    try:
+        with tempfile.TemporaryDirectory(prefix="marlaas-report-") as scratch:
+            out = Path(scratch) / "report"
+            await client.report(records, out)
+            archive = await asyncio.to_thread(_tar_gz, out, "report")
+    finally:
+        done()
+    return _streamed(archive, {})
 
 
-def _tar_gz(directory: Path, name: str) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        tar.add(directory, arcname=name)
-    return buffer.getvalue()
+CHUNK_BYTES = 256 * 1024
+"""What a streamed archive is read and sent in."""
+
+
+def _tar_gz(directory: Path, name: str) -> IO[bytes]:
+    """`directory` as a .tar.gz in an unnamed temporary file, rewound."""
+    archive = tempfile.TemporaryFile(prefix="marlaas-archive-")
+    try:
+        with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+            tar.add(directory, arcname=name)
+        archive.seek(0)
+    except BaseException:
+        archive.close()
+        raise
+    return archive
+
+
+def _streamed(archive: IO[bytes], headers: dict[str, str]) -> StreamingResponse:
+    size = archive.seek(0, 2)
+    archive.seek(0)
+
+    def chunks() -> Iterator[bytes]:  # run in a worker thread, a chunk at a time
+        with archive:
+            while chunk := archive.read(CHUNK_BYTES):
+                yield chunk
+
+    return StreamingResponse(
+        chunks(),
+        media_type="application/gzip",
+        headers={**headers, "Content-Length": str(size)},
+    )

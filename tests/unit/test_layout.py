@@ -14,8 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
 PACKAGES = ("api_svc", "common", "console", *SERVICES)
-API_MAY_IMPORT = ("api_svc", "common", "console.client", "console.chat_client")
-"""The tenant API, a deployable of its own: `common` and the operator's client library."""
+API_MAY_IMPORT = (
+    "api_svc",
+    "common",
+    "console.client",
+    "console.eventfeed",
+    "console.chat_client",
+)
+"""The tenant API, a deployable of its own: `common` and the operator's client library (the
+client, the feeds it reads the bus with, the chat client)."""
 
 
 def imports_of(path: Path) -> set[str]:
