@@ -112,6 +112,14 @@ async def start_reader(
         bootstrap,
         timeout_s,
     )
+    return consumer, await assign_topic(consumer, topic, keys)
+
+
+async def assign_topic(
+    consumer: AIOKafkaConsumer, topic: str, keys: Collection[str] | None = None
+) -> list[TopicPartition]:
+    """Assign `consumer` (in no group) every partition of `topic`, or with `keys` only those
+    that records with these keys go to (the producers' partitioner); returns them."""
     partitions = consumer.partitions_for_topic(topic)
     if not partitions:
         await consumer.topics()  # refresh metadata once
@@ -121,7 +129,7 @@ async def start_reader(
         every = sorted({partition_of(key, every) for key in keys})
     assigned = [TopicPartition(topic, p) for p in every]
     consumer.assign(assigned)
-    return consumer, assigned
+    return assigned
 
 
 # --- producing ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import partition_of, start_reader
+from common.bus import assign_topic, start_reader
 from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
 from common.signing import RecordSigner
 from common.wire import decode
@@ -79,15 +79,7 @@ class ReaderPool:
                     timeout_s=self.connect_timeout_s,
                     keys=(),  # assigned below, as for a consumer lent again
                 )
-            partitions = consumer.partitions_for_topic(topic)
-            if not partitions:
-                await consumer.topics()  # refresh metadata once
-                partitions = consumer.partitions_for_topic(topic) or set()
-            every = sorted(partitions)
-            if keys is not None and every:
-                every = sorted({partition_of(key, every) for key in keys})
-            assigned = [TopicPartition(topic, partition) for partition in every]
-            consumer.assign(assigned)
+            assigned = await assign_topic(consumer, topic, keys)
         except BaseException:
             if consumer is None:
                 self._started -= 1
