@@ -200,6 +200,12 @@ def test_a_hostile_tenants_largest_fields_are_refused_before_anything_is_kept(
             assert limit in response.json()["error"], (what, response.text[:300])
             assert len(response.text) < 2000, what  # the limit named, the value not quoted
     assert redis_bytes() - before < 2**20
+    for token in ("mlk_" + "é" * 32 + "_sécret", "\u00ff" * 64):  # not ASCII (latin-1 bytes)
+        response = fuzzed.session.get(
+            f"{fuzzed.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
+        fuzzed.check("GET /v1/jobs (a key not ASCII)", response)
+        assert response.status_code == 401, response.text[:300]
     deep = b"[" * 100_000 + b"]" * 100_000
     for path, said in (("/v1/jobs", "nested too deeply"), ("/v1/jobs/j/sample", "parsing")):
         response = fuzzed.session.post(
