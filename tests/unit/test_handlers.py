@@ -249,7 +249,7 @@ async def test_a_job_evaluating_every_version_has_one_evaluation_in_flight(
         await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
         await adapters.hand(service.handle, adapter_update(job_id, version))
     for _ in range(11):
-        sent = await backend.sent(Topic.PROMPTS, job_id, expect=11 * 2 + answered + 16)
+        sent = await backend.sent(Topic.PROMPTS, job_id, expect=10 * 2 + answered + 16)
         evaluating = [r for r in sent if isinstance(r, GenerationRequest) and "/eval" in r.group_id]
         assert len(evaluating) - answered == 16  # in flight: one evaluation's tasks
         await answer_evaluation(service, tokenizer, evaluating[answered:])
