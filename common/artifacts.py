@@ -37,6 +37,9 @@ VERSION_DIR = re.compile(r"v(\d+)(?:\.e(\d+))?")
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 """Modes of everything in the artifact store: the service user's alone."""
+PRIVATE_UMASK = 0o077
+"""The services' umask, and that of what `marlaas up` starts: whatever else they write (the
+model cache, Redis' and the broker's data, logs) is theirs alone too."""
 
 STAGING_INFIX = ".staging-"
 """Marks a directory or file still being written (`.<name>.staging-<random>`)."""

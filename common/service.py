@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from abc import ABC, abstractmethod
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from pydantic_settings import BaseSettings
 
 from common.access import redacted
+from common.artifacts import PRIVATE_UMASK
 from common.backoff import is_transient, retry_transient
 from common.bus import ConsumerLoop, Handler, Producer
 from common.config import SettingsError, SharedSettings, load
@@ -208,9 +210,11 @@ def exit_code(service: str, main: Callable[[], int]) -> int:
 
 
 def start_settings(settings_type: type[S], *, check: bool = False) -> tuple[SharedSettings, S]:
-    """A service's two settings blocks at start: loaded, the bus key required unless this is a
+    """A service's two settings blocks at start: the umask made private (what the service
+    writes is its user's alone), settings loaded, the bus key required unless this is a
     start-up `check` (before anything slow, so a wrong deployment fails at once), logging set
     up, and both blocks logged."""
+    os.umask(PRIVATE_UMASK)
     shared, settings = load(SharedSettings), load(settings_type)
     if not check:
         shared.require_bus_key()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 
@@ -115,9 +116,11 @@ def up(
     ),
 ) -> None:
     """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
+    from common.artifacts import PRIVATE_UMASK
     from common.models import resolve_base_model
     from console.stack.services import replicated
 
+    os.umask(PRIVATE_UMASK)  # the state dir's lock, logs and credentials: the operator's alone
     settings = load(SharedSettings)
     setup_logging(settings.log_level)
     services: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import random
 import signal
 import socket
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TypeVar
 
+from common.artifacts import PRIVATE_FILE, PRIVATE_UMASK
 from common.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,9 @@ def spawn(
     env: dict[str, str] | None = None,
 ) -> ChildServer:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = log_path.open("ab")
+    log_file = open(  # the child's log, closed by ChildServer
+        os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE), "ab"
+    )
     process = subprocess.Popen(
         argv,
         stdout=log_file,
@@ -130,6 +134,7 @@ def spawn(
         stdin=subprocess.DEVNULL,
         cwd=cwd,
         env=env,
+        umask=PRIVATE_UMASK,
         preexec_fn=_die_with_parent,
     )
     log.info("started %s (pid %d), log %s", name, process.pid, log_path)

@@ -431,6 +431,54 @@ def test_trainer_and_rollout_share_the_artifact_volume(compose: Compose) -> None
     assert "artifacts" in compose["volumes"]
 
 
+def mount_modes(service: Compose) -> dict[str, str]:
+    """Target -> "ro" or "rw" of each volume entry (short syntax)."""
+    modes = {}
+    for volume in service.get("volumes") or []:
+        parts = volume.split(":")
+        modes[parts[1]] = "ro" if parts[2:] == ["ro"] else "rw"
+    return modes
+
+
+def test_every_container_of_ours_runs_on_a_read_only_root_with_tmp_in_memory(
+    compose: Compose,
+) -> None:
+    services = compose["services"]
+    for name in [*marlaas_containers(compose), "redis"]:
+        service = services[name]
+        assert service.get("read_only") is True, name
+        (tmp,) = service["tmpfs"]
+        path, options = tmp.split(":")
+        assert path == "/tmp", name
+        # Nothing written there runs, but the engine's compiled kernels (torch's inductor).
+        assert ("exec" in options.split(",")) == (name == "rollout_svc"), name
+    for name in marlaas_containers(compose):
+        if name != "redis-acl":
+            # vLLM's, torch's and triton's caches under the home directory must be writable.
+            assert environment_of(services[name])["HOME"] == "/tmp", name
+
+
+def test_a_volume_is_writable_only_where_its_service_writes_it(compose: Compose) -> None:
+    services = compose["services"]
+    modes = {name: mount_modes(services[name]) for name in marlaas_containers(compose)}
+    writers = {
+        (name, target)
+        for name, mounts in modes.items()
+        for target, mode in mounts.items()
+        if mode == "rw"
+    }
+    assert writers == {
+        ("trainer_svc", "/artifacts"),  # adapters and checkpoints
+        ("trainer_svc", "/cache"),  # the base model converted once, by whichever starts first
+        ("rollout_svc", "/cache"),
+        ("redis-acl", "/acl"),  # Redis' aclfile
+        ("cli", "/exports"),  # the operator's exports and reports
+    }
+    # env_svc reads no adapter; the API and rollout read them.
+    assert "/artifacts" not in modes["env_svc"]
+    assert modes["api"]["/artifacts"] == modes["rollout_svc"]["/artifacts"] == "ro"
+
+
 def test_services_start_after_topics_and_redis(compose: Compose) -> None:
     services = compose["services"]
     for name in (*MARLAAS_SERVICES, "api"):

@@ -130,6 +130,9 @@ def test_config_names_only_settings_the_services_read(docs: list[Doc]) -> None:
             name = variable["name"]
             if name in kafka_auth:  # how every Kafka client logs in
                 continue
+            if name == "HOME":  # the root is read-only: caches go to /tmp
+                assert variable["value"] == "/tmp"
+                continue
             if "valueFrom" in variable:  # a secret: a shared setting
                 assert name.removeprefix("MARLAAS_").lower() in SharedSettings.model_fields
                 continue
@@ -298,14 +301,38 @@ def test_probes_ports_and_volumes_match_the_services(docs: list[Doc]) -> None:
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
-        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-        assert mounts["/artifacts"] == "artifacts" and mounts["/cache"] == "model-cache"
+        # A read-only root: what the process writes goes to its volumes or to /tmp (memory).
+        assert container["securityContext"] == {
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+        }
+        assert {"name": "HOME", "value": "/tmp"} in container["env"]
+        assert {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod[
+            "volumes"
+        ]
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert mounts["/tmp"]["name"] == "tmp" and mounts["/cache"]["name"] == "model-cache"
+        # Writable only where the service writes: adapters by the trainer alone (env_svc reads
+        # none), the model cache by the trainer and rollout (whichever converts it first).
+        writes = {path for path, m in mounts.items() if not m.get("readOnly")} - {"/tmp"}
+        assert (
+            writes
+            == {
+                "env-svc": set(),
+                "rollout-svc": {"/cache", "/dev/shm"},
+                "trainer-svc": {"/artifacts", "/cache"},
+            }[name]
+        )
+        assert ("/artifacts" in mounts) == (name != "env-svc")
         claims = {
             v["name"]: v["persistentVolumeClaim"]["claimName"]
             for v in pod["volumes"]
             if "persistentVolumeClaim" in v
         }
-        assert claims == {"artifacts": "marlaas-artifacts", "model-cache": "marlaas-model-cache"}
+        expected = {"model-cache": "marlaas-model-cache"}
+        if name != "env-svc":
+            expected["artifacts"] = "marlaas-artifacts"
+        assert claims == expected
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == 1) == (name != "env-svc")
     pvcs = of_kind(docs, "PersistentVolumeClaim")
