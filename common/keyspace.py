@@ -10,6 +10,9 @@ docs/architecture.md, "Redis keys").
 - `jobs`            set of every registered job id (listings; no sweep or script walks it)
 - `active-jobs`     set of the jobs env_svc's sweep still visits: registered, and not yet
                     ended with their evaluations done (then their state expires)
+- `unkept-jobs`     sorted set `{tenant}/{job}` -> when the record of an ended job that
+                    never published an adapter expires: then its entries in `jobs` and
+                    `tenant-jobs:{tenant}` go too (env_svc's sweep)
 - `tenant-load:{name}` hash jobs, samples: the tenant's jobs not ended and their samples in
                     flight, moved by registration and by the move to a terminal status (the
                     quota's counters)
@@ -30,7 +33,8 @@ docs/architecture.md, "Redis keys").
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 
 A job's working state (ledger, de-dup sets, flow, claims, evaluation keys) expires a week
-after the job ends (`registry.ENDED_TTL_S`); its record and adapter pointers stay.
+after the job ends (`registry.ENDED_TTL_S`); its record and adapter pointers stay if it
+published an adapter (something to export), else its record and owner binding go too.
 
 Each family is a `Key`: `flow_key("j")` is `flow:j`, `flow_key.prefix` is `flow:`. Lua
 scripts name some keys without declaring them (the adapter pointer read by the issue
@@ -58,6 +62,7 @@ job_key = Key("job:")
 JOBS = "jobs"
 ACTIVE_JOBS = "active-jobs"
 ACTIVE_SINCE = "active-jobs-since"
+UNKEPT_JOBS = "unkept-jobs"
 """Set once `active-jobs` and the `tenant-load` counters were filled from `jobs` (a
 deployment whose Redis predates them: `JobRegistry.backfill_active`)."""
 rejection_key = Key("rejected:")

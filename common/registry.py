@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from common.keyspace import (
     ACTIVE_JOBS,
     ACTIVE_SINCE,
     JOBS,
+    UNKEPT_JOBS,
     job_key,
     owner_key,
     rejection_key,
@@ -52,9 +53,10 @@ end
 """
 
 # KEYS[1] job key, KEYS[2] jobs set, KEYS[3] the tenant's jobs set, KEYS[4] the tenant's load,
-# KEYS[5] active jobs; ARGV job_id, spec, tenant, status, now, the job's samples in flight,
-# max_concurrent_jobs, max_samples_in_flight, terminal statuses... -> {1 new / 0 known / -1 too
-# many jobs / -2 too many samples, the tenant's live jobs, their samples in flight}.
+# KEYS[5] active jobs, KEYS[6] the id's owner binding; ARGV job_id, spec, tenant, status, now,
+# the job's samples in flight, max_concurrent_jobs, max_samples_in_flight, terminal
+# statuses... -> {1 new / 0 known / -1 too many jobs / -2 too many samples, the tenant's live
+# jobs, their samples in flight}.
 _REGISTER_JOB = (
     _QUOTA_RULE
     + """
@@ -67,6 +69,7 @@ redis.call('HSET', KEYS[1], 'spec', ARGV[2], 'tenant', ARGV[3], 'status', ARGV[4
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 redis.call('SADD', KEYS[5], ARGV[1])
+redis.call('PERSIST', KEYS[6])  -- a registered job's id is its tenant's for good
 for i = 9, #ARGV do
   if ARGV[4] == ARGV[i] then return {1, jobs, busy} end  -- registered ended: no load
 end
@@ -87,6 +90,14 @@ local code, jobs, busy = quota(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
 return {code, jobs, busy}
 """
 )
+
+# KEYS[1] rejection key, KEYS[2] owner key, KEYS[3] job key; ARGV reason, ttl. The binding
+# ends with the rejection's record only while no job is registered under the id: a spec
+# rejected under a running job's id must not lock its tenant out of it a week later.
+_RECORD_REJECTION = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+"""
 
 # KEYS[1] owner key; ARGV tenant -> the tenant the job id is bound to (this one if unbound)
 _BIND_OWNER = """
@@ -173,6 +184,7 @@ class JobRegistry(RedisPart):
     _register_job = Lua(_REGISTER_JOB)
     _check_quota = Lua(_CHECK_QUOTA)
     _bind_owner = Lua(_BIND_OWNER)
+    _record_rejection = Lua(_RECORD_REJECTION)
     _set_status = Lua(_SET_STATUS)
     _backfill_active = Lua(_BACKFILL_ACTIVE)
 
@@ -194,6 +206,7 @@ class JobRegistry(RedisPart):
                 tenant_jobs_key(spec.tenant),
                 tenant_load_key(spec.tenant),
                 ACTIVE_JOBS,
+                owner_key(spec.job_id),
             ],
             args=[
                 spec.job_id,
@@ -245,11 +258,12 @@ class JobRegistry(RedisPart):
 
     async def record_rejection(self, job_id: str, reason: str) -> None:
         """Why a job was rejected (it is never registered), kept a week for its sender; the
-        id's binding to its tenant ends with it (a rejected job leaves no key forever)."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(rejection_key(job_id), clipped(reason), ex=REJECTION_TTL_S)
-            pipe.expire(owner_key(job_id), REJECTION_TTL_S)
-            await pipe.execute()
+        id's binding to its tenant ends with it (a rejected job leaves no key forever), unless
+        a job is registered under the id."""
+        await self._record_rejection(
+            keys=[rejection_key(job_id), owner_key(job_id), job_key(job_id)],
+            args=[clipped(reason), REJECTION_TTL_S],
+        )
 
     async def rejection(self, job_id: str) -> str | None:
         reason = await self._redis.get(rejection_key(job_id))
@@ -270,6 +284,18 @@ class JobRegistry(RedisPart):
             updated_at=float(fields["updated_at"]),
         )
 
+    async def job_statuses(self, job_ids: Collection[str]) -> dict[str, str | None]:
+        """Each job's status alone, in one round trip (None: no record): for a hot path
+        that needs no spec."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(job_key(job_id), "status")
+            answers = await pipe.execute()
+        return {
+            job_id: None if answer is None else text(answer)
+            for job_id, answer in zip(job_ids, answers, strict=True)
+        }
+
     async def job_ids(self) -> list[str]:
         """Every job ever registered (listings: the status board, reports)."""
         return sorted(text(member) for member in await self._redis.smembers(JOBS))
@@ -282,6 +308,34 @@ class JobRegistry(RedisPart):
         """An ended job whose evaluations are done and whose state now expires: no sweep
         visits it again."""
         await self._redis.srem(ACTIVE_JOBS, job_id)
+
+    async def expire_unkept(self, job_id: str, tenant: str) -> None:
+        """An ended job that never published an adapter has nothing to export: its record and
+        owner binding go with its working state (`ENDED_TTL_S`), and its entries in the
+        listings then (`drop_expired_listings`). A job that trained stays; one that did not
+        costs a tenant no work to make (submitted, then cancelled), so it must not stay."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.expire(job_key(job_id), ENDED_TTL_S)
+            pipe.expire(owner_key(job_id), ENDED_TTL_S)
+            pipe.zadd(UNKEPT_JOBS, {f"{tenant}/{job_id}": time.time() + ENDED_TTL_S})
+            await pipe.execute()
+
+    async def drop_expired_listings(self, *, now: float | None = None, batch: int = 500) -> int:
+        """Take the unkept jobs whose records have expired out of `jobs` and their tenant's
+        jobs, at most `batch` per call; returns how many."""
+        members = await self._redis.zrangebyscore(
+            UNKEPT_JOBS, "-inf", time.time() if now is None else now, start=0, num=batch
+        )
+        due = [text(member) for member in members if isinstance(member, bytes | str)]
+        if due:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for member in due:
+                    tenant, _, job_id = member.partition("/")
+                    pipe.srem(JOBS, job_id)
+                    pipe.srem(tenant_jobs_key(tenant), job_id)
+                pipe.zrem(UNKEPT_JOBS, *due)
+                await pipe.execute()
+        return len(due)
 
     async def backfill_active(self) -> int | None:
         """Fill `active-jobs` and the tenants' load counters from `jobs`, once per

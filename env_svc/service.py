@@ -207,6 +207,14 @@ class EnvService(Service):
                 f"job id {spec.job_id!r} belongs to tenant {owner!r}; "
                 f"a spec for it from tenant {spec.tenant!r} is refused"
             )
+        if (known := await store.job(spec.job_id)) is not None:
+            # Redelivered, or sent again under its id: the registered spec stands, checked when
+            # it came. Checked again, it could be `rejected` (its tenant's limits lowered since,
+            # an environment gone) while it runs, ending its owner's view of it.
+            job_log.info("job already registered; its registered spec stands")
+            await self.issue_groups(known)  # also resumes issuing after a redelivery
+            await self.evaluate(known, 0)
+            return
         if not spec.base_model:  # "the one this deployment serves"
             spec = msgspec.structs.replace(spec, base_model=self.shared.base_model)
         limits = await store.tenants.limits(spec.tenant)
@@ -484,6 +492,7 @@ class EnvService(Service):
         allows (in case the record that should have prompted it, an AdapterUpdate or a
         GroupDropped, never arrived); returns how many groups were sent again."""
         store, resent = self.io.require_store(), 0
+        await store.drop_expired_listings()
         active = await store.active_job_ids()
         for job_id in set(self._envs) - set(active):  # retired, maybe by another replica
             del self._envs[job_id]
@@ -527,6 +536,8 @@ class EnvService(Service):
         )
         await store.put_audit_summary(job_id, summary.to_json())
         await store.expire_after_end(working_state_keys(job_id, evals))
+        if pointer is None:  # nothing to export: its record goes too
+            await store.expire_unkept(job_id, record.spec.tenant)
         await store.retire(job_id)
         return True
 

@@ -83,6 +83,13 @@ def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
     assert asyncio.run(check()) == {topic.value: 12 for topic in Topic}
     assert (tmp_path / "valkey").is_dir()  # Redis data lives under the state dir
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700  # secrets, logs: the operator's
+    # What the stack and its children write is theirs alone (umask 077), not only the top.
+    shared = {
+        str(path.relative_to(tmp_path)): oct(stat.S_IMODE(path.stat().st_mode))
+        for path in tmp_path.rglob("*")
+        if not path.is_symlink() and path.stat().st_mode & 0o077
+    }
+    assert shared == {}
 
     second = subprocess.run(
         [MARLAAS, "up", "--infra-only"],

@@ -180,6 +180,36 @@ async def test_env_svc_rejects_a_dataset_path_out_of_the_tenants_folder(
     assert 0 < await backend.store.client.ttl(owner_key(spec.job_id)) <= REJECTION_TTL_S
 
 
+async def test_a_spec_sent_again_under_a_running_jobs_id_never_locks_its_tenant_out(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    service = env_service(backend, tokenizer)
+    jobs = Inbox(Topic.JOBS)
+    tenant = f"again-{id(backend)}"
+    spec = msgspec.structs.replace(
+        job_spec("again", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2),
+        tenant=tenant,
+    )
+    # Rejected first (straight to Kafka, no API to refuse the taken id), then sent right.
+    await jobs.hand(service.handle, msgspec.structs.replace(spec, env=EnvSettings(name="nope")))
+    assert 0 < await backend.store.client.ttl(owner_key(spec.job_id)) <= REJECTION_TTL_S
+    await jobs.hand(service.handle, spec)
+    # Registered: the id is the tenant's for as long as the job's record stays.
+    assert await backend.store.client.ttl(owner_key(spec.job_id)) == -1
+    # Its tenant's limits lowered, then the spec redelivered (a restart) or sent again broken.
+    await backend.store.tenants.add(tenant, TenantLimits(max_steps=1))
+    for again in (spec, msgspec.structs.replace(spec, env=EnvSettings(name="nope"))):
+        await jobs.hand(service.handle, again)
+    sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=2)
+    assert len(events(sent, "rejected")) == len(events(sent, "accepted")) == 1
+    assert await backend.store.client.ttl(owner_key(spec.job_id)) == -1
+    # A rejection recorded under the id anyway (an undecodable spec) leaves the binding be.
+    await backend.store.record_rejection(spec.job_id, "late")
+    assert await backend.store.client.ttl(owner_key(spec.job_id)) == -1
+    record = await backend.store.job(spec.job_id)
+    assert record is not None and record.status == "running" and record.spec.rl.max_steps == 2
+
+
 async def test_a_replayed_command_changes_nothing(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
@@ -266,11 +296,11 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     )
     await service.sweep_claims()
     assert spec.job_id not in service._envs
-    # Its working state expires in a week; its record stays (exports); later sweeps skip it.
+    # Its working state expires in a week; later sweeps skip it. It never published an
+    # adapter (nothing to export), so its record and owner binding expire with it.
     client = backend.store.client
-    for key in (ledger_key(spec.job_id), flow_key(spec.job_id)):
-        assert 0 < await client.ttl(key) <= ENDED_TTL_S, key
-    assert await client.ttl(job_key(spec.job_id)) == -1
+    for key in (ledger_key, flow_key, job_key, owner_key):
+        assert 0 < await client.ttl(key(spec.job_id)) <= ENDED_TTL_S, key
     assert spec.job_id not in await backend.store.active_job_ids()  # no sweep visits it
     await other.sweep_claims()  # nor keeps its environment
     assert spec.job_id not in other._envs
@@ -280,6 +310,41 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     kept = Audit.from_json(summary)
     assert (kept.status, kept.issued, kept.ok) == ("cancelled", 1, True)
     assert kept.to_json() == summary
+
+
+async def test_only_a_job_that_trained_stays_for_good(
+    backend: Backend, tokenizer: ChatTokenizer
+) -> None:
+    """Submitted and cancelled in a loop, jobs that never trained leave nothing that lasts:
+    their records expire with their state and a sweep a week on takes them out of the
+    listings; a job with a published adapter stays (its exports)."""
+    service, store = env_service(backend, tokenizer), backend.store
+    jobs, tenant = Inbox(Topic.JOBS), f"churn-{new_id()[:6]}"
+    made = job_spec("churn", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
+    churned, trained = (
+        msgspec.structs.replace(made, job_id=f"{tenant}-{name}", tenant=tenant)
+        for name in ("churned", "trained")
+    )
+    for spec in (churned, trained):
+        await jobs.hand(service.handle, spec)
+    await store.publish_adapter(trained.job_id, 1, adapter_uri(trained.job_id, 1), 1)
+    for spec in (churned, trained):
+        cancel = JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")
+        await jobs.hand(service.handle, cancel)
+    await service.sweep_claims()
+    client = store.client
+    assert 0 < await client.ttl(job_key(churned.job_id)) <= ENDED_TTL_S
+    assert await client.ttl(job_key(trained.job_id)) == -1
+    assert await client.ttl(owner_key(trained.job_id)) == -1
+    listed = {churned.job_id, trained.job_id}
+    assert listed <= set(await store.tenant_job_ids(tenant))  # listed while its record lasts
+    assert await store.drop_expired_listings() == 0  # not due yet
+    a_week_on = time.time() + ENDED_TTL_S + 1
+    await client.delete(job_key(churned.job_id))  # as Redis expires it then
+    assert await store.drop_expired_listings(now=a_week_on) >= 1
+    assert await store.tenant_job_ids(tenant) == [trained.job_id]
+    assert churned.job_id not in await store.job_ids()
+    assert trained.job_id in await store.job_ids()
 
 
 async def test_a_tenants_quota_is_counted_from_registration_to_its_end(backend: Backend) -> None:
