@@ -39,6 +39,9 @@ JobState = Literal["pending", "running", "paused", "completed", "failed", "cance
 """`pending`: submitted, not yet accepted by env_svc. Terminal states never change again."""
 JOB_STATES: tuple[JobState, ...] = get_args(JobState)
 TERMINAL_STATES: frozenset[JobState] = frozenset({"completed", "failed", "cancelled", "rejected"})
+STOPPED_STATES: frozenset[JobState] = frozenset({"failed", "cancelled", "rejected"})
+"""Terminal states that end all of a job's work, its evaluations included (a completed job's
+final version is still evaluated)."""
 REASON_STATES: frozenset[JobState] = frozenset({"rejected", "failed"})
 """States whose event reason is kept: why the job did not run, or why it stopped."""
 

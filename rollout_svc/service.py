@@ -52,6 +52,7 @@ from common.wire import dead_letter, encode
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
+from rollout_svc.stopped import StoppedJobs
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ SERVICE: ServiceName = "rollout_svc"
 STATS_INTERVAL_S = 5.0
 ENGINE_LOOK_S = 5.0
 """How often the replica looks whether its engine is still alive while no request fails."""
+STOPPED_LOOK_S = 1.0
+"""How often the replica looks whether the jobs it has work of have stopped."""
 IDLE_JOB_S = 600.0
 """A job with no request here for this long (and none waiting) is forgotten: its newest
 adapter leaves the engine and its entries go, which would otherwise pile up with every job
@@ -159,14 +162,20 @@ class RolloutService(Service):
         """Newest adapter version per job; only moves forward."""
         self._used_at: dict[str, float] = {}
         """When each job in `latest` (or `_tenants`) last had a request or an update here."""
-        self._waiting: FairQueue[tuple[Callable[[], Awaitable[None]], str]] = FairQueue()
-        """Work not yet in the engine, with its tenant: requests read (their commits held) and
-        chat requests made for a job (a judge's). Each is served once admitted."""
+        self._waiting: FairQueue[tuple[Callable[[], Awaitable[None]], str, str]] = FairQueue()
+        """Work not yet in the engine, with its tenant and job: requests read (their commits
+        held) and chat requests made for a job (a judge's). Each is served once admitted."""
+        self._job_tasks: dict[str, set[asyncio.Task[None]]] = {}
+        """Each job's work in the engine, stopped when the job stops."""
+
         self._tenant_in_engine: dict[str, int] = {}
         self._tenant_peak: dict[str, tuple[int, float]] = {}
         """Each tenant's recent peak demand (waiting + in the engine) and when it was seen: its
         claim on the slots for `fair_share_grace_s` (rollout_svc/admission.py `water_fill`)."""
         self.clock: Callable[[], float] = time.monotonic
+        self.stopped = StoppedJobs(
+            lambda jobs: self.io.require_store().job_statuses(jobs), lambda: self.clock()
+        )
         self._read_ahead = READ_AHEAD_PER_SLOT * settings.max_in_flight
         self._room = asyncio.Event()
         """Set when a request left `_waiting`: a poll loop held back may read again."""
@@ -255,9 +264,15 @@ class RolloutService(Service):
 
         async def serve() -> None:
             try:
+                if job_id in self.stopped:
+                    raise LookupError(f"job {job_id!r} has stopped")
                 done.set_result(await self._generate_with(request, adapter))
             except Exception as exc:
                 done.set_exception(exc)
+            except asyncio.CancelledError:  # its job stopped (`drop_stopped`)
+                done.set_exception(LookupError(f"job {job_id!r} has stopped"))
+                if job_id not in self.stopped:
+                    raise
 
         self._queue(await self._tenant_of(job_id), job_id, serve, rank=None)
         return await done
@@ -269,6 +284,7 @@ class RolloutService(Service):
             "rollout-adapters": self.adapters.run(),
             "rollout-stats": self._report_stats(),
             "rollout-engine": self._watch_engine(),
+            "rollout-stopped": self._watch_stopped_jobs(),
             "rollout-runtime": announce_runtime(
                 self.io,
                 SERVICE,
@@ -349,7 +365,7 @@ class RolloutService(Service):
         self, tenant: str, job_id: str, serve: Callable[[], Awaitable[None]], *, rank: int | None
     ) -> None:
         """Queue `serve` as `tenant`'s (for `job_id`) and start what the free slots allow."""
-        self._waiting.put(tenant, job_id, (serve, tenant), rank=rank)
+        self._waiting.put(tenant, job_id, (serve, tenant, job_id), rank=rank)
         self._note_demand(tenant)
         self._admit()
 
@@ -377,7 +393,7 @@ class RolloutService(Service):
             and not self._engine_died.is_set()
         ):
             try:
-                serve, tenant = self._waiting.pop(partial(self._below, self._shares()))
+                serve, tenant, job_id = self._waiting.pop(partial(self._below, self._shares()))
             except LookupError:  # every waiting tenant holds its share: keep the rest free
                 return
             self._room.set()
@@ -386,6 +402,40 @@ class RolloutService(Service):
             task = asyncio.create_task(self._in_engine_slot(serve, tenant), name="generate")
             self._generations.add(task)
             task.add_done_callback(self._generations.discard)
+            tasks = self._job_tasks.setdefault(job_id, set())
+            tasks.add(task)
+            task.add_done_callback(partial(self._task_done, job_id))
+
+    def _task_done(self, job_id: str, task: asyncio.Task[None]) -> None:
+        tasks = self._job_tasks.get(job_id, set())
+        tasks.discard(task)
+        if not tasks:
+            self._job_tasks.pop(job_id, None)
+
+    async def drop_stopped(self) -> int:
+        """Drop the work of the jobs here that have stopped (rollout_svc/stopped.py): their
+        generations in the engine now, their waiting requests as their turns come (each
+        released unserved). Returns the generations stopped."""
+        jobs = await self.stopped.look(self._waiting.job_ids() | set(self._job_tasks))
+        stopped = 0
+        for job_id in jobs:
+            tasks = self._job_tasks.get(job_id, set())
+            for task in tasks:
+                task.cancel()
+            stopped += len(tasks)
+            (await self._job_log(job_id)).info(
+                "job stopped: %d generations stopped, its waiting requests released", len(tasks)
+            )
+        return stopped
+
+    async def _watch_stopped_jobs(self, look_every_s: float = STOPPED_LOOK_S) -> None:
+        while not await wait_any(self._stopping, timeout_s=look_every_s):
+            try:
+                await self.drop_stopped()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("stopped jobs not looked up (%r); next in %.0fs", exc, look_every_s)
 
     def _below(self, shares: dict[str, int], tenant: str) -> bool:
         return self._tenant_in_engine.get(tenant, 0) < shares.get(tenant, 0)
@@ -426,11 +476,20 @@ class RolloutService(Service):
         self, request: GenerationRequest, release_commit: Callable[[], None]
     ) -> None:
         """Sample, send the result, and only then let the request's offset be committed: a
-        result that never reached the broker leaves its request to be read again."""
+        result that never reached the broker leaves its request to be read again. A request
+        of a job that has stopped is released unserved, also when its generation is stopped."""
+        if request.job_id in self.stopped:
+            release_commit()
+            return
         try:
             result = await self._sample(request)
         except _EngineDied:  # left uncommitted for the restarted replica
             log.warning("request %s not served: the engine died", request.request_id)
+            return
+        except asyncio.CancelledError:
+            if request.job_id not in self.stopped:  # not stopped by `drop_stopped`
+                raise
+            release_commit()
             return
         ROLLOUT_GENERATED_TOKENS.inc(len(result.completion_token_ids))
         try:

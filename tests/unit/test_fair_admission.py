@@ -476,3 +476,50 @@ async def test_a_judges_request_waits_its_tenants_turn_in_a_rollout_slot() -> No
             assert result.completion_token_ids == [7]
         finally:
             await stopped(service, engine)
+
+
+async def test_a_cancelled_jobs_work_stops_and_its_requests_are_released_unserved() -> None:
+    """acme is cancelled with one generation in the engine and three requests waiting: the
+    generation is stopped, the waiting requests leave unserved as their turns come, every
+    offset becomes committable, and no result of acme is sent; globex is served as before.
+    Before, a cancelled job's requests all went through the engine, whose results nobody
+    reads: a tenant submitting and cancelling jobs in a loop filled the engine."""
+    async with memory_backend() as backend:
+        acme, globex = spec_of("acme", "acme"), spec_of("globex", "globex")
+        await registered(backend, acme, globex)
+        engine = TurnstileEngine()
+        service = service_with(backend, engine, slots=2)
+        prompts = Inbox(Topic.PROMPTS)
+        requests = [request_for(globex.job_id, 0, 0)]
+        requests += [request_for(acme.job_id, index, 0) for index in range(4)]
+        await read(prompts, service, requests)
+        await engine.until_entered(2)  # globex's and acme's first (fair shares)
+        assert await service.drop_stopped() == 0  # nothing has ended
+        assert await backend.store.set_job_status(acme.job_id, "cancelled")
+        assert await service.drop_stopped() == 1
+        engine.let_out(requests[0])
+        await asyncio.wait_for(all_committable_after(prompts, len(requests)), 10)
+        assert [r.job_id for r in engine.entered] == [globex.job_id, acme.job_id]
+        assert await backend.sent(Topic.ROLLOUTS, acme.job_id, expect=0) == []
+        assert len(await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=1)) == 1
+        # Requests of the job read later are released at once.
+        late = request_for(acme.job_id, 9, 0)
+        await prompts.hand(service.on_request, late)
+        await asyncio.wait_for(all_committable_after(prompts, len(requests) + 1), 10)
+        assert len(engine.entered) == 2
+        # A completed job is not stopped: its final version is still evaluated (a request of
+        # it is served as any other).
+        assert await backend.store.set_job_status(globex.job_id, "completed")
+        after_completion = request_for(globex.job_id, 1, 0)
+        await prompts.hand(service.on_request, after_completion)
+        await engine.until_entered(3)
+        assert await service.drop_stopped() == 0
+        engine.let_out(after_completion)
+        await asyncio.wait_for(all_committable_after(prompts, len(requests) + 2), 10)
+        assert len(await backend.sent(Topic.ROLLOUTS, globex.job_id, expect=2)) == 2
+        await stopped(service, engine)
+
+
+async def all_committable_after(prompts: Inbox, count: int) -> None:
+    while prompts.committable != count:  # noqa: ASYNC110 - the tracker has no event to await
+        await asyncio.sleep(0.01)
