@@ -6,7 +6,7 @@ EXTRAS := local,api,env,verifiers,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision chaos
+.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile chaos
 
 venv: $(STAMP)
 
@@ -96,6 +96,10 @@ bench-broker: venv
 
 bench-precision: venv
 	$(BIN)/python bench/precision.py
+
+# A hostile tenant's flood beside another tenant's job (issue 42): minutes.
+bench-hostile: venv
+	$(BIN)/python bench/hostile_load.py
 
 # The kill -9 chaos run (tests/chaos/driver.py); minutes, not part of `make test`.
 chaos: venv
