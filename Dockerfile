@@ -92,10 +92,10 @@ CMD ["python", "-m", "trainer_svc"]
 # The base model's tokenizer files (with its chat template), made where torch is: all that
 # env_svc needs of the model, so its image carries no torch.
 FROM trainer AS tokenizer
-RUN python -m common.models tokenizer /home/marlaas/tokenizer
+RUN python -m common.files.models tokenizer /home/marlaas/tokenizer
 
 # The tenant API (`marlaas api`): the core package, FastAPI and uvicorn. Tenants reach only
-# this; it holds its own Kafka and Redis credentials (common/access.py, principal `api`).
+# this; it holds its own Kafka and Redis credentials (common/security/access.py, principal `api`).
 FROM base AS api
 USER root
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \

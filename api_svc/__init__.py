@@ -2,12 +2,12 @@
 
 Tenants never hold Kafka or Redis credentials. They present `Authorization: Bearer <key>`
 (`marlaas tenants add NAME` issues one); the API finds the tenant from the key
-(common/tenants.py), and every job command and read checks that the job is that tenant's:
+(common/state/tenants.py), and every job command and read checks that the job is that tenant's:
 another tenant's job is answered exactly like one that does not exist (404), so a key
 reveals nothing of other tenants. Submissions are stamped with the key's tenant, bound to it
 (`owner:{job}`) before they are produced to `marlaas.jobs`, and checked against the tenant's
 limits; env_svc checks the limits again, atomically, where the job is accepted. The API
-talks to Kafka and Redis with its own credentials (common/access.py, principal `api`).
+talks to Kafka and Redis with its own credentials (common/security/access.py, principal `api`).
 
     marlaas api                  # or python -m api_svc: serves on MARLAAS_API_HOST:MARLAAS_API_PORT
     GET  /docs, /openapi.json    # the schema (FastAPI)

@@ -9,9 +9,9 @@ import asyncio
 import sys
 
 from api_svc.server import ApiSettings, create_app, serve
-from common.config import SharedSettings, load
-from common.logs import setup_logging
-from common.service import exit_code
+from common.runtime.config import SharedSettings, load
+from common.runtime.logs import setup_logging
+from common.runtime.service import exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from fastapi import Depends, HTTPException, Request
 
 from api_svc.limits import TenantGate, bearer_token, vouch
 from api_svc.views import JobView
-from common.config import SharedSettings
-from common.registry import JobRecord
+from common.runtime.config import SharedSettings
+from common.state.registry import JobRecord
 from console.client import JobStateError, MarlaasClient
 
 T = TypeVar("T")

@@ -14,8 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_svc.limits import AddressGate, BodyLimit, TenantGate
 from api_svc.routes import jobs, outputs, sample, tenant
-from common.config import SharedSettings
-from common.wire import TOO_DEEP
+from common.runtime.config import SharedSettings
+from common.wire.codec import TOO_DEEP
 from console.client import MarlaasClient
 from console.eventfeed import ReadersBusy
 

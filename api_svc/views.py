@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from common.chat import MAX_PROMPT_CHARS, MAX_TOKENS
-from common.registry import JobRecord
-from common.tenants import samples_in_flight
+from common.state.registry import JobRecord
+from common.state.tenants import samples_in_flight
+from common.wire.chat import MAX_PROMPT_CHARS, MAX_TOKENS
 
 
 class TenantView(BaseModel):

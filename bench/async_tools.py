@@ -31,9 +31,10 @@ from machine import machine_fields, result_path  # bench/machine.py
 from rich.console import Console
 from slow_verifier import phase, use_example_env  # bench/slow_verifier.py
 
-from common.config import EnvServiceSettings, SharedSettings, load
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.files.models import tiny_model
+from common.runtime.config import EnvServiceSettings, SharedSettings, load
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     JobSpec,
@@ -41,7 +42,6 @@ from common.messages import (
     RLSettings,
     SamplingSettings,
 )
-from common.models import tiny_model
 from console.client import MarlaasClient
 from console.stack.local import LocalStack
 
@@ -89,7 +89,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "run_id": args.run_id,
         "machine": machine_fields(),
         "engine": "bench/tool_engine.py (scripted: a tool call, then an answer, at once)",
-        "base_model": "tiny (common.models.tiny_model)",
+        "base_model": "tiny (common.files.models.tiny_model)",
         "env_svc": {
             "records_in_flight": env_settings.records_in_flight,
             "env_workers": env_settings.env_workers,

@@ -24,8 +24,8 @@ from machine import machine_fields, result_path  # bench/machine.py
 from multitask import bench_jobs, run_jobs  # bench/multitask.py
 from rich.console import Console
 
-from common.config import SharedSettings, load
-from common.lifecycle import SERVICES
+from common.runtime.config import SharedSettings, load
+from common.wire.lifecycle import SERVICES
 from console.client import MarlaasClient
 from console.demo import demo_jobs
 from console.stack.local import LocalStack

@@ -27,7 +27,7 @@ import torch
 from machine import machine_fields, result_path  # bench/machine.py
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.models import resolve_base_model
+from common.files.models import resolve_base_model
 from env_svc.envs.calculator import CalculatorEnv
 from env_svc.protocol import ChatMessage, EpisodeState
 from env_svc.tools import parse_tool_calls

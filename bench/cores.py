@@ -47,7 +47,7 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
     import torch
     from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
     from trainer_svc.compute import ComputeThread
     from trainer_svc.policy import MultiAdapterPolicy
 
@@ -94,8 +94,8 @@ def run_trainer(config: dict[str, Any]) -> dict[str, Any]:
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from multilora import prompts, write_adapter  # bench/multilora.py
 
-    from common.messages import GenerationRequest, SamplingSettings
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
+    from common.wire.messages import GenerationRequest, SamplingSettings
     from rollout_svc.engine import AdapterRef, RolloutEngine
 
     model_dir = resolve_base_model(args.model)

@@ -31,8 +31,8 @@ from typing import Any
 from cpu_account import cpu_s_by_name  # bench/cpu_account.py
 from machine import engine_dtype, machine_fields, result_path  # bench/machine.py
 
-from common.cores import format_cores, parse_cores
-from common.models import resolve_base_model
+from common.files.models import resolve_base_model
+from common.runtime.cores import format_cores, parse_cores
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 _TIME = re.compile(r"^([0-9.]+)(us|ms|s)$")

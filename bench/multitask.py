@@ -40,9 +40,9 @@ from cpu_account import Snapshot, Timeline  # bench/cpu_account.py
 from machine import machine_fields, result_path  # bench/machine.py
 from rich.console import Console
 
-from common.config import SharedSettings, load
-from common.lifecycle import REPLICA_COUNTERS, SERVICES, STATE_AFTER, TERMINAL_STATES
-from common.messages import EvalSettings, Event, JobSpec
+from common.runtime.config import SharedSettings, load
+from common.wire.lifecycle import REPLICA_COUNTERS, SERVICES, STATE_AFTER, TERMINAL_STATES
+from common.wire.messages import EvalSettings, Event, JobSpec
 from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
 from console.jobwatch import JobProgress, watch_jobs

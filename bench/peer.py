@@ -37,9 +37,10 @@ from typing import Any
 import msgspec
 from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
-from common.config import SharedSettings, load
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.files.models import resolve_base_model
+from common.runtime.config import SharedSettings, load
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     Event,
@@ -48,7 +49,6 @@ from common.messages import (
     RLSettings,
     SamplingSettings,
 )
-from common.models import resolve_base_model
 from console.client import MarlaasClient
 from console.stack.local import LocalStack
 
@@ -68,7 +68,7 @@ def settings_of(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "completions_per_step": 16,
         "max_new_tokens": 16,
         "temperature": 1.0,
-        # Each side computes in the precision that is fast on this CPU (common/hardware.py).
+        # Each side computes in the precision that is fast on this CPU (common/runtime/hardware.py).
         "bf16": trainer_dtype() == "bfloat16",
         "learning_rate": args.learning_rate,
         "lora_rank": 8,

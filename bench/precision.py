@@ -1,4 +1,5 @@
-"""Matmul rate per precision on this CPU: what `auto` precision decides on (common/hardware.py).
+"""Matmul rate per precision on this CPU: what `auto` precision decides on
+(common/runtime/hardware.py).
 
     .venv/bin/python bench/precision.py
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python bench/precision.py

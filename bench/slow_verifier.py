@@ -43,9 +43,9 @@ from machine import machine_fields, result_path  # bench/machine.py
 from multitask import Phase, measure  # bench/multitask.py
 from rich.console import Console
 
-from common.config import EnvServiceSettings, SharedSettings, load
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.runtime.config import EnvServiceSettings, SharedSettings, load
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     JobSpec,
@@ -219,7 +219,7 @@ def main() -> None:
         args.tiny = True
         args.tag = "-".join(filter(None, ["scripted", args.tag]))
     if args.tiny:
-        from common.models import tiny_model
+        from common.files.models import tiny_model
 
         os.environ["MARLAAS_BASE_MODEL"] = str(tiny_model())  # read by the stack and services
         args.tag = "-".join(filter(None, ["tiny", args.tag]))

@@ -8,7 +8,7 @@ broker, Redis, env_svc, the trainer on the tiny model) is the real thing.
 
 from __future__ import annotations
 
-from common.messages import GenerationRequest
+from common.wire.messages import GenerationRequest
 from tests.chaos.scripted_engine import ScriptedEngine
 
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from machine import machine_fields, result_path, trainer_dtype  # bench/machine.py
 
-from common.messages import LoraSettings, RLSettings, Trajectory
-from common.models import model_source, resolve_base_model
+from common.files.models import model_source, resolve_base_model
+from common.wire.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import token_logprobs
 from trainer_svc.policy import MultiAdapterPolicy, SharedPrefix, resolve_device
 

@@ -31,8 +31,8 @@ from machine import machine_fields, result_path, trainer_dtype  # bench/machine.
 from torch.profiler import ProfilerActivity, profile
 from trainer import LORA, RL, batch, timed  # bench/trainer.py
 
-from common.messages import Trajectory
-from common.models import resolve_base_model
+from common.files.models import resolve_base_model
+from common.wire.messages import Trajectory
 from trainer_svc.policy import MultiAdapterPolicy
 
 

@@ -21,7 +21,7 @@ import httpx
 import msgspec
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.messages import Event, JobAction, JobSpec
+from common.wire.messages import Event, JobAction, JobSpec
 
 
 class ApiClientSettings(BaseSettings):

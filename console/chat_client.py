@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 
-from common.chat import JOB_HEADER
+from common.wire.chat import JOB_HEADER
 
 
 class ChatFailed(Exception):

@@ -13,18 +13,18 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 
-from common.artifacts import latest_checkpoint_version
-from common.audit import Audit, audit
-from common.bus import Producer
-from common.config import (
+from common.bus.kafka import Producer
+from common.files.artifacts import latest_checkpoint_version
+from common.runtime.config import (
     SERVICE_SETTINGS,
     SharedSettings,
     load,
 )
-from common.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
-from common.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from common.registry import Job, JobRecord, UnknownJobError, job_id_of
-from common.store import RedisStore
+from common.state.audit import Audit, audit
+from common.state.registry import Job, JobRecord, UnknownJobError, job_id_of
+from common.state.store import RedisStore
+from common.wire.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
+from common.wire.messages import Event, JobAction, JobCommand, JobSpec, new_id
 from console.eventfeed import AdapterFeed, EventFeed, ReaderPool
 from console.export import (
     ExportedAdapter,
@@ -216,7 +216,7 @@ class MarlaasClient:
         )
 
     async def audit(self, job_id: str) -> Audit:
-        """Account for every group of the job (common/audit.py): its ledger against the
+        """Account for every group of the job (common/state/audit.py): its ledger against the
         pointer, the latest checkpoint (when the artifact store is here) and the last
         AdapterUpdate on the broker."""
         return (await self.audits([job_id]))[job_id]

@@ -16,10 +16,10 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from common.access import redacted
-from common.config import SharedSettings
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.runtime.config import SharedSettings
+from common.security.access import redacted
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     JobSpec,

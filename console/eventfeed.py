@@ -18,10 +18,10 @@ from typing import Generic, TypeVar
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import assign_topic, start_reader
-from common.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
-from common.signing import RecordSigner
-from common.wire import decode
+from common.bus.kafka import assign_topic, start_reader
+from common.security.signing import RecordSigner
+from common.wire.codec import decode
+from common.wire.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
 
 M = TypeVar("M", bound=Message)
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`marlaas export`: a job's adapter version copied out as a standalone PEFT directory.
 
-The format is the artifact store's own (common/artifacts.py), PEFT's standard LoRA layout, so
+The format is the artifact store's own (common/files/artifacts.py), PEFT's standard LoRA layout, so
 `PeftModel.from_pretrained` and vLLM's `LoRARequest` load the export unchanged; it gains a
 model card and `marlaas_export.json` (the job's settings). A tenant receives it (the API's
 export), so neither it nor an export's error names a path or host of the servers: the base
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import msgspec
 
-from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
-from common.messages import Event
-from common.models import public_model_id, resolve_base_model
-from common.registry import Job, JobRecord, job_id_of
-from common.store import RedisStore
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
+from common.files.models import public_model_id, resolve_base_model
+from common.state.registry import Job, JobRecord, job_id_of
+from common.state.store import RedisStore
+from common.wire.messages import Event
 
 EXPORT_INFO = "marlaas_export.json"
 _LORA_KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -211,7 +211,7 @@ def _model_card(info: dict[str, object], config: dict[str, object]) -> str:
     front += ["---", "", f"# LoRA adapter of MARLaaS job `{info['job_id']}` (v{info['version']})"]
     if hub_id is None:
         origin = f"Trained on `{info['base_model']}`, a base model without a public id."
-    else:  # known models come from a packaged GGUF file (common/models.py)
+    else:  # known models come from a packaged GGUF file (common/files/models.py)
         origin = (
             f"Trained on [{hub_id}](https://huggingface.co/{hub_id}) as de-quantised from its "
             "packaged GGUF file; the Hub's own weights differ from those slightly."

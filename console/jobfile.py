@@ -1,6 +1,6 @@
 """Job spec files (TOML) -> `JobSpec`, with errors that name the file and the field.
 
-A file holds the fields of `JobSpec` (common/messages.py) as TOML tables:
+A file holds the fields of `JobSpec` (common/wire/messages.py) as TOML tables:
 
     tenant = "acme"
     [env]
@@ -9,7 +9,7 @@ A file holds the fields of `JobSpec` (common/messages.py) as TOML tables:
     group_size = 8
 
 `job_id` may be omitted: each submission then gets a fresh id `<tenant>-<file stem>-<hex>`.
-`base_model` defaults to the deployment's. Checks beyond types are `common.jobspec`'s, and
+`base_model` defaults to the deployment's. Checks beyond types are `common.wire.jobspec`'s, and
 the environment's own for its params when the environment is installed here.
 """
 
@@ -24,9 +24,16 @@ from typing import Any
 
 import msgspec
 
-from common.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, bound_problems, validate_job
-from common.messages import EnvSettings, EvalSettings, JobSpec, LoraSettings, RLSettings, new_id
-from common.wire import unknown_fields
+from common.wire.codec import unknown_fields
+from common.wire.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, bound_problems, validate_job
+from common.wire.messages import (
+    EnvSettings,
+    EvalSettings,
+    JobSpec,
+    LoraSettings,
+    RLSettings,
+    new_id,
+)
 
 
 class JobFileError(ValueError):

@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from common.bus import Producer
-from common.evals import evaluated
-from common.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
-from common.messages import Event, JobSpec, Message
-from common.signing import RecordSigner
+from common.bus.kafka import Producer
+from common.security.signing import RecordSigner
+from common.state.evals import evaluated
+from common.wire.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
+from common.wire.messages import Event, JobSpec, Message
 from console.eventfeed import EventFeed
 
 ETA_WINDOW = 5

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from common.lifecycle import STATE_AFTER, TERMINAL_STATES
-from common.messages import Event, JobSpec
+from common.wire.lifecycle import STATE_AFTER, TERMINAL_STATES
+from common.wire.messages import Event, JobSpec
 
 TRACK_EXTRA = "pip install 'marlaas[track]'"
 MLFLOW_EXPERIMENT = "marlaas"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from common.config import EnvServiceSettings
-from common.service import exit_code, run_service, start_settings
+from common.runtime.config import EnvServiceSettings
+from common.runtime.service import exit_code, run_service, start_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     imports, tokenizer, environments) and exit 0: what an image must be able to do."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     shared, settings = start_settings(EnvServiceSettings, check=check)
-    from common.models import resolve_tokenizer
+    from common.files.models import resolve_tokenizer
     from env_svc.chat_template import ChatTokenizer
     from env_svc.protocol import available_environments
     from env_svc.service import EnvService

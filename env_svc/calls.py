@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from common.backoff import is_transient
+from common.runtime.backoff import is_transient
 from env_svc.episodes import EpisodeError
 from env_svc.protocol import run_sync
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from common.evals import eval_group_id
-from common.messages import (
+from common.state.evals import eval_group_id
+from common.wire.messages import (
     ContextTooLongError,
     GenerationRequest,
     GenerationResult,
@@ -139,7 +139,7 @@ async def start_eval_episode(
     env: Environment[Any], tokenizer: ChatTokenizer, job: JobSpec, *, version: int, index: int
 ) -> GenerationRequest:
     """The first request of evaluation episode `index` of adapter `version`: task `index` of
-    the evaluation stream, decoded greedily with exactly that version (common/evals.py)."""
+    the evaluation stream, decoded greedily with exactly that version (common/state/evals.py)."""
     group_id = eval_group_id(job.job_id, version)
     task = env.eval_task_for(job.eval.seed, index)
     return await _first_request(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from common.chat import CHAT, JOB_HEADER
+from common.wire.chat import CHAT, JOB_HEADER
 from env_svc.protocol import EPISODE_JOB, ChatMessage, Task, last_assistant_text
 from env_svc.tools.calls import strip_tool_calls
 
@@ -117,7 +117,7 @@ class Judge:
 @functools.cache
 def _stack_chat() -> tuple[str, str | None]:
     """The stack's chat endpoint and its credential, read from env_svc's settings once."""
-    from common.config import SharedSettings
+    from common.runtime.config import SharedSettings
 
     shared = SharedSettings()
     return shared.chat_url, shared.internal_token(CHAT)

@@ -29,9 +29,9 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVa
 
 import msgspec
 
-from common.imports import load_object
-from common.jobspec import bound_problems
-from common.messages import JobSpec
+from common.runtime.imports import load_object
+from common.wire.jobspec import bound_problems
+from common.wire.messages import JobSpec
 from env_svc import datafiles
 
 log = logging.getLogger(__name__)

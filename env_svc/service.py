@@ -16,13 +16,18 @@ from typing import Any
 
 import msgspec
 
-from common.artifacts import unpublished
-from common.audit import audit
-from common.backoff import is_transient
-from common.bus import ConsumerLoop, Delivery
-from common.config import EnvServiceSettings, SharedSettings
-from common.dedup import COMMANDS, RESULTS
-from common.evals import (
+from common.bus.kafka import ConsumerLoop, Delivery
+from common.bus.sender import Sender
+from common.files.artifacts import unpublished
+from common.runtime.backoff import is_transient
+from common.runtime.config import EnvServiceSettings, SharedSettings
+from common.runtime.faults import fault_point
+from common.runtime.health import redis_ready
+from common.runtime.logs import job_logger
+from common.runtime.service import Connections, Service, wait_any
+from common.state.audit import audit
+from common.state.dedup import COMMANDS, RESULTS
+from common.state.evals import (
     DONE,
     MAX_RESENDS,
     WAITING,
@@ -31,11 +36,8 @@ from common.evals import (
     eval_version_of,
     evaluated,
 )
-from common.faults import fault_point
-from common.flow import IssuedGroup, group_id_of
-from common.health import redis_ready
-from common.jobspec import JobSpecError, validate_job
-from common.keyspace import (
+from common.state.flow import IssuedGroup, group_id_of
+from common.state.keyspace import (
     claims_key,
     dedup_key,
     eval_resends_key,
@@ -45,14 +47,18 @@ from common.keyspace import (
     flow_key,
     ledger_key,
 )
-from common.lifecycle import (
+from common.state.registry import REJECTION_TTL_S, JobRecord
+from common.state.store import RedisStore
+from common.state.tenants import QuotaError
+from common.wire.codec import job_named_in
+from common.wire.jobspec import JobSpecError, validate_job
+from common.wire.lifecycle import (
     COMMAND_EVENT,
     STATE_AFTER,
     TERMINAL_STATES,
     ServiceName,
 )
-from common.logs import job_logger
-from common.messages import (
+from common.wire.messages import (
     AdapterUpdate,
     ContextTooLongError,
     GenerationRequest,
@@ -66,12 +72,6 @@ from common.messages import (
     Trajectory,
     job_event,
 )
-from common.ports import Sender
-from common.registry import REJECTION_TTL_S, JobRecord
-from common.service import Connections, Service, wait_any
-from common.store import RedisStore
-from common.tenants import QuotaError
-from common.wire import job_named_in
 from env_svc.calls import EnvCalls
 from env_svc.chat_template import ChatTokenizer
 from env_svc.episodes import (
@@ -353,11 +353,11 @@ class EnvService(Service):
             )
         await self.io.require_store().finish_claim(spec.job_id, group.index)
 
-    # --- evaluation (common/evals.py) ----------------------------------------------
+    # --- evaluation (common/state/evals.py) ----------------------------------------------
 
     async def evaluate(self, record: JobRecord, version: int) -> None:
         """Send the evaluation of adapter `version` when the job evaluates it, once: now, or
-        when the job's evaluation in flight has finished (common/evals.py)."""
+        when the job's evaluation in flight has finished (common/state/evals.py)."""
         if record.status in _NOT_EVALUATED or not evaluated(record.spec, version):
             return
         if await self.io.require_store().claim_eval(record.spec.job_id, version):

@@ -6,10 +6,10 @@ import asyncio
 import os
 import sys
 
-from common.config import RolloutSettings
-from common.cores import pin_to_cores
-from common.imports import load_object
-from common.service import exit_code, run_service, start_settings
+from common.runtime.config import RolloutSettings
+from common.runtime.cores import pin_to_cores
+from common.runtime.imports import load_object
+from common.runtime.service import exit_code, run_service, start_settings
 
 
 def main() -> int:
@@ -17,7 +17,7 @@ def main() -> int:
     if settings.cpu_cores:  # before vLLM starts its threads and engine process: they inherit it
         pin_to_cores(settings.cpu_cores)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", settings.cpu_cores)
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
     from rollout_svc.engine import RolloutEngine
     from rollout_svc.service import GenerationEngine, RolloutService
 

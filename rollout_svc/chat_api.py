@@ -21,9 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
-from common.chat import JOB_HEADER, MAX_PROMPT_CHARS, MAX_TOKENS
-from common.jobspec import bound_problems
-from common.messages import (
+from common.wire.chat import JOB_HEADER, MAX_PROMPT_CHARS, MAX_TOKENS
+from common.wire.jobspec import bound_problems
+from common.wire.messages import (
     MAX_SEED,
     GenerationRequest,
     GenerationResult,
@@ -106,7 +106,7 @@ class ChatAPI:
         token: str | None,
     ) -> None:
         """`token`: the credential every request must bear (`Authorization: Bearer`), derived
-        from the bus key (common/signing.py); None only on an open bus."""
+        from the bus key (common/security/signing.py); None only on an open bus."""
         self._tokenizer, self._generate, self._models = tokenizer, generate, models
         self._host, self._port = host, port
         self._token = token

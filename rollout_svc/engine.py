@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.hardware import Hardware, Precision, detect, engine_precision, log_precision
-from common.messages import (
+from common.runtime.hardware import Hardware, Precision, detect, engine_precision, log_precision
+from common.wire.messages import (
     ContextTooLongError,
     FinishReason,
     GenerationRequest,
@@ -157,7 +157,7 @@ class RolloutEngine:
         on layers no adapter targets. `kv_cache_gib`: KV cache size; None: 1 GiB on a CPU, and
         on a GPU what `gpu_memory_utilization` leaves. `enforce_eager` None: eager on a CPU,
         CUDA graphs on a GPU. `dtype`: `auto` (bf16 where the hardware runs it natively, else
-        float32 on a CPU and float16 on a GPU, common/hardware.py) or a dtype.
+        float32 on a CPU and float16 on a GPU, common/runtime/hardware.py) or a dtype.
         `logprobs_mode`: `raw_logprobs` returns the model's log-softmax before temperature/top-p,
         the quantity the trainer recomputes;
         `processed_logprobs` returns the distribution actually sampled from.

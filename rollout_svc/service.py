@@ -16,27 +16,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, Protocol
 
-from common.artifacts import adapter_path, unpublished
-from common.backoff import is_transient, retry_transient
-from common.broadcast import BroadcastReader
-from common.bus import ConsumerLoop, Delivery
-from common.chat import CHAT
-from common.config import RolloutSettings, SharedSettings
-from common.faults import fault_point
-from common.flow import group_index_of
-from common.hardware import detect
-from common.health import redis_ready
-from common.lifecycle import RolloutReplicaStats, ServiceName
-from common.logs import job_logger
-from common.messages import (
-    AdapterUpdate,
-    DeadLetter,
-    GenerationRequest,
-    GenerationResult,
-    Topic,
-    result_for,
-)
-from common.metrics import (
+from common.bus.broadcast import BroadcastReader
+from common.bus.kafka import ConsumerLoop, Delivery
+from common.bus.sender import Sender
+from common.files.artifacts import adapter_path, unpublished
+from common.runtime.backoff import is_transient, retry_transient
+from common.runtime.config import RolloutSettings, SharedSettings
+from common.runtime.faults import fault_point
+from common.runtime.hardware import detect
+from common.runtime.health import redis_ready
+from common.runtime.logs import job_logger
+from common.runtime.metrics import (
     DEAD_LETTERS,
     ROLLOUT_ADAPTERS_LOADED,
     ROLLOUT_BUSY_FRACTION,
@@ -45,10 +35,20 @@ from common.metrics import (
     ROLLOUT_TOKENS_PER_SECOND,
     export_service_metrics,
 )
-from common.ports import Sender
-from common.service import Connections, Service, announce_runtime, runtime_fields, wait_any
-from common.store import RedisStore
-from common.wire import dead_letter, encode
+from common.runtime.service import Connections, Service, announce_runtime, runtime_fields, wait_any
+from common.state.flow import group_index_of
+from common.state.store import RedisStore
+from common.wire.chat import CHAT
+from common.wire.codec import dead_letter, encode
+from common.wire.lifecycle import RolloutReplicaStats, ServiceName
+from common.wire.messages import (
+    AdapterUpdate,
+    DeadLetter,
+    GenerationRequest,
+    GenerationResult,
+    Topic,
+    result_for,
+)
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.chat_api import ChatAPI
 from rollout_svc.engine import AdapterRef
@@ -215,7 +215,7 @@ class RolloutService(Service):
     async def _start_chat(self, port: int) -> ChatAPI:
         from transformers import AutoTokenizer
 
-        from common.models import resolve_tokenizer
+        from common.files.models import resolve_tokenizer
 
         directory = await asyncio.to_thread(
             resolve_tokenizer, self.shared.base_model, self.shared.cache_dir

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Mapping
 
-from common.lifecycle import STOPPED_STATES
+from common.wire.lifecycle import STOPPED_STATES
 
 FORGET_AFTER_S = 600.0
 """How long a stopped job is remembered after it was last asked about."""

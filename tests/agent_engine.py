@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from common.messages import GenerationRequest
+from common.wire.messages import GenerationRequest
 from env_svc.tools import format_call
 from tests.chaos.scripted_engine import ScriptedEngine
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from api_svc.server import ApiSettings, serve
-from common.config import SharedSettings
+from common.runtime.config import SharedSettings
 
 
 @contextmanager

@@ -13,8 +13,8 @@ from typing import TypeVar
 import pytest
 from pydantic import SecretStr
 
-from common.config import SharedSettings
-from common.store import RedisStore
+from common.runtime.config import SharedSettings
+from common.state.store import RedisStore
 from console.stack.children import ChildServer
 from console.stack.local import LocalStack
 from tests.agentic import operator_registrations
@@ -40,7 +40,7 @@ def smollm2_dir() -> Path:
     dir: the conversion takes ~30-60 s, so repeated local runs and CI (which caches that dir)
     convert once per machine instead of once per test session.
     """
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
 
     return resolve_base_model("smollm2-135m-instruct")
 
@@ -104,8 +104,8 @@ def pipeline_services(
     Session-scoped: starting vLLM takes tens of seconds, and jobs of different tests are
     independent (unique job ids), as tenants' jobs are in production.
     """
-    from common.lifecycle import SERVICES
-    from common.models import tiny_model
+    from common.files.models import tiny_model
+    from common.wire.lifecycle import SERVICES
     from console.stack.services import start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
@@ -123,7 +123,7 @@ def pipeline_services(
     site = install_readme_environment(tmp_path_factory.mktemp("readme-env"))
     paths = [os.environ.get("PYTHONPATH", ""), str(site)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    # Each as its own Redis user, as `marlaas up` starts them (common/access.py).
+    # Each as its own Redis user, as `marlaas up` starts them (common/security/access.py).
     redis_urls: dict[str, str] = {s: local_stack.redis_url_for(s) for s in SERVICES}
     # The operator registered the example MCP server and agentic environments (tests/agentic.py),
     # and asked for per-job series on /metrics (tests/integration/test_pipeline.py reads them).

@@ -21,12 +21,12 @@ import fakeredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from common.bus import Delivery, Producer
-from common.messages import Message, Topic
-from common.offsets import OffsetTracker
-from common.ports import Sender
-from common.store import RedisStore
-from common.wire import decode, encode, fits_record, topic_of
+from common.bus.kafka import Delivery, Producer
+from common.bus.offsets import OffsetTracker
+from common.bus.sender import Sender
+from common.state.store import RedisStore
+from common.wire.codec import decode, encode, fits_record, topic_of
+from common.wire.messages import Message, Topic
 
 HANDLER_TESTS_DB = 2
 

@@ -8,11 +8,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.artifacts import adapter_dir
-from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
-from common.flow import ISSUED_GROUPS
-from common.keyspace import flow_key
-from common.messages import (
+from common.files.artifacts import adapter_dir
+from common.runtime.config import (
+    EnvServiceSettings,
+    RolloutSettings,
+    SharedSettings,
+    TrainerSettings,
+)
+from common.state.flow import ISSUED_GROUPS
+from common.state.keyspace import flow_key
+from common.state.store import RedisStore
+from common.wire.messages import (
     AdapterUpdate,
     EnvSettings,
     EvalSettings,
@@ -26,7 +32,6 @@ from common.messages import (
     new_id,
     result_for,
 )
-from common.store import RedisStore
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.engine import AdapterRef

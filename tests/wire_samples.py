@@ -9,7 +9,8 @@ from pathlib import Path
 
 import msgspec
 
-from common.messages import (
+from common.wire.codec import replaced_at
+from common.wire.messages import (
     AdapterUpdate,
     DeadLetter,
     EnvSettings,
@@ -26,7 +27,6 @@ from common.messages import (
     SamplingSettings,
     Trajectory,
 )
-from common.wire import replaced_at
 
 ADDED_AFTER: dict[int, dict[str, dict[str, object]]] = {
     2: {"job_spec": {"eval": EvalSettings()}, "generation_request": {"pinned_adapter_version": -1}},

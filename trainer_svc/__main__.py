@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from common.config import TrainerSettings
-from common.cores import parse_cores, pin_to_cores
-from common.hardware import detect, log_precision, trainer_precision
-from common.service import exit_code, run_service, start_settings
+from common.runtime.config import TrainerSettings
+from common.runtime.cores import parse_cores, pin_to_cores
+from common.runtime.hardware import detect, log_precision, trainer_precision
+from common.runtime.service import exit_code, run_service, start_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     hardware = detect()
     precision = trainer_precision(settings.compute_dtype, settings.device, hardware)
     log_precision("trainer_svc", precision, hardware)
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
     from trainer_svc.compute import ComputeThread
     from trainer_svc.policy import MultiAdapterPolicy
     from trainer_svc.service import TrainerService

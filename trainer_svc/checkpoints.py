@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.artifacts import (
+from common.files.artifacts import (
     LATEST,
     VERSION_DIR,
     adapter_dir,
@@ -43,8 +43,8 @@ from common.artifacts import (
     epoch_of,
     version_dir_name,
 )
-from common.faults import fault_point
-from common.jobspec import is_name
+from common.runtime.faults import fault_point
+from common.wire.jobspec import is_name
 from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
 
 KEEP_CHECKPOINTS = 2

@@ -1,7 +1,7 @@
 """The one thread the trainer's model runs on, and the cores it borrows while they idle.
 
 On one machine the embedded stack gives the rollout engine half the cores and the trainer the
-other half (common/cores.py), and the trainer is the busier: in the 8-job run on 2 cores its
+other half (common/runtime/cores.py), and the trainer is the busier: in the 8-job run on 2 cores its
 core was busy 93% of the time, the engine's 52% (bench/results/multitask-8x4-20261204-
 cpu2-avx2.json). While the engine idles, a second trainer thread on its core makes a step
 x1.4 faster (`cores-20261204-cpu2-avx2.json`); while it generates, that thread halves both.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from common.cores import format_cores
+from common.runtime.cores import format_cores
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Literal
 
 import msgspec
 
-from common.flow import group_index_of
-from common.messages import DropKind, JobSpec, Trajectory
+from common.state.flow import group_index_of
+from common.wire.messages import DropKind, JobSpec, Trajectory
 
 Verdict = Literal["train"] | DropKind
 """Train the group, or drop it (and why: the drop kinds of `GroupDropped`)."""

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
-from common.hardware import ComputeDtype
-from common.messages import LoraSettings, RLSettings, Trajectory
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
+from common.runtime.hardware import ComputeDtype
+from common.wire.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import k3_kl, masked_token_logprobs, policy_loss, token_logprobs
 from trainer_svc.packing import (
     SUB_BATCH_OVERHEAD,
@@ -191,7 +191,7 @@ class MultiAdapterPolicy:
         """`micro_batch_tokens`: padded tokens (sequences x longest length) per forward pass;
         bounds activation memory, not the batch. `torch_threads`: 0 leaves torch's default.
         `compute_dtype` "bfloat16" runs a training step's forward and backward under autocast
-        (common/hardware.py says where that pays); weights, LoRA masters, optimizer state
+        (common/runtime/hardware.py says where that pays); weights, LoRA masters, optimizer state
         and the loss stay float32. `device`: "cpu", "cuda", "cuda:N" or "auto" (CUDA when
         present). `share_prefixes`: run each group's common prompt once, not once per
         sample (trainer_svc/packing.py). `skip_zero_advantages`: leave rows whose advantage

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from common.messages import RLSettings
+from common.wire.messages import RLSettings
 
 
 def lr_factor(rl: RLSettings, step: int) -> float:

@@ -21,24 +21,36 @@ from typing import Any, TypeVar
 
 from aiokafka.structs import TopicPartition
 
-from common.backoff import is_transient, retry_transient
-from common.bus import ConsumerLoop, Delivery
-from common.config import SharedSettings, TrainerSettings
-from common.dedup import DROPPED, TRAINED
-from common.faults import fault_point
-from common.flow import group_index_of
-from common.hardware import Precision, detect
-from common.health import redis_ready
-from common.keyspace import dedup_key, fence_key, flow_key, ledger_key
-from common.lifecycle import (
+from common.bus.kafka import ConsumerLoop, Delivery
+from common.bus.sender import Sender
+from common.runtime.backoff import is_transient, retry_transient
+from common.runtime.config import SharedSettings, TrainerSettings
+from common.runtime.faults import fault_point
+from common.runtime.hardware import Precision, detect
+from common.runtime.health import redis_ready
+from common.runtime.logs import job_logger
+from common.runtime.metrics import (
+    TRAINER_GROUPS_DROPPED,
+    TRAINER_STEP_SECONDS,
+    TRAINER_STEPS,
+    TRAINER_TOKENS_PER_SECOND,
+    export_service_metrics,
+    forget_job,
+)
+from common.runtime.service import Connections, Service, announce_runtime, runtime_fields
+from common.state.dedup import DROPPED, TRAINED
+from common.state.flow import group_index_of
+from common.state.keyspace import dedup_key, fence_key, flow_key, ledger_key
+from common.state.pointers import FencedError
+from common.state.store import RedisStore
+from common.wire.lifecycle import (
     STATE_AFTER,
     TERMINAL_STATES,
     TOOL_METRICS,
     ServiceName,
     StepMetrics,
 )
-from common.logs import job_logger
-from common.messages import (
+from common.wire.messages import (
     AdapterUpdate,
     DropKind,
     GroupDropped,
@@ -47,18 +59,6 @@ from common.messages import (
     Trajectory,
     job_event,
 )
-from common.metrics import (
-    TRAINER_GROUPS_DROPPED,
-    TRAINER_STEP_SECONDS,
-    TRAINER_STEPS,
-    TRAINER_TOKENS_PER_SECOND,
-    export_service_metrics,
-    forget_job,
-)
-from common.pointers import FencedError
-from common.ports import Sender
-from common.service import Connections, Service, announce_runtime, runtime_fields
-from common.store import RedisStore
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
 from trainer_svc.compute import ComputeThread
 from trainer_svc.groups import (

@@ -11,10 +11,10 @@ from fastapi import APIRouter, HTTPException, Request
 
 from api_svc.access import Client, Settings, Tenant, conflict_on, owned, registered, view_of
 from api_svc.views import CommandDone, JobView, Submitted
-from common.jobspec import JobSpecError, validate_job
-from common.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
-from common.tenants import QuotaError
-from common.wire import decode
+from common.state.tenants import QuotaError
+from common.wire.codec import decode
+from common.wire.jobspec import JobSpecError, validate_job
+from common.wire.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Request
 
 from api_svc.access import Client, Settings, Tenant, gate, registered
 from api_svc.views import SampleAnswer, SampleRequest
-from common.chat import CHAT
+from common.wire.chat import CHAT
 from console.chat_client import ChatFailed, chat_completion
 
 router = APIRouter(prefix="/v1/jobs")

@@ -9,9 +9,9 @@ from fastapi import APIRouter
 
 from api_svc.access import Client, Tenant
 from api_svc.views import TenantView
-from common.messages import Topic
-from common.tenants import TenantLimits
-from common.wire import json_schema
+from common.state.tenants import TenantLimits
+from common.wire.codec import json_schema
+from common.wire.messages import Topic
 
 router = APIRouter(prefix="/v1")
 

@@ -11,10 +11,10 @@ from typing import Annotated
 
 import typer
 
-from common.audit import Audit
-from common.config import SharedSettings, load
-from common.lifecycle import TERMINAL_STATES
-from common.messages import JobAction, JobSpec
+from common.runtime.config import SharedSettings, load
+from common.state.audit import Audit
+from common.wire.lifecycle import TERMINAL_STATES
+from common.wire.messages import JobAction, JobSpec
 from console.api_client import TenantClient
 from console.cli.support import (
     console,

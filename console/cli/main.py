@@ -10,10 +10,10 @@ import sys
 import typer
 from rich.table import Table
 
-from common.access import redacted
-from common.config import SharedSettings, load
-from common.lifecycle import SERVICES
-from common.logs import setup_logging
+from common.runtime.config import SharedSettings, load
+from common.runtime.logs import setup_logging
+from common.security.access import redacted
+from common.wire.lifecycle import SERVICES
 from console.cli import access, envs, jobs, sample, tenants, track
 from console.cli.support import (
     USER_ERRORS,
@@ -116,8 +116,8 @@ def up(
     ),
 ) -> None:
     """Start the embedded stack (broker, Redis, topics, services) and keep it up until Ctrl-C."""
-    from common.artifacts import PRIVATE_UMASK
-    from common.models import resolve_base_model
+    from common.files.artifacts import PRIVATE_UMASK
+    from common.files.models import resolve_base_model
     from console.stack.services import replicated
 
     os.umask(PRIVATE_UMASK)  # the state dir's lock, logs and credentials: the operator's alone
@@ -175,8 +175,8 @@ def schema(
     """Print the JSON Schema of a topic's records, for producing jobs from any Kafka client."""
     import json
 
-    from common.messages import Topic
-    from common.wire import json_schema
+    from common.wire.codec import json_schema
+    from common.wire.messages import Topic
 
     known = {t.value: t for t in Topic} | {t.value.removeprefix("marlaas."): t for t in Topic}
     if topic not in known:
@@ -194,7 +194,7 @@ def demo(
     Writes runs/<run-id>/demo-summary.json with each job's reward at start and end and its
     held-out accuracy, base model vs final adapter.
     """
-    from common.models import resolve_base_model
+    from common.files.models import resolve_base_model
     from console.demo import run
 
     settings = load(SharedSettings)

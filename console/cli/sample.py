@@ -7,8 +7,8 @@ from typing import Any
 
 import typer
 
-from common.chat import CHAT
-from common.config import SharedSettings, load
+from common.runtime.config import SharedSettings, load
+from common.wire.chat import CHAT
 from console.api_client import TenantClient
 from console.chat_client import ChatFailed, chat_completion
 from console.cli.support import one_line_errors, run, say, tenant_client

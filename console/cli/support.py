@@ -14,9 +14,9 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 from rich.console import Console
 
-from common.backoff import ServerUnreachable
-from common.registry import UnknownJobError
-from common.tenants import UnknownTenantError
+from common.runtime.backoff import ServerUnreachable
+from common.state.registry import UnknownJobError
+from common.state.tenants import UnknownTenantError
 from console.api_client import ApiClientSettings, ApiError, TenantClient
 from console.stack.children import StackError
 from console.tracking import TrackingUnavailableError
@@ -59,7 +59,7 @@ options = Options()
 
 def tenant_client() -> TenantClient | None:
     """The tenant API client when an API URL is given; None: operator mode (Kafka, Redis)."""
-    from common.config import load
+    from common.runtime.config import load
 
     settings = load(ApiClientSettings)
     url, key = options.api_url or settings.api_url, options.api_key or settings.api_key
@@ -76,7 +76,7 @@ def operator_only(command: str) -> None:
 
 
 def load_api_url() -> str:
-    from common.config import load
+    from common.runtime.config import load
 
     return load(ApiClientSettings).api_url
 
@@ -113,7 +113,7 @@ def fail(message: str) -> NoReturn:
 
 def quiet_logging() -> None:
     """Only errors: retries are logged as warnings for services; a command reports its end."""
-    from common.logs import setup_logging
+    from common.runtime.logs import setup_logging
 
     setup_logging("ERROR")
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)

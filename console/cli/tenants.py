@@ -11,9 +11,9 @@ from typing import Annotated, TypeVar
 import msgspec
 import typer
 
-from common.config import SharedSettings, load
-from common.store import RedisStore
-from common.tenants import LIMIT_NAMES, TenantLimits, TenantRecord
+from common.runtime.config import SharedSettings, load
+from common.state.store import RedisStore
+from common.state.tenants import LIMIT_NAMES, TenantLimits, TenantRecord
 from console.cli.support import one_line_errors, operator_only, options, quiet_logging, run, say
 
 T = TypeVar("T")
@@ -76,7 +76,7 @@ def add(
     """Add a tenant (or change its limits, re-activating it) and print a new API key.
 
     Limits not given keep their current value (a new tenant: the defaults)."""
-    from common.jobspec import NAME_RULE, is_name
+    from common.wire.jobspec import NAME_RULE, is_name
 
     if not is_name(name):
         raise typer.BadParameter(f"{NAME_RULE}, got {name!r}", param_hint="NAME")

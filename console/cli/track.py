@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from common.config import SharedSettings, load
+from common.runtime.config import SharedSettings, load
 from console.cli.support import one_line_errors, operator_only, options, quiet_logging, run, say
 from console.client import MarlaasClient
 from console.tracking import MlflowSink, Sink, TensorBoardSink, Tracker

@@ -13,14 +13,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from common.lifecycle import (
+from common.wire.lifecycle import (
     DROPPED_EVENTS,
     REPLICA_COUNTERS,
     JobLifecycle,
     RolloutReplicaStats,
     StepMetrics,
 )
-from common.messages import Event, JobSpec
+from common.wire.messages import Event, JobSpec
 from console.export import best_version
 from console.report.charts import is_number
 

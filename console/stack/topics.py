@@ -15,9 +15,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from common.bus import PartitionLag, start_client
-from common.config import kafka_client_options
-from common.messages import Topic
+from common.bus.kafka import PartitionLag, start_client
+from common.runtime.config import kafka_client_options
+from common.wire.messages import Topic
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.lifecycle import CONSUMED_TOPICS
-from common.messages import Event, JobSpec
-from common.registry import UnknownJobError
-from common.store import RedisStore
+from common.state.registry import UnknownJobError
+from common.state.store import RedisStore
+from common.wire.lifecycle import CONSUMED_TOPICS
+from common.wire.messages import Event, JobSpec
 from console.eventfeed import EventFeed
 from console.jobwatch import JobProgress
 from console.stack.topics import group_lag

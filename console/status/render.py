@@ -9,7 +9,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from common.messages import Event
+from common.wire.messages import Event
 from console.jobwatch import JobProgress
 from console.status.board import JobRow, ReplicaRow, StatusSnapshot
 

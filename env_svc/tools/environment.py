@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from common.lifecycle import TOOL_METRICS
+from common.wire.lifecycle import TOOL_METRICS
 from env_svc.protocol import (
     ChatMessage,
     Environment,

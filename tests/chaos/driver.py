@@ -43,13 +43,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.artifacts import adapter_path
-from common.backoff import retry_transient
-from common.bus import Producer
-from common.config import SharedSettings
-from common.flow import issue_limit
-from common.lifecycle import SERVICES, TERMINAL_STATES
-from common.messages import (
+from common.bus.kafka import Producer
+from common.files.artifacts import adapter_path
+from common.files.models import tiny_model
+from common.runtime.backoff import retry_transient
+from common.runtime.config import SharedSettings
+from common.state.flow import issue_limit
+from common.state.registry import JobRecord
+from common.wire.codec import decode, encode
+from common.wire.lifecycle import SERVICES, TERMINAL_STATES
+from common.wire.messages import (
     AdapterUpdate,
     DeadLetter,
     EnvSettings,
@@ -65,9 +68,6 @@ from common.messages import (
     Trajectory,
     new_id,
 )
-from common.models import tiny_model
-from common.registry import JobRecord
-from common.wire import decode, encode
 from console.client import MarlaasClient
 from console.eventfeed import AdapterFeed, EventFeed, TopicFeed
 from console.jobwatch import submit_jobs

@@ -13,7 +13,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from common.messages import GenerationRequest, GenerationResult, result_for
+from common.wire.messages import GenerationRequest, GenerationResult, result_for
 from rollout_svc.engine import AdapterRef
 
 

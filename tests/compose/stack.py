@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from common.bus import partition_of
+from common.bus.kafka import partition_of
 from console.stack.children import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,8 @@ class Stack:
         return "\n".join(out)
 
     def processed(self, container: str, service: str, topic: str) -> int:
-        """Records of `topic` the replica has handled, from its /metrics (common/metrics.py)."""
+        """Records of `topic` the replica has handled, from its /metrics
+        (common/runtime/metrics.py)."""
         port = METRICS_PORTS[service]
         text = self.docker("exec", container, "python3", "-c",
                            "import urllib.request as u; print(u.urlopen("
@@ -236,7 +237,7 @@ class Tenant:
 
 
 def partitions_in(logs: str) -> Iterator[str]:
-    """The partition lists a service logged on assignment (common/bus.py)."""
+    """The partition lists a service logged on assignment (common/bus/kafka.py)."""
     for match in re.finditer(r"partitions assigned: (.+)", logs):
         yield match.group(1)
 
@@ -261,7 +262,7 @@ def key_in(partitions: set[int], prefix: str, count: int) -> str:
 
 
 def handled_in(logs: str, topic: str) -> int:
-    """Records of `topic` a replica logged as handled (common/bus.py's activity lines)."""
+    """Records of `topic` a replica logged as handled (common/bus/kafka.py's activity lines)."""
     return sum(
         int(m.group(1)) for m in re.finditer(rf"(\d+) {re.escape(topic)}\b[^\n]*in the last", logs)
     )

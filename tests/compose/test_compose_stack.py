@@ -195,7 +195,7 @@ def test_the_compose_stack_runs_scales_survives_kills_and_upgrades(stack: Stack)
         assert "0 lost, 0 trained twice, 0 unexpected" in audit and "problem" not in audit, audit
 
     # Each replica's log shows its partitions; the survivors' also the records they handled
-    # (one activity line a minute, common/bus.py).
+    # (one activity line a minute, common/bus/kafka.py).
     logs = {n: stack.logs(n) for s in SERVICES for n in stack.containers(s, running=False)}
     for name, text in logs.items():
         assert any("[" in p for p in partitions_in(text)), f"{name} was assigned no partition"

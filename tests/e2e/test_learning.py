@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import SharedSettings
-from common.lifecycle import SERVICES
+from common.runtime.config import SharedSettings
+from common.wire.lifecycle import SERVICES
 from console.demo import demo_jobs
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.local import LocalStack

@@ -19,9 +19,11 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from pydantic import SecretStr
 
-from common.config import SharedSettings
-from common.lifecycle import SERVICES
-from common.messages import (
+from common.files.models import tiny_model
+from common.runtime.config import SharedSettings
+from common.wire.codec import decode
+from common.wire.lifecycle import SERVICES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     Event,
@@ -33,8 +35,6 @@ from common.messages import (
     Trajectory,
     new_id,
 )
-from common.models import tiny_model
-from common.wire import decode
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.children import free_port
 from console.stack.local import LocalStack

@@ -23,13 +23,13 @@ import pytest
 from pydantic import SecretStr
 
 from api_svc.server import ApiSettings
-from common import bus
-from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from common.bus import Producer
-from common.config import SharedSettings
-from common.messages import EnvSettings, Event, JobSpec, Topic, new_id
-from common.store import RedisStore
-from common.tenants import TenantLimits, TenantRegistry, new_api_key
+from common.bus import kafka as bus
+from common.bus.kafka import Producer
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.runtime.config import SharedSettings
+from common.state.store import RedisStore
+from common.state.tenants import TenantLimits, TenantRegistry, new_api_key
+from common.wire.messages import EnvSettings, Event, JobSpec, Topic, new_id
 from console.client import MarlaasClient
 from console.eventfeed import EventFeed, TopicFeed
 from console.stack.local import LocalStack
@@ -55,7 +55,7 @@ def settings(local_stack: LocalStack) -> SharedSettings:
 
 
 def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[list[Any], list[Any]]:
-    """Every `common.bus.<name>` (AIOKafkaProducer, AIOKafkaConsumer) made from now on, and
+    """Every `common.bus.kafka.<name>` (AIOKafkaProducer, AIOKafkaConsumer) made from now on, and
     every one stopped."""
     made: list[Any] = []
     stopped: list[Any] = []

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from api_svc.server import ApiSettings, create_app
-from common.config import SharedSettings
-from common.messages import EnvSettings, JobSpec, new_id
-from common.store import RedisStore
-from common.tenants import TenantLimits
+from common.runtime.config import SharedSettings
+from common.state.store import RedisStore
+from common.state.tenants import TenantLimits
+from common.wire.messages import EnvSettings, JobSpec, new_id
 from console.stack.local import LocalStack
 from tests.api_server import api_server
 from tests.conftest import with_store

@@ -1,4 +1,4 @@
-"""common.bus against a real Tansu broker: at-least-once, groups, dead letters, lag."""
+"""common.bus.kafka against a real Tansu broker: at-least-once, groups, dead letters, lag."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from prometheus_client import REGISTRY
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from common.backoff import RetryableError, ServerUnreachable
-from common.bus import ConsumerLoop, Delivery, Producer
-from common.messages import DeadLetter, Event, Topic, new_id
-from common.signing import RecordSigner
-from common.store import RedisStore
-from common.wire import decode, encode
+from common.bus.kafka import ConsumerLoop, Delivery, Producer
+from common.runtime.backoff import RetryableError, ServerUnreachable
+from common.security.signing import RecordSigner
+from common.state.store import RedisStore
+from common.wire.codec import decode, encode
+from common.wire.messages import DeadLetter, Event, Topic, new_id
 from console.eventfeed import EventFeed
 from console.stack.children import free_port
 from console.stack.infra import start_valkey
@@ -124,7 +124,7 @@ async def test_producer_gives_up_on_an_unreachable_broker_with_its_address() -> 
 CRASHING_CONSUMER = textwrap.dedent(
     """
     import asyncio, os, sys
-    from common.bus import ConsumerLoop, Producer
+    from common.bus.kafka import ConsumerLoop, Producer
 
     async def main(bootstrap, group, job_id):
         dlq = Producer(bootstrap, client_id="crasher")
@@ -468,7 +468,7 @@ async def test_group_lag_counts_uncommitted_records(kafka_bootstrap: str) -> Non
 
 
 def sample(name: str, service: str, topic: str = Topic.EVENTS.value, **labels: str) -> float:
-    """A consumer metric's current value (common/metrics.py) from the default registry."""
+    """A consumer metric's current value (common/runtime/metrics.py) from the default registry."""
     value = REGISTRY.get_sample_value(name, {"service": service, "topic": topic, **labels})
     assert value is not None, f"{name} of {service} on {topic} is not exported"
     return value

@@ -13,11 +13,11 @@ import pytest_asyncio
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from common.chat import CHAT
-from common.config import RolloutSettings, SharedSettings
-from common.messages import EnvSettings, JobSpec, new_id
-from common.models import tiny_model
-from common.store import RedisStore
+from common.files.models import tiny_model
+from common.runtime.config import RolloutSettings, SharedSettings
+from common.state.store import RedisStore
+from common.wire.chat import CHAT
+from common.wire.messages import EnvSettings, JobSpec, new_id
 from console.chat_client import chat_completion
 from console.cli.main import app
 from env_svc.judge import Judge

@@ -19,10 +19,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from typer.testing import CliRunner
 
-from common.bus import Producer
-from common.hardware import CpuInfo, Hardware, trainer_precision
-from common.lifecycle import RolloutReplicaStats
-from common.messages import (
+from common.bus.kafka import Producer
+from common.runtime.hardware import CpuInfo, Hardware, trainer_precision
+from common.runtime.service import runtime_fields
+from common.state.store import RedisStore
+from common.wire.codec import decode
+from common.wire.lifecycle import RolloutReplicaStats
+from common.wire.messages import (
     EnvSettings,
     JobCommand,
     JobSpec,
@@ -32,9 +35,6 @@ from common.messages import (
     job_event,
     new_id,
 )
-from common.service import runtime_fields
-from common.store import RedisStore
-from common.wire import decode
 from console.cli.main import app
 from console.stack.children import free_port
 from console.stack.local import LocalStack

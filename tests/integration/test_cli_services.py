@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from common.messages import new_id
+from common.wire.messages import new_id
 from console.cli.main import app
 from console.stack.local import LocalStack
 from tests.api_server import api_server

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from common.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
-from common.models import tiny_model
-from common.store import RedisStore
+from common.files.models import tiny_model
+from common.state.store import RedisStore
+from common.wire.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from console.export import ExportError, export_adapter
 from tests.conftest import with_store
 from trainer_svc.policy import MultiAdapterPolicy

@@ -22,11 +22,14 @@ import httpx
 import msgspec
 import pytest
 
-from common.artifacts import adapter_path
-from common.bus import Producer
-from common.config import SharedSettings
-from common.lifecycle import TERMINAL_STATES
-from common.messages import (
+from common.bus.kafka import Producer
+from common.files.artifacts import adapter_path
+from common.runtime.config import SharedSettings
+from common.state.store import RedisStore
+from common.state.tenants import TenantLimits
+from common.wire.codec import encode, key_bytes, topic_of
+from common.wire.lifecycle import TERMINAL_STATES
+from common.wire.messages import (
     AdapterUpdate,
     DeadLetter,
     EnvSettings,
@@ -39,9 +42,6 @@ from common.messages import (
     Trajectory,
     new_id,
 )
-from common.store import RedisStore
-from common.tenants import TenantLimits
-from common.wire import encode, key_bytes, topic_of
 from console.api_client import ApiError, TenantClient
 from console.client import MarlaasClient
 from console.stack.local import LocalStack

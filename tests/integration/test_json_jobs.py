@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from common.messages import JobSpec, Topic, new_id
-from common.wire import decode
+from common.wire.codec import decode
+from common.wire.messages import JobSpec, Topic, new_id
 from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
 from tests.conftest import RunningServices

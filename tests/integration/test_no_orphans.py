@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.models import tiny_model
+from common.files.models import tiny_model
 from tests.processes import alive, cmdline, descendants_of
 
 HOLD_ENGINE = """
@@ -34,8 +34,8 @@ if __name__ == "__main__":  # vLLM's children are spawned: they re-import this f
 HOLD_STACK = """
 import asyncio, sys
 from pathlib import Path
-from common.config import SharedSettings
-from common.lifecycle import SERVICES
+from common.runtime.config import SharedSettings
+from common.wire.lifecycle import SERVICES
 from console.stack.local import LocalStack
 
 async def main() -> None:

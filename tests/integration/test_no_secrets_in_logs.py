@@ -22,11 +22,11 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from common.access import new_passwords
-from common.chat import CHAT
-from common.config import SharedSettings
-from common.models import tiny_model
-from common.tenants import parse_api_key
+from common.files.models import tiny_model
+from common.runtime.config import SharedSettings
+from common.security.access import new_passwords
+from common.state.tenants import parse_api_key
+from common.wire.chat import CHAT
 from tests.leaks import encodings, leaks
 
 pytestmark = pytest.mark.kafka

@@ -17,8 +17,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.bus import Producer
-from common.messages import (
+from common.bus.kafka import Producer
+from common.runtime.metrics import ENDED_JOB
+from common.security.signing import RecordSigner
+from common.state.store import RedisStore
+from common.wire.codec import decode
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     Event,
@@ -29,10 +33,6 @@ from common.messages import (
     Trajectory,
     new_id,
 )
-from common.metrics import ENDED_JOB
-from common.signing import RecordSigner
-from common.store import RedisStore
-from common.wire import decode
 from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.local import LocalStack
 from tests.conftest import RunningServices

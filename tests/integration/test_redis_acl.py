@@ -1,6 +1,6 @@
-"""Redis least privilege (common/access.py) against a real Valkey started with the generated
-aclfile: each principal can run the store operations its process uses, and nothing else;
-anonymous clients get nothing. Plus the embedded stack's wiring of it."""
+"""Redis least privilege (common/security/access.py) against a real Valkey started with
+the generated aclfile: each principal can run the store operations its process uses, and
+nothing else; anonymous clients get nothing. Plus the embedded stack's wiring of it."""
 
 from __future__ import annotations
 
@@ -19,13 +19,19 @@ import pytest
 from redis import asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from common.access import PRINCIPALS, Principal, new_passwords, redis_url_for, valkey_acl_lines
-from common.config import SharedSettings, stack_env_file
-from common.dedup import COMMANDS, DROPPED, TRAINED
-from common.lifecycle import SERVICES, RolloutReplicaStats
-from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.store import RedisStore
-from common.tenants import QuotaError, TenantLimits
+from common.runtime.config import SharedSettings, stack_env_file
+from common.security.access import (
+    PRINCIPALS,
+    Principal,
+    new_passwords,
+    redis_url_for,
+    valkey_acl_lines,
+)
+from common.state.dedup import COMMANDS, DROPPED, TRAINED
+from common.state.store import RedisStore
+from common.state.tenants import QuotaError, TenantLimits
+from common.wire.lifecycle import SERVICES, RolloutReplicaStats
+from common.wire.messages import EnvSettings, JobSpec, RLSettings, new_id
 from console.stack.children import ChildServer, free_port
 from console.stack.infra import start_valkey
 from console.stack.local import LocalStack

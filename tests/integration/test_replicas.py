@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import SharedSettings
-from common.lifecycle import SERVICES, TERMINAL_STATES
-from common.messages import (
+from common.files.models import tiny_model
+from common.runtime.config import SharedSettings
+from common.wire.lifecycle import SERVICES, TERMINAL_STATES
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     JobSpec,
@@ -29,7 +30,6 @@ from common.messages import (
     SamplingSettings,
     new_id,
 )
-from common.models import tiny_model
 from console.client import MarlaasClient
 from console.stack.local import LocalStack
 from console.stack.services import replicated

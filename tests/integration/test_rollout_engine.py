@@ -14,14 +14,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from common.messages import (
+from common.files.models import tiny_model
+from common.wire.messages import (
     ContextTooLongError,
     GenerationRequest,
     GenerationResult,
     SamplingSettings,
     new_id,
 )
-from common.models import tiny_model
 from rollout_svc.engine import (
     CPU_BLOCK_SIZE,
     AdapterRef,
@@ -35,7 +35,7 @@ CONTEXT = [1, 504, 3458, 282, 2114, 30, 216, 34, 2]
 """Any token ids will do: the model is random."""
 LOGPROB_TOLERANCE = 0.05
 """vLLM computes in bfloat16 where the CPU runs it natively (float32 elsewhere,
-common/hardware.py), the reference in float32."""
+common/runtime/hardware.py), the reference in float32."""
 
 
 def make_adapter(base_dir: Path, out_dir: Path, seed: int) -> Path:

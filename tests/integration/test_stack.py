@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import stack_env_file
-from common.messages import Topic
-from common.models import tiny_model
-from common.store import RedisStore
+from common.files.models import tiny_model
+from common.runtime.config import stack_env_file
+from common.state.store import RedisStore
+from common.wire.messages import Topic
 from console.stack.children import free_port
 from console.stack.local import LocalStack
 from console.stack.topics import ensure_topics
@@ -246,9 +246,9 @@ def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and
     again."""
     from aiokafka import AIOKafkaConsumer
 
-    from common.bus import Producer
-    from common.config import SharedSettings
-    from common.messages import Event, new_id
+    from common.bus.kafka import Producer
+    from common.runtime.config import SharedSettings
+    from common.wire.messages import Event, new_id
     from console.eventfeed import EventFeed
 
     settings = SharedSettings(state_dir=tmp_path, connect_timeout_s=60, broker_storage="s3")

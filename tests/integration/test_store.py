@@ -1,4 +1,4 @@
-"""common.store against a real Valkey: forward-only pointers, jobs, flow control, de-dup."""
+"""common.state.store against a real Valkey: forward-only pointers, jobs, flow control, de-dup."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.backoff import ServerUnreachable
-from common.flow import DroppedGroup, FlowState, issue_limit
-from common.lifecycle import RolloutReplicaStats
-from common.messages import EnvSettings, JobSpec, RLSettings, new_id
-from common.registry import UnknownJobError
-from common.store import RedisStore
+from common.runtime.backoff import ServerUnreachable
+from common.state.flow import DroppedGroup, FlowState, issue_limit
+from common.state.registry import UnknownJobError
+from common.state.store import RedisStore
+from common.wire.lifecycle import RolloutReplicaStats
+from common.wire.messages import EnvSettings, JobSpec, RLSettings, new_id
 from console.stack.children import free_port
 
 pytestmark = pytest.mark.kafka

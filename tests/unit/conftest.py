@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.models import tiny_model
+from common.files.models import tiny_model
 from env_svc.chat_template import ChatTokenizer
 from tests.fakes import Backend, kafka_backend, memory_backend
 

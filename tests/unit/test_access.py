@@ -1,4 +1,4 @@
-"""The Redis access table (common/access.py): who may read and write which key, and the
+"""The Redis access table (common/security/access.py): who may read and write which key, and the
 aclfile and URLs made from it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from common.access import (
+from common.security.access import (
     GRANTS,
     PRINCIPALS,
     new_passwords,
@@ -16,7 +16,7 @@ from common.access import (
     redis_url_for,
     valkey_acl_lines,
 )
-from common.lifecycle import SERVICES
+from common.wire.lifecycle import SERVICES
 
 
 def writers(key: str) -> set[str]:

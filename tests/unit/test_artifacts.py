@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from common.artifacts import adapter_path, atomic_dir, atomic_write_text, staging_leftovers
+from common.files.artifacts import adapter_path, atomic_dir, atomic_write_text, staging_leftovers
 
 
 @pytest.mark.parametrize(

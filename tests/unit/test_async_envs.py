@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from common.backoff import is_transient
+from common.runtime.backoff import is_transient
 from env_svc.calls import EnvCalls, EnvCallTimeout, EnvCodeError
 from env_svc.protocol import (
     AsyncEnvironmentError,

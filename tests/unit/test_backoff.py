@@ -1,4 +1,4 @@
-"""common.backoff (what is worth another try, and when) and env_svc.calls (time limits)."""
+"""common.runtime.backoff (what is worth another try, and when) and env_svc.calls (time limits)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from aiokafka import errors as kafka
 from redis import exceptions as redis
 
-from common.backoff import Backoff, RetryableError, is_transient, retry_transient
+from common.runtime.backoff import Backoff, RetryableError, is_transient, retry_transient
 from env_svc.calls import EnvCalls, EnvCallTimeout, EnvCodeError, WorkersExhausted
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.messages import Event, job_event
+from common.wire.messages import Event, job_event
 from console.export import best_version
 
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import trainer_svc.checkpoints
-from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, staging_leftovers
-from common.models import tiny_model
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, staging_leftovers
+from common.files.models import tiny_model
 from tests.unit.test_policy import LORA, RL, _assert_same_state, _batch
 from trainer_svc.checkpoints import GROUPS_FILE, STEP_FILE, Checkpoint, CheckpointStore
 from trainer_svc.policy import OPTIMIZER_STATE, TRAINER_STATE, MultiAdapterPolicy

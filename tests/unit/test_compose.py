@@ -19,9 +19,9 @@ import jsonschema
 import pytest
 import yaml
 
-from common.access import KAFKA_SUPER_USERS, PRINCIPALS
-from common.config import KafkaAuthSettings, SharedSettings
-from common.lifecycle import SERVICES
+from common.runtime.config import KafkaAuthSettings, SharedSettings
+from common.security.access import KAFKA_SUPER_USERS, PRINCIPALS
+from common.wire.lifecycle import SERVICES
 from console.cli.access import password_variable
 from tests.image_targets import dockerfile_stages, stages
 
@@ -220,7 +220,7 @@ PRINCIPAL_OF = {
 
 
 def test_each_container_logs_in_as_its_own_principal(compose: Compose) -> None:
-    """Kafka user and Redis user are the container's principal (common/access.py), each
+    """Kafka user and Redis user are the container's principal (common/security/access.py), each
     with that principal's password variable; the bus key is the shared one."""
     for name in kafka_clients(compose):
         env, principal = environment_of(compose["services"][name]), PRINCIPAL_OF[name]

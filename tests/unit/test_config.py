@@ -1,4 +1,4 @@
-"""common.config: prefixes per service, the stack's connection file, env vars winning."""
+"""common.runtime.config: prefixes per service, the stack's connection file, env vars winning."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.config import (
+from common.runtime.config import (
     EnvServiceSettings,
     KafkaAuthSettings,
     RolloutSettings,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from common.bus import ConsumerLoop
-from common.messages import JobCommand, Topic
-from common.offsets import OffsetTracker
-from common.wire import encode
+from common.bus.kafka import ConsumerLoop
+from common.bus.offsets import OffsetTracker
+from common.wire.codec import encode
+from common.wire.messages import JobCommand, Topic
 from tests.fakes import MemoryBus
 
 
@@ -44,7 +44,7 @@ async def test_each_replica_logs_what_it_handled_per_topic_once_an_interval(
     await loop._dispatch_partition(tp, [record(tp, n) for n in range(3)])
     await loop._dispatch.drain(5.0)
     started = loop._activity_since
-    with caplog.at_level(logging.INFO, logger="common.bus"):
+    with caplog.at_level(logging.INFO, logger="common.bus.kafka"):
         loop.log_activity(now=started + 30.0)  # too early: nothing yet
         assert caplog.messages == []
         loop.log_activity(now=started + 61.0)

@@ -6,8 +6,8 @@ from typing import Any
 
 from aiokafka.structs import TopicPartition
 
-from common.bus import ConsumerLoop
-from common.offsets import OffsetTracker
+from common.bus.kafka import ConsumerLoop
+from common.bus.offsets import OffsetTracker
 from tests.fakes import MemoryBus
 
 

@@ -1,10 +1,10 @@
-"""common.cores and the embedded stack's split of the cores between engine and trainer."""
+"""common.runtime.cores and the embedded stack's split of the cores between engine and trainer."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.cores import engine_trainer_split, format_cores, parse_cores, pin_to_cores
+from common.runtime.cores import engine_trainer_split, format_cores, parse_cores, pin_to_cores
 from console.stack.services import core_placement
 
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
@@ -66,7 +66,7 @@ def test_pinning_binds_the_process_and_counts_threads() -> None:
 def test_a_service_refuses_a_bad_core_setting(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
-    from common.config import RolloutSettings, TrainerSettings
+    from common.runtime.config import RolloutSettings, TrainerSettings
 
     settings = {"ROLLOUT": RolloutSettings, "TRAINER": TrainerSettings}[prefix]
     monkeypatch.setenv(f"{prefix}_CPU_CORES", "2-1")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.messages import EnvSettings, JobSpec
+from common.wire.messages import EnvSettings, JobSpec
 from env_svc import datafiles
 from env_svc.datafiles import DataFileError, confine, read_lines
 from env_svc.protocol import EnvParamsError, environment_for

@@ -1,4 +1,4 @@
-"""Records handled at once (common/dispatch.py, ConsumerLoop): a bound, order per key, and
+"""Records handled at once (common/bus/dispatch.py, ConsumerLoop): a bound, order per key, and
 commits that never pass an unfinished record. The same loop runs on the real broker in
 tests/integration/test_bus.py."""
 
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from common.backoff import RetryableError
-from common.bus import ConsumerLoop, Delivery
-from common.dispatch import Dispatcher
-from common.messages import Event, Topic, new_id
-from common.offsets import OffsetTracker
-from common.wire import encode
+from common.bus.dispatch import Dispatcher
+from common.bus.kafka import ConsumerLoop, Delivery
+from common.bus.offsets import OffsetTracker
+from common.runtime.backoff import RetryableError
+from common.wire.codec import encode
+from common.wire.messages import Event, Topic, new_id
 from tests.fakes import MemoryBus
 
 TP = TopicPartition(Topic.EVENTS.value, 0)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from common.messages import EnvSettings, JobSpec
+from common.wire.messages import EnvSettings, JobSpec
 from env_svc.envs.arithmetic import ArithmeticEnv, ArithmeticTask
 from env_svc.envs.calculator import (
     DEMONSTRATION,

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from common.messages import (
+from common.wire.messages import (
     ContextTooLongError,
     EnvSettings,
     GenerationRequest,

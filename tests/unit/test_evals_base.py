@@ -3,7 +3,7 @@ the difference, not by noise."""
 
 from __future__ import annotations
 
-from common.evals import EvalTally, below_base
+from common.state.evals import EvalTally, below_base
 
 
 def tally(version: int, solved: int, episodes: int = 32) -> EvalTally:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from common.config import RolloutSettings, SharedSettings
-from common.messages import GenerationRequest, GenerationResult, JobSpec, Topic, result_for
+from common.runtime.config import RolloutSettings, SharedSettings
+from common.wire.messages import GenerationRequest, GenerationResult, JobSpec, Topic, result_for
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.engine import AdapterRef
 from rollout_svc.service import READ_AHEAD_PER_SLOT, RolloutService

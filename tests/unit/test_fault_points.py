@@ -1,4 +1,4 @@
-"""common.faults: every named fault point is reached where it says, and the job recovers.
+"""common.runtime.faults: every named fault point is reached where it says, and the job recovers.
 
 Each point is hit once in a handler scenario (memory bus and store; `os._exit` is replaced
 by an exception, so the "crash" ends the scenario instead of pytest). Then a fresh service
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from common import faults
-from common.artifacts import latest_checkpoint_version
-from common.audit import audit
-from common.messages import GenerationRequest, Topic, result_for
+from common.files.artifacts import latest_checkpoint_version
+from common.runtime import faults
+from common.state.audit import audit
+from common.wire.messages import GenerationRequest, Topic, result_for
 from env_svc.chat_template import ChatTokenizer
 from tests.fakes import Backend, Inbox, memory_backend
 from tests.handler_kit import GatedEngine, job_spec, request_for, trajectory
@@ -160,7 +160,7 @@ async def test_an_env_replica_killed_after_sending_a_follow_up_is_deduplicated(
 async def test_a_rollout_replica_killed_after_sending_keeps_the_prompt_uncommitted(
     crash_at: Any, memory: Backend
 ) -> None:
-    from common.config import RolloutSettings, SharedSettings
+    from common.runtime.config import RolloutSettings, SharedSettings
     from rollout_svc.service import RolloutService
 
     engine = GatedEngine()

@@ -20,13 +20,20 @@ import torch
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from common.artifacts import latest_checkpoint_version
-from common.audit import audit
-from common.config import EnvServiceSettings, RolloutSettings, SharedSettings, TrainerSettings
-from common.dedup import DROPPED, TRAINED
-from common.keyspace import dedup_key
-from common.lifecycle import RolloutReplicaStats
-from common.messages import (
+from common.files.artifacts import latest_checkpoint_version
+from common.runtime.config import (
+    EnvServiceSettings,
+    RolloutSettings,
+    SharedSettings,
+    TrainerSettings,
+)
+from common.state.audit import audit
+from common.state.dedup import DROPPED, TRAINED
+from common.state.keyspace import dedup_key
+from common.state.registry import ENDED_TTL_S
+from common.wire.codec import decode
+from common.wire.lifecycle import RolloutReplicaStats
+from common.wire.messages import (
     EnvSettings,
     GenerationRequest,
     GenerationResult,
@@ -38,8 +45,6 @@ from common.messages import (
     new_id,
     result_for,
 )
-from common.registry import ENDED_TTL_S
-from common.wire import decode
 from env_svc import protocol
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from common.flow import issue_limit
+from common.state.flow import issue_limit
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from common import wire
-from common.flow import issue_limit
-from common.keyspace import evals_key
-from common.messages import (
+from common.state.flow import issue_limit
+from common.state.keyspace import evals_key
+from common.state.tenants import samples_in_flight
+from common.wire import codec as wire
+from common.wire.messages import (
     AdapterUpdate,
     EvalSettings,
     GenerationRequest,
@@ -33,7 +34,6 @@ from common.messages import (
     new_id,
     result_for,
 )
-from common.tenants import samples_in_flight
 from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import environment_for
 from env_svc.service import EnvService

@@ -1,4 +1,4 @@
-"""common.hardware: the CPU's ISA level from its flags and the libraries' caps, and the
+"""common.runtime.hardware: the CPU's ISA level from its flags and the libraries' caps, and the
 precision each service chooses for it (capabilities injected; nothing timed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.hardware import (
+from common.runtime.hardware import (
     CpuInfo,
     GpuInfo,
     Hardware,
@@ -126,7 +126,7 @@ def test_an_explicit_bf16_without_native_support_runs_with_one_warning_naming_th
     precision = trainer_precision("bfloat16", "cpu", hardware)
     assert precision.dtype == "bfloat16"
     assert "38x slower than float32" in precision.warning
-    with caplog.at_level(logging.INFO, logger="common.hardware"):
+    with caplog.at_level(logging.INFO, logger="common.runtime.hardware"):
         log_precision("trainer_svc", precision, hardware)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "auto or float32" in warnings[0].getMessage()

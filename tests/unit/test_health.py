@@ -1,4 +1,5 @@
-"""common.health and run_service's endpoints: /healthz, /readyz, /metrics over real sockets."""
+"""common.runtime.health and run_service's endpoints: /healthz, /readyz, /metrics over real
+sockets."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from common.config import EnvServiceSettings, RolloutSettings, TrainerSettings
-from common.health import HealthServer
-from common.messages import new_id
-from common.metrics import (
+from common.runtime.config import EnvServiceSettings, RolloutSettings, TrainerSettings
+from common.runtime.health import HealthServer
+from common.runtime.metrics import (
     ENDED_JOB,
     TRAINER_GROUPS_DROPPED,
     TRAINER_STEP_SECONDS,
@@ -26,7 +26,8 @@ from common.metrics import (
     consumer_metrics,
     forget_job,
 )
-from common.service import Service, run_service
+from common.runtime.service import Service, run_service
+from common.wire.messages import new_id
 from tests.unit.test_compose import COMPOSE_FILE
 
 
@@ -220,7 +221,7 @@ async def wait_for_port(caplog: pytest.LogCaptureFixture) -> int:
 async def test_run_service_answers_health_during_start_and_readiness_after(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level("INFO", logger="common.service")
+    caplog.set_level("INFO", logger="common.runtime.service")
     service = SlowService()
     run = asyncio.create_task(run_service(service, metrics_port=0))
     port = await wait_for_port(caplog)

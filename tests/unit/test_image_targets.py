@@ -23,7 +23,7 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 STARTS = {
     # compose's `topics` and `cli` services: topics, and job files read for `submit`.
     "base": "import console.stack.topics, console.export, console.report.numbers, runpy\n"
-    "import common.audit\n"
+    "import common.state.audit\n"
     "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
     f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
     "load_job_file(f, base_model='smollm2-135m-instruct')\n"

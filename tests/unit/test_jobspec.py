@@ -1,12 +1,14 @@
-"""common.jobspec: every bad field is named, with what was given."""
+"""common.wire.jobspec: every bad field is named, with what was given."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from common.jobspec import JobSpecError, bound_problems, validate_job
-from common.messages import (
+from common.state.tenants import TenantLimits
+from common.wire.codec import decode, job_named_in, json_schema
+from common.wire.jobspec import JobSpecError, bound_problems, validate_job
+from common.wire.messages import (
     MAX_REASON_CHARS,
     EnvSettings,
     EvalSettings,
@@ -18,8 +20,6 @@ from common.messages import (
     Topic,
     job_event,
 )
-from common.tenants import TenantLimits
-from common.wire import decode, job_named_in, json_schema
 
 
 def spec(**changes: object) -> JobSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.messages import Event, job_event
+from common.wire.messages import Event, job_event
 from console.jobwatch import ETA_WINDOW, JobProgress
 from console.status.board import JobRow, StatusSnapshot
 from console.status.live import ProgressLog

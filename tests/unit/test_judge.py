@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from common.chat import JOB_HEADER
+from common.wire.chat import JOB_HEADER
 from env_svc.judge import Judge
 from env_svc.protocol import EPISODE_JOB, ChatMessage, Reward, Task, ascore
 

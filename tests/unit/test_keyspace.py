@@ -1,9 +1,9 @@
-"""Keys the store's Lua names without declaring them agree with common/keyspace.py."""
+"""Keys the store's Lua names without declaring them agree with common/state/keyspace.py."""
 
 from __future__ import annotations
 
-from common import flow, registry
-from common.keyspace import adapter_key, dedup_key, job_key, tenant_load_key
+from common.state import flow, registry
+from common.state.keyspace import adapter_key, dedup_key, job_key, tenant_load_key
 
 
 def test_undeclared_keys_in_lua_use_the_keyspace_prefixes() -> None:

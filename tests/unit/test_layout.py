@@ -26,7 +26,7 @@ client, the feeds it reads the bus with, the chat client)."""
 
 
 def imports_of(path: Path) -> set[str]:
-    """Top-level-package-qualified modules a file imports (`common.bus`, `env_svc`...)."""
+    """Top-level-package-qualified modules a file imports (`common.bus.kafka`, `env_svc`...)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -148,3 +148,15 @@ def test_the_environment_api_imports_without_the_bus_the_store_or_torch() -> Non
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_common_is_in_rooms_each_saying_what_it_owns() -> None:
+    """common/ is a few rooms (wire, bus, state, runtime, security, files), not a flat list:
+    at most 12 modules at its top level, and each room's `__init__` says what it owns."""
+    top = [p.name for p in (ROOT / "common").glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= 12, top
+    rooms = [p for p in (ROOT / "common").iterdir() if (p / "__init__.py").is_file()]
+    assert len(rooms) >= 4
+    for room in rooms:
+        docstring = ast.get_docstring(ast.parse((room / "__init__.py").read_text()))
+        assert docstring and len(docstring) > 80, f"{room.name}/__init__.py says nothing"

@@ -1,11 +1,11 @@
-"""common.audit: the accounting of a job's groups from its audit ledger."""
+"""common.state.audit: the accounting of a job's groups from its audit ledger."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.audit import audit
-from common.flow import group_index_of
+from common.state.audit import audit
+from common.state.flow import group_index_of
 
 JOB = "acme-job"
 

@@ -7,7 +7,7 @@ from typing import get_args
 import msgspec
 import pytest
 
-from common.lifecycle import (
+from common.wire.lifecycle import (
     COMMAND_EVENT,
     CONSUMED_TOPICS,
     SERVICES,
@@ -17,7 +17,7 @@ from common.lifecycle import (
     RolloutReplicaStats,
     StepMetrics,
 )
-from common.messages import Event, EventKind, JobAction, Topic, job_event
+from common.wire.messages import Event, EventKind, JobAction, Topic, job_event
 from console.jobwatch import JobProgress
 from console.report.numbers import build_report
 

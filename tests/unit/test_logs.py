@@ -1,4 +1,4 @@
-"""common.logs: job and tenant on every job line, as text fields or JSON keys."""
+"""common.runtime.logs: job and tenant on every job line, as text fields or JSON keys."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.logs import FORMATTERS, LogFormat, job_fields, job_logger
+from common.runtime.logs import FORMATTERS, LogFormat, job_fields, job_logger
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""common.messages: every payload round-trips, and bad bytes fail with one typed error."""
+"""common.wire.messages: every payload round-trips, and bad bytes fail with one typed error."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.messages import (
+from common.wire.codec import decode, encode, key_bytes, topic_of
+from common.wire.messages import (
     SCHEMA_VERSION,
     TOPIC_MESSAGES,
     AdapterUpdate,
@@ -26,7 +27,6 @@ from common.messages import (
     Topic,
     Trajectory,
 )
-from common.wire import decode, encode, key_bytes, topic_of
 
 ALL_MESSAGES = [
     JobSpec,
@@ -176,7 +176,7 @@ def test_defaults_are_omitted_on_the_wire() -> None:
 
 
 def test_a_dead_letter_always_fits_under_the_record_limit() -> None:
-    from common.wire import MAX_RECORD_BYTES, dead_letter, encode
+    from common.wire.codec import MAX_RECORD_BYTES, dead_letter, encode
 
     huge = b"x" * (2 * MAX_RECORD_BYTES)
     letter = dead_letter(
@@ -208,7 +208,7 @@ def test_every_message_names_its_key_and_dedup_fields() -> None:
     the class computes it."""
     import msgspec
 
-    from common.messages import TOPIC_MESSAGES
+    from common.wire.messages import TOPIC_MESSAGES
 
     kinds = {k for union in TOPIC_MESSAGES.values() for k in getattr(union, "__args__", (union,))}
     assert len(kinds) == 9

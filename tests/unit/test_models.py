@@ -1,4 +1,5 @@
-"""common.models: converting SmolLM2 is lossless and cached; the tiny model is reproducible."""
+"""common.files.models: converting SmolLM2 is lossless and cached; the tiny model is
+reproducible."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from common.models import (
+from common.files.models import (
     MARKER_FILE,
     ModelNotFoundError,
     build_once,

@@ -1,8 +1,8 @@
-"""common.offsets: commit positions never pass a held record."""
+"""common.bus.offsets: commit positions never pass a held record."""
 
 from __future__ import annotations
 
-from common.offsets import OffsetTracker
+from common.bus.offsets import OffsetTracker
 
 
 def test_commits_past_the_last_processed_record() -> None:

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import torch
 
-from common.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from common.messages import LoraSettings, RLSettings, Trajectory
-from common.models import tiny_model
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.files.models import tiny_model
+from common.wire.messages import LoraSettings, RLSettings, Trajectory
 from trainer_svc.grpo import token_logprobs
 from trainer_svc.packing import PackRow, plan_packs
 from trainer_svc.policy import MultiAdapterPolicy, NonFiniteGradientError, _pad

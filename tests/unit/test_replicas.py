@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.lifecycle import SERVICES
+from common.wire.lifecycle import SERVICES
 from console.stack.services import replicated
 
 

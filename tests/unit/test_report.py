@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.lifecycle import RolloutReplicaStats
-from common.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
+from common.wire.lifecycle import RolloutReplicaStats
+from common.wire.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
 from console.report.numbers import Report, build_report
 from console.report.page import write_report
 

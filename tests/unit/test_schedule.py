@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.messages import RLSettings
+from common.wire.messages import RLSettings
 from trainer_svc.schedule import learning_rate, lr_factor
 
 

@@ -1,4 +1,4 @@
-"""common.service.start_settings: what every service does first."""
+"""common.runtime.service.start_settings: what every service does first."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.artifacts import PRIVATE_UMASK
+from common.files.artifacts import PRIVATE_UMASK
 
 SCRIPT = """
 import os, pathlib, sys
-from common.config import EnvServiceSettings
-from common.service import start_settings
+from common.runtime.config import EnvServiceSettings
+from common.runtime.service import start_settings
 start_settings(EnvServiceSettings, check=True)
 path = pathlib.Path(sys.argv[1])
 path.write_text("a file the service writes")

@@ -1,4 +1,4 @@
-"""common.signing: a record's signature covers its topic, key and value, under one key."""
+"""common.security.signing: a record's signature covers its topic, key and value, under one key."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import SharedSettings
-from common.signing import HEADER, RecordSigner, signer
+from common.runtime.config import SharedSettings
+from common.security.signing import HEADER, RecordSigner, signer
 
 
 def test_a_signed_record_checks_and_any_change_breaks_it() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.audit import Audit
-from common.keyspace import (
+from common.state.audit import Audit
+from common.state.keyspace import (
     ACTIVE_JOBS,
     ACTIVE_SINCE,
     dedup_key,
@@ -24,7 +24,11 @@ from common.keyspace import (
     owner_key,
     tenant_load_key,
 )
-from common.messages import (
+from common.state.redis_part import texts
+from common.state.registry import ENDED_TTL_S, REJECTION_TTL_S
+from common.state.tenants import QuotaError, TenantLimits
+from common.wire.codec import encode
+from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     Event,
@@ -36,10 +40,6 @@ from common.messages import (
     new_id,
     result_for,
 )
-from common.redis_part import texts
-from common.registry import ENDED_TTL_S, REJECTION_TTL_S
-from common.tenants import QuotaError, TenantLimits
-from common.wire import encode
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import ForeignJobError
 from tests.fakes import Backend, Inbox, KafkaBackend

@@ -11,7 +11,7 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from common.models import tiny_model
+from common.files.models import tiny_model
 from env_svc.chat_template import ChatTokenizer
 from env_svc.envs.calculator import CalculatorEnv
 from env_svc.protocol import ChatMessage

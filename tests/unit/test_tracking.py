@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.messages import EnvSettings, EvalSettings, Event, JobSpec, RLSettings, job_event
+from common.wire.messages import EnvSettings, EvalSettings, Event, JobSpec, RLSettings, job_event
 from console.tracking import (
     MlflowSink,
     TensorBoardSink,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 
-from common.messages import Trajectory
+from common.wire.messages import Trajectory
 from tests.handler_kit import job_spec
 from trainer_svc.groups import MIN_SIGNAL_SHARE, SIGNAL_WINDOW, Group, verdict, worth_resampling
 from trainer_svc.service import OwnedJob

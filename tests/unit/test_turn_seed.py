@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from common.flow import group_id_of
-from common.messages import SamplingSettings
+from common.state.flow import group_id_of
+from common.wire.messages import SamplingSettings
 from rollout_svc.engine import turn_seed
 from tests.handler_kit import request_for
 

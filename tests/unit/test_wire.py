@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from common.messages import (
+from common.wire.codec import decode, encode, json_schema, topic_of
+from common.wire.messages import (
     SCHEMA_VERSION,
     JobCommand,
     JobSpec,
@@ -29,7 +30,6 @@ from common.messages import (
     RLSettings,
     Topic,
 )
-from common.wire import decode, encode, json_schema, topic_of
 from tests.wire_samples import SAMPLES, as_read_from, readme_json_job
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

@@ -1,0 +1,94 @@
+"""The Redis store: one client, one class made of one part per concern.
+
+Each part lives with its concern and its Lua scripts, all in common/state/: adapter pointers
+(`pointers`), the job registry (`registry`), each job's flow window and audit ledger (`flow`),
+evaluation tallies (`evals`), de-dup sets (`dedup`) and what replicas report (`replicas`);
+tenants and API keys are `tenants`. Every key is named in `keyspace`. Every
+read-modify-write is one Lua script, so concurrent replicas cannot interleave.
+
+Services and their tests use this class alone: unit tests run it over fakeredis, whose Lua
+runs the same scripts (tests/fakes.py), so no protocol mirrors it.
+"""
+
+from __future__ import annotations
+
+from redis import asyncio as aioredis
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.runtime.backoff import connect_with_backoff
+from common.security.access import redacted
+from common.state.dedup import DedupSets
+from common.state.evals import EvalTallies
+from common.state.flow import FlowWindow
+from common.state.pointers import AdapterPointers
+from common.state.registry import JobRegistry
+from common.state.replicas import ReplicaBoard
+from common.state.tenants import TenantRegistry
+
+MAX_CONNECTIONS = 64
+"""Connections one process opens to Redis at most."""
+POOL_WAIT_S = 30.0
+"""How long a call waits for a free connection before it fails (transient: retried)."""
+
+
+class RedisStore(AdapterPointers, JobRegistry, FlowWindow, EvalTallies, DedupSets, ReplicaBoard):
+    """Async access to MARLaaS' Redis state. Create with `await RedisStore.connect(url)`."""
+
+    def __init__(self, client: aioredis.Redis, url: str) -> None:
+        super().__init__(client)
+        self.url = url
+
+    @classmethod
+    async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
+        """Connect, retrying with back-off while Redis does not answer."""
+
+        async def attempt() -> aioredis.Redis:
+            # A replica handles many records at once (common/bus/dispatch.py): a caller past the
+            # pool's connections waits for one rather than failing (redis-py's default pool
+            # raises MaxConnectionsError, which the bus then retried with growing back-offs).
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=MAX_CONNECTIONS,
+                timeout=POOL_WAIT_S,
+                socket_connect_timeout=2.0,
+            )
+            client = aioredis.Redis.from_pool(pool)
+            try:
+                await client.ping()
+            except RedisAuthenticationError as exc:  # not a network blip: no use retrying
+                await client.aclose()
+                raise PermissionError(
+                    f"Redis at {redacted(url)} refused the login: {exc}"
+                ) from None
+            except BaseException:
+                await client.aclose()
+                raise
+            return client
+
+        client = await connect_with_backoff(
+            "Redis",
+            redacted(url),
+            attempt,
+            timeout_s=timeout_s,
+            retry_on=(RedisConnectionError, RedisTimeoutError, OSError),
+        )
+        return cls(client, url)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client itself, for what no method covers (tests, repairs)."""
+        return self._redis
+
+    @property
+    def tenants(self) -> TenantRegistry:
+        """Tenants, their limits and API keys (common/state/tenants.py)."""
+        return TenantRegistry(self._redis)
+
+    async def ping(self) -> None:
+        """Raises when Redis does not answer (readiness probes)."""
+        await self._redis.ping()
+
+    async def close(self) -> None:
+        await self._redis.aclose()
