@@ -38,6 +38,11 @@ MESSAGES_FAILED = Counter(
     "Records that could not be decoded or whose handler raised; every retried attempt counts.",
     ["service", "topic"],
 )
+JOB_SPEC_DECODES = Counter(
+    "marlaas_job_spec_decodes_total",
+    "Job specs decoded from their registered bytes: once per job per process "
+    "(common/state/specs.py).",
+)
 HANDLER_SECONDS = Histogram(
     "marlaas_handler_seconds",
     "Time in the handler per decoded record, failed attempts included.",

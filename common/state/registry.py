@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.state.keyspace import (
     ACTIVE_JOBS,
@@ -27,10 +27,14 @@ from common.state.keyspace import (
     tenant_load_key,
 )
 from common.state.redis_part import Lua, RedisPart, text
+from common.state.specs import DecodedSpecs
 from common.state.tenants import QuotaError, TenantLimits, quota_problem, samples_in_flight
-from common.wire.codec import decode, encode
+from common.wire.codec import encode
 from common.wire.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
-from common.wire.messages import JobSpec, Topic, clipped
+from common.wire.messages import JobSpec, clipped
+
+if TYPE_CHECKING:
+    from redis import asyncio as aioredis
 
 REJECTION_TTL_S = 7 * 24 * 3600
 ENDED_TTL_S = 7 * 24 * 3600
@@ -188,6 +192,11 @@ class JobRegistry(RedisPart):
     _set_status = Lua(_SET_STATUS)
     _backfill_active = Lua(_BACKFILL_ACTIVE)
 
+    def __init__(self, client: aioredis.Redis) -> None:
+        super().__init__(client)
+        self.specs = DecodedSpecs()
+        """The registered specs this process has read, decoded once each."""
+
     async def register_job(
         self,
         spec: JobSpec,
@@ -277,7 +286,7 @@ class JobRegistry(RedisPart):
         if not fields:
             return None
         return JobRecord(
-            spec=_stored_spec(fields["spec"]),
+            spec=self.specs.spec(job_id, fields["spec"]),
             status=_status(fields["status"]),
             reason=text(fields["reason"]),
             created_at=float(fields["created_at"]),
@@ -379,11 +388,3 @@ def _status(raw: bytes | str) -> JobState:
     if status not in JOB_STATES:
         raise ValueError(f"corrupt job status {status!r}")
     return status  # type: ignore[return-value]
-
-
-def _stored_spec(raw: bytes | str) -> JobSpec:
-    """A registered spec, in any wire schema a build of this deployment wrote."""
-    spec = decode(Topic.JOBS, raw.encode() if isinstance(raw, str) else raw)
-    if not isinstance(spec, JobSpec):
-        raise TypeError(f"a job record holds a {type(spec).__name__}, not a JobSpec")
-    return spec

@@ -33,7 +33,7 @@ from common.wire.messages import (
     Trajectory,
     new_id,
 )
-from console.jobwatch import JobProgress, submit_jobs, watch_jobs
+from marlaas.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.local import LocalStack
 from tests.conftest import RunningServices
 
@@ -199,6 +199,7 @@ async def test_concurrent_jobs_run_to_max_steps(
             )
             assert {m["eval_episodes"] for m in evaluated.values()} == {EVAL_TASKS}
             assert all(0 <= m["eval_accuracy"] <= 1 for m in evaluated.values())
+        registered = len(await registry.job_ids())
     finally:
         await registry.close()
 
@@ -216,6 +217,11 @@ async def test_concurrent_jobs_run_to_max_steps(
         status, body = await asyncio.to_thread(http_get, f"{child.metrics_url}/metrics")
         assert status == 200, child.name
         samples[child.name] = metric_samples(body)
+    # Each registered spec is decoded once per service process, whatever the records and
+    # sweeps that read the job (common/state/specs.py): at most one per job ever registered.
+    for name, found in samples.items():
+        decodes = metric(found, "marlaas_job_spec_decodes_total")
+        assert 0 < decodes <= registered, (name, decodes, registered)
     processed = "marlaas_messages_processed_total"
     assert metric(samples["env_svc"], processed, service="env_svc", topic="marlaas.jobs") >= 5
     assert (
