@@ -6,7 +6,7 @@ EXTRAS := local,api,env,verifiers,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile chaos
+.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools chaos
 
 venv: $(STAMP)
 
@@ -97,9 +97,16 @@ bench-broker: venv
 bench-precision: venv
 	$(BIN)/python bench/precision.py
 
-# A hostile tenant's flood beside another tenant's job (issue 42): minutes.
+# A hostile tenant's flood beside another tenant's job: minutes.
 bench-hostile: venv
 	$(BIN)/python bench/hostile_load.py
+
+# Jobs whose reward or tools wait (a remote verifier, a slow tool): minutes each.
+bench-slow-verifier: venv
+	$(BIN)/python bench/slow_verifier.py
+
+bench-async-tools: venv
+	$(BIN)/python bench/async_tools.py
 
 # The kill -9 chaos run (tests/chaos/driver.py); minutes, not part of `make test`.
 chaos: venv
