@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer
 
-from common.bus.kafka import start_reader
+from common.bus.clients import start_reader
 from common.runtime.backoff import retry_transient
 from common.security.signing import RecordSigner
 from common.wire.codec import decode

@@ -75,56 +75,18 @@ def audit(
     the ledger once the job has ended.
     """
     report = Audit(job_id, status)
-    issued: set[int] = set()
-    ends: Counter[int] = Counter()
-    trained: Counter[int] = Counter()
-    versions: Counter[int] = Counter()
+    tally = _Tally()
     for entry in entries:
-        kind = entry.get("kind")
-        if kind == "issued":
-            issued.add(int(entry["group"]))
-        elif kind == "trained":
-            version = int(entry["version"])
-            groups = entry.get("groups", "").split()
-            versions[version] += 1
-            if len(groups) != groups_per_step:
-                report.problems.append(
-                    f"v{version} trained {len(groups)} groups, not B = {groups_per_step}"
-                )
-            for group_id in groups:
-                index = _index_or_note(report, job_id, group_id, "trained")
-                if index is not None:
-                    trained[index] += 1
-                    ends[index] += 1
-        elif kind == "dropped":
-            index = _index_or_note(report, job_id, entry["group"], "dropped")
-            if index is not None:
-                ends[index] += 1
-                report.dropped += 1
-    report.issued = len(issued)
-    report.trained_groups = sum(trained.values())
-    report.versions = len(versions)
-    for index in sorted(ends.keys() - issued):
-        report.unexpected.append(f"{job_id}/g{index} ended but was never issued")
-    for index in sorted(issued):
-        if ends[index] > 1:
-            what = "trained twice" if trained[index] > 1 else "trained and dropped"
-            report.double_trained.append(f"{job_id}/g{index} {what}")
-        elif ends[index] == 0:
-            report.in_flight.append(index)
-    if status == "completed":
-        report.lost, report.in_flight = report.in_flight, []
-    report.problems += [
-        f"lost: {job_id}/g{i} issued, never trained or dropped" for i in report.lost
-    ]
-    report.problems += report.double_trained + report.unexpected
-    report.problems += [f"v{v} trained {n} times" for v, n in sorted(versions.items()) if n > 1]
-    last = max(versions, default=0)
-    if sorted(versions) != list(range(1, last + 1)):
-        report.problems.append(f"trained versions {sorted(versions)} are not 1..{last}")
+        tally.add(report, entry, groups_per_step)
+    report.issued = len(tally.issued)
+    report.trained_groups = sum(tally.trained.values())
+    report.versions = len(tally.versions)
+    _account_groups(report, tally)
+    _check_versions(report, tally.versions)
     # The pointer moves in the same script as its ledger entry; the checkpoint (saved just
     # before) and the announcement (sent just after) may differ by a step while it trains.
     finished = status not in ("pending", "running", "paused")
+    last = max(tally.versions, default=0)
     for name, value in (
         ("the adapter pointer", pointer_version),
         ("the latest checkpoint", checkpoint_version if finished else None),
@@ -133,6 +95,70 @@ def audit(
         if value is not None and value != last:
             report.problems.append(f"{name} is at v{value}, the ledger's last version is v{last}")
     return report
+
+
+@dataclass
+class _Tally:
+    """What a job's ledger entries add up to, per group index and per trained version."""
+
+    issued: set[int] = field(default_factory=set)
+    ends: Counter[int] = field(default_factory=Counter)
+    """Final entries (trained or dropped) of each group index."""
+    trained: Counter[int] = field(default_factory=Counter)
+    versions: Counter[int] = field(default_factory=Counter)
+    """`trained` entries of each version."""
+
+    def add(self, report: Audit, entry: Mapping[str, str], groups_per_step: int) -> None:
+        """Count one ledger entry; what cannot be counted goes to `report`."""
+        kind = entry.get("kind")
+        if kind == "issued":
+            self.issued.add(int(entry["group"]))
+        elif kind == "trained":
+            version = int(entry["version"])
+            groups = entry.get("groups", "").split()
+            self.versions[version] += 1
+            if len(groups) != groups_per_step:
+                report.problems.append(
+                    f"v{version} trained {len(groups)} groups, not B = {groups_per_step}"
+                )
+            for group_id in groups:
+                index = _index_or_note(report, report.job_id, group_id, "trained")
+                if index is not None:
+                    self.trained[index] += 1
+                    self.ends[index] += 1
+        elif kind == "dropped":
+            index = _index_or_note(report, report.job_id, entry["group"], "dropped")
+            if index is not None:
+                self.ends[index] += 1
+                report.dropped += 1
+
+
+def _account_groups(report: Audit, tally: _Tally) -> None:
+    """Every issued group ends exactly once, and nothing ends that was never issued; a group
+    not ended yet is in flight, or lost once the job completed."""
+    job_id = report.job_id
+    for index in sorted(tally.ends.keys() - tally.issued):
+        report.unexpected.append(f"{job_id}/g{index} ended but was never issued")
+    for index in sorted(tally.issued):
+        if tally.ends[index] > 1:
+            what = "trained twice" if tally.trained[index] > 1 else "trained and dropped"
+            report.double_trained.append(f"{job_id}/g{index} {what}")
+        elif tally.ends[index] == 0:
+            report.in_flight.append(index)
+    if report.status == "completed":
+        report.lost, report.in_flight = report.in_flight, []
+    report.problems += [
+        f"lost: {job_id}/g{i} issued, never trained or dropped" for i in report.lost
+    ]
+    report.problems += report.double_trained + report.unexpected
+
+
+def _check_versions(report: Audit, versions: Counter[int]) -> None:
+    """The trained versions are 1..n, each trained once."""
+    report.problems += [f"v{v} trained {n} times" for v, n in sorted(versions.items()) if n > 1]
+    last = max(versions, default=0)
+    if sorted(versions) != list(range(1, last + 1)):
+        report.problems.append(f"trained versions {sorted(versions)} are not 1..{last}")
 
 
 def _index_or_note(report: Audit, job_id: str, group_id: str, kind: str) -> int | None:

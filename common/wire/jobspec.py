@@ -62,6 +62,10 @@ def validate_job(
         raise JobSpecError("; ".join(problems))
 
 
+_Check = tuple[str, bool, str]
+"""A field, whether it passes, and what to say when it does not."""
+
+
 def _problems(
     spec: JobSpec,
     base_model: str | None,
@@ -69,8 +73,18 @@ def _problems(
     lora_target_modules: Sequence[str] | None,
     max_model_len: int | None,
 ) -> list[str]:
-    rl, lora, sampling = spec.rl, spec.lora, spec.rl.sampling
-    checks: list[tuple[str, bool, str]] = [
+    checks = [
+        *_spec_checks(spec),
+        *_deployment_checks(spec, base_model, max_lora_rank, lora_target_modules, max_model_len),
+    ]
+    return [f"{field}: {message}" for field, ok, message in checks if not ok]
+
+
+def _spec_checks(spec: JobSpec) -> list[_Check]:
+    """What a job must satisfy on its own: names, declared bounds, params, and settings that
+    only make sense together."""
+    rl, sampling = spec.rl, spec.rl.sampling
+    return [
         ("job_id", is_name(spec.job_id), f"{NAME_RULE}, got {spec.job_id!r}"),
         ("tenant", is_name(spec.tenant), f"{NAME_RULE}, got {spec.tenant!r}"),
         ("env.name", bool(spec.env.name.strip()), "must be non-empty"),
@@ -88,6 +102,18 @@ def _problems(
             f"got {rl.max_context_tokens}",
         ),
     ]
+
+
+def _deployment_checks(
+    spec: JobSpec,
+    base_model: str | None,
+    max_lora_rank: int | None,
+    lora_target_modules: Sequence[str] | None,
+    max_model_len: int | None,
+) -> list[_Check]:
+    """What the deployment must be able to serve for the job (each limit None: not checked)."""
+    rl, lora = spec.rl, spec.lora
+    checks: list[_Check] = []
     if max_lora_rank is not None:
         checks.append(
             (
@@ -124,7 +150,7 @@ def _problems(
                 f"this deployment serves {base_model!r}, not {spec.base_model!r}",
             )
         )
-    return [f"{field}: {message}" for field, ok, message in checks if not ok]
+    return checks
 
 
 def params_problems(params: Mapping[str, Any]) -> list[str]:

@@ -40,14 +40,15 @@ async def test_each_replica_logs_what_it_handled_per_topic_once_an_interval(
         activity_interval_s=60.0,
     )
     tp = TopicPartition(Topic.JOBS.value, 3)
-    loop._trackers[tp] = OffsetTracker()
+    loop._commits.trackers[tp] = OffsetTracker()
     await loop._dispatch_partition(tp, [record(tp, n) for n in range(3)])
     await loop._dispatch.drain(5.0)
-    started = loop._activity_since
-    with caplog.at_level(logging.INFO, logger="common.bus.kafka"):
-        loop.log_activity(now=started + 30.0)  # too early: nothing yet
+    activity = loop._telemetry
+    started = activity._activity_since
+    with caplog.at_level(logging.INFO, logger="common.bus.telemetry"):
+        activity.log_activity(now=started + 30.0)  # too early: nothing yet
         assert caplog.messages == []
-        loop.log_activity(now=started + 61.0)
+        activity.log_activity(now=started + 61.0)
         assert caplog.messages == ["env_svc: handled 3 marlaas.jobs in the last 61 s"]
-        loop.log_activity(now=started + 130.0)  # idle since: no line
+        activity.log_activity(now=started + 130.0)  # idle since: no line
         assert len(caplog.messages) == 1

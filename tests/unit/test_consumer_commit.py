@@ -21,7 +21,7 @@ class RevokedWhileCommitting:
 
     async def commit(self, offsets: dict[TopicPartition, int]) -> None:
         self.committed.append(dict(offsets))
-        self.loop._trackers.pop(self.tp)
+        self.loop._commits.trackers.pop(self.tp)
 
 
 async def test_a_partition_revoked_during_a_commit_does_not_crash_the_loop() -> None:
@@ -38,12 +38,12 @@ async def test_a_partition_revoked_during_a_commit_does_not_crash_the_loop() -> 
     )
     kept, revoked = TopicPartition("marlaas.events", 0), TopicPartition("marlaas.events", 1)
     for tp in (kept, revoked):
-        loop._trackers[tp] = OffsetTracker()
-        loop._trackers[tp].processed(0)
+        loop._commits.trackers[tp] = OffsetTracker()
+        loop._commits.trackers[tp].processed(0)
     consumer = RevokedWhileCommitting(loop, revoked)
     loop._consumer = consumer  # type: ignore[assignment]
     await loop.commit()
     assert consumer.committed == [{kept: 1, revoked: 1}]
-    assert loop._trackers[kept].due() is None  # recorded as committed: not sent again
+    assert loop._commits.trackers[kept].due() is None  # recorded as committed: not sent again
     await loop.commit()
     assert len(consumer.committed) == 1

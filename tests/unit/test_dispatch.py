@@ -78,7 +78,7 @@ def consumer_loop(
     )
     consumer = ScriptedConsumer(records)
     loop._consumer = consumer  # type: ignore[assignment]
-    loop._trackers[TP] = OffsetTracker()
+    loop._commits.trackers[TP] = OffsetTracker()
     return loop, consumer
 
 
@@ -190,7 +190,7 @@ async def test_a_failure_outside_the_handler_stops_the_loop() -> None:
         raise RuntimeError("bug")
 
     loop, _ = consumer_loop(fine, [record(0, "e0")], max_in_flight=4)
-    loop._handle_record = broken  # type: ignore[method-assign]
+    loop._records.handle_record = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="bug"):
         await asyncio.wait_for(loop.run(), 10)
 
