@@ -28,7 +28,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,7 @@ from machine import machine_fields, result_path, trainer_dtype  # bench/machine.
 
 from common.files.models import model_source, resolve_base_model
 from common.wire.messages import LoraSettings, RLSettings, Trajectory
-from trainer_svc.grpo import token_logprobs
-from trainer_svc.policy import MultiAdapterPolicy, SharedPrefix, resolve_device
+from trainer_svc.policy import MultiAdapterPolicy, resolve_device
 
 PROMPT_TOKENS, SAMPLED_TOKENS, TRAJECTORIES, GROUP_SIZE = 45, 16, 16, 8
 VARIANTS = (
@@ -102,24 +101,6 @@ def batch(vocab: int, seed: int) -> list[Trajectory]:
     return out
 
 
-def full_logits_path(policy: MultiAdapterPolicy) -> None:
-    """The trainer as it was: logits at every position, then the logprobs picked from them."""
-
-    def loss_logprobs(
-        token_ids_BT: torch.Tensor,
-        attention_BT: torch.Tensor,
-        mask_BT: torch.Tensor,
-        adapter_names_B: Sequence[str],
-        prefix: SharedPrefix | None = None,
-    ) -> torch.Tensor:
-        logits_BTV = policy._peft_model()(
-            input_ids=token_ids_BT, attention_mask=attention_BT, use_cache=False
-        ).logits
-        return token_logprobs(logits_BTV, token_ids_BT)
-
-    policy._loss_logprobs = loss_logprobs  # type: ignore[method-assign]
-
-
 def timed(step: Callable[[], object], repeats: int, device: torch.device) -> float:
     step()  # warm-up
     _sync(device)
@@ -142,13 +123,13 @@ def measure(
         compute_dtype=dtype,  # type: ignore[arg-type]
         device=device,
         share_prefixes=shared,
+        # The plain causal-LM path: logits at every position, logprobs picked from them.
+        loss_logits="all_positions" if variant == "fp32_full_logits" else "loss_positions",
     )
     on = policy.device
-    if variant == "fp32_full_logits":
-        full_logits_path(policy)
-    config = policy._base.config
+    config = policy.base_model.config
     decoder_params = sum(
-        p.numel() for name, p in policy._base.named_parameters() if ".layers." in name
+        p.numel() for name, p in policy.base_model.named_parameters() if ".layers." in name
     )
     head_params = config.vocab_size * config.hidden_size
     job_ids = [f"job{i}" for i in range(jobs)]

@@ -91,7 +91,7 @@ def parallel_passes(
 def thread_scaling(policy: MultiAdapterPolicy, threads: list[int], rows: int) -> str:
     """One job's step at each thread count: the step's wall and each operator's, side by side."""
     policy.add_job("job", LORA, RL, seed=0)
-    trajectories = batch(policy._base.config.vocab_size, seed=0)
+    trajectories = batch(policy.base_model.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
     policy.add_job("other", LORA, RL, seed=1)
     both = {job: (trajectories, advantages) for job in ("job", "other")}
@@ -148,7 +148,7 @@ def main() -> None:
     job_ids = [f"job{i}" for i in range(args.jobs)]
     for index, job_id in enumerate(job_ids):
         policy.add_job(job_id, LORA, RL, seed=index)
-    trajectories = batch(policy._base.config.vocab_size, seed=0)
+    trajectories = batch(policy.base_model.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
     in_turn_s, in_turn = table(
         lambda: [policy.train_step(j, trajectories, advantages) for j in job_ids], args.rows

@@ -45,7 +45,8 @@ from common.files.artifacts import (
 )
 from common.runtime.faults import fault_point
 from common.wire.jobspec import is_name
-from trainer_svc.policy import TRAINER_STATE, MultiAdapterPolicy
+from trainer_svc.adapter_files import TRAINER_STATE
+from trainer_svc.policy import MultiAdapterPolicy
 
 KEEP_CHECKPOINTS = 2
 GROUPS_FILE = "groups.json"

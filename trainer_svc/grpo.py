@@ -106,26 +106,58 @@ def policy_loss(
     denominator = tokens.clamp(min=1).to(logprobs_BT.dtype)
     loss = torch.where(mask_BT, token_loss_BT, zero_BT).sum() / denominator
 
-    with torch.no_grad():
-        clip_active_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
-            (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
-        )
-        k3_BT = k3_kl(logprobs_BT.detach(), behaviour_logprobs_BT, mask_BT)
-
-        def masked_mean(values_BT: torch.Tensor) -> float:
-            return float((values_BT.to(torch.float32) * mask_BT).sum() / denominator)
-
-        metrics = {
-            "loss": float(loss.detach()),
-            "clip_fraction": masked_mean(clip_active_BT),
-            "is_capped_fraction": masked_mean(torch.exp(log_is_BT) > is_cap),
-            "mean_ratio": masked_mean(ratio_BT),
-            "mean_is_weight": masked_mean(is_weight_BT),
-            "approx_kl": masked_mean(k3_BT),
-            "entropy": masked_mean(torch.where(mask_BT, -behaviour_logprobs_BT, zero_BT)),
-            "tokens": float(tokens),
-        }
+    metrics = _loss_metrics(
+        loss,
+        ratio_BT,
+        log_is_BT,
+        advantages_BT,
+        logprobs_BT,
+        behaviour_logprobs_BT,
+        mask_BT,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        is_cap=is_cap,
+    )
     return loss, metrics
+
+
+@torch.no_grad()
+def _loss_metrics(
+    loss: torch.Tensor,
+    ratio_BT: torch.Tensor,
+    log_is_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    logprobs_BT: torch.Tensor,
+    behaviour_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float,
+) -> dict[str, float]:
+    """`policy_loss`'s metrics: means over the masked tokens (see its docstring)."""
+    tokens = mask_BT.sum()
+    denominator = tokens.clamp(min=1).to(logprobs_BT.dtype)
+    zero_BT = torch.zeros_like(logprobs_BT)
+    clip_active_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
+        (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
+    )
+    k3_BT = k3_kl(logprobs_BT.detach(), behaviour_logprobs_BT, mask_BT)
+    is_weight_BT = torch.exp(log_is_BT).clamp(max=is_cap)
+
+    def masked_mean(values_BT: torch.Tensor) -> float:
+        return float((values_BT.to(torch.float32) * mask_BT).sum() / denominator)
+
+    return {
+        "loss": float(loss.detach()),
+        "clip_fraction": masked_mean(clip_active_BT),
+        "is_capped_fraction": masked_mean(torch.exp(log_is_BT) > is_cap),
+        "mean_ratio": masked_mean(ratio_BT),
+        "mean_is_weight": masked_mean(is_weight_BT),
+        "approx_kl": masked_mean(k3_BT),
+        "entropy": masked_mean(torch.where(mask_BT, -behaviour_logprobs_BT, zero_BT)),
+        "tokens": float(tokens),
+    }
 
 
 def k3_kl(

@@ -15,8 +15,9 @@ import trainer_svc.checkpoints
 from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, staging_leftovers
 from common.files.models import tiny_model
 from tests.unit.test_policy import LORA, RL, _assert_same_state, _batch
+from trainer_svc.adapter_files import OPTIMIZER_STATE, TRAINER_STATE
 from trainer_svc.checkpoints import GROUPS_FILE, STEP_FILE, Checkpoint, CheckpointStore
-from trainer_svc.policy import OPTIMIZER_STATE, TRAINER_STATE, MultiAdapterPolicy
+from trainer_svc.policy import MultiAdapterPolicy
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 CHECKPOINT_FILES = sorted(

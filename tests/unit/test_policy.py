@@ -13,9 +13,11 @@ import torch
 from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.files.models import tiny_model
 from common.wire.messages import LoraSettings, RLSettings, Trajectory
+from trainer_svc.forward import pad as _pad
 from trainer_svc.grpo import token_logprobs
+from trainer_svc.optimizers import NonFiniteGradientError
 from trainer_svc.packing import PackRow, plan_packs
-from trainer_svc.policy import MultiAdapterPolicy, NonFiniteGradientError, _pad
+from trainer_svc.policy import MultiAdapterPolicy
 
 LORA = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 RL = RLSettings(learning_rate=1e-2)
@@ -359,7 +361,7 @@ def test_bf16_logprobs_and_gradients_match_float32_within_tolerance(base_dir: Pa
         policy.add_job("job", LORA, RL, seed=3)
         policy.train_step("job", _batch(), [1.0, -0.5, 0.25, -1.0])  # LoRA B off zero
         job = policy._activate("job")
-        logprobs_BT = policy._loss_logprobs(
+        logprobs_BT = policy.loss_forward.loss_logprobs(
             token_ids_BT, attention_BT, mask_BT, [job.adapter_name] * len(token_ids_BT)
         )
         params = job.params
@@ -559,3 +561,20 @@ def test_a_step_takes_its_versions_learning_rate_from_the_schedule(base_dir: Pat
     policy = MultiAdapterPolicy(base_dir)
     policy.add_job("a", LORA, rl, seed=1)
     assert policy.train_step("a", [trajectory], [1.0])["learning_rate"] == rl.learning_rate
+
+
+def test_logits_at_all_positions_train_the_same_update_as_at_the_loss_positions(
+    base_dir: Path,
+) -> None:
+    """`loss_logits="all_positions"` (the plain causal-LM path benches compare against)
+    computes the same logprobs, so one step moves the adapter the same way; it takes no
+    shared prefixes."""
+    states = {}
+    for where in ("loss_positions", "all_positions"):
+        policy = MultiAdapterPolicy(base_dir, share_prefixes=False, loss_logits=where)  # type: ignore[arg-type]
+        policy.add_job("job", LORA, RL, seed=3)
+        policy.train_step("job", _batch(), [1.0, -0.5, 0.25, -1.0])
+        states[where] = policy.adapter_state("job")
+    _assert_same_state(states["all_positions"], states["loss_positions"], atol=1e-5)
+    with pytest.raises(ValueError, match="share_prefixes=False"):
+        MultiAdapterPolicy(base_dir, loss_logits="all_positions")

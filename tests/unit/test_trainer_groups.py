@@ -8,7 +8,7 @@ from collections import deque
 from common.wire.messages import Trajectory
 from tests.handler_kit import job_spec
 from trainer_svc.groups import MIN_SIGNAL_SHARE, SIGNAL_WINDOW, Group, verdict, worth_resampling
-from trainer_svc.service import OwnedJob
+from trainer_svc.owned import OwnedJob
 
 
 def trajectory(
