@@ -12,7 +12,7 @@ judge that cannot be reached, answers past `timeout_s` or with no score in range
 
 Each request names the job whose episode it scores (`X-Marlaas-Job`): the stack's rollout
 service admits it through the tenants' fair queue as that job's tenant's, beside its rollouts,
-so a tenant's judging shares the engine as its sampling does (rollout_svc/service.py).
+so a tenant's judging shares the engine as its sampling does (rollout_svc/chat_sampling.py).
 """
 
 from __future__ import annotations

@@ -66,29 +66,36 @@ class Bait:
     """The pid of a process of its own (as env_svc is) that no run may kill."""
 
 
-def probes(bait: Bait) -> list[Probe]:
-    """The hostile programs, against what `bait` holds out."""
+RESOURCE_PROBES: dict[str, tuple[str, str]] = {
+    "fork bomb": ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
+    "thread bomb": (
+        "import threading, time\n"
+        "while True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
+        "can't start new thread",
+    ),
+    "memory bomb": (
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))",
+        "MemoryError",
+    ),
+    # Its 2 s of CPU take longer than the 4 s wall clock on a loaded machine.
+    "busy loop": ("while True:\n    pass", "killed: CPU time limit (2 s)|killed: wall-clock"),
+    "sleeps past the limit": ("import time\ntime.sleep(3600)", "killed: wall-clock limit"),
+    "prints gigabytes": ("while True:\n    print('x' * 65536)", "killed: output limit"),
+    "daemon that outlives it": (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('parent gone')",
+        "parent gone",
+    ),
+}
+"""Programs that exhaust a resource, by name: each with what the model must be told (one of
+several, split by `|`)."""
+
+
+def _escape_probes(bait: Bait) -> dict[str, tuple[str, str]]:
+    """Programs that reach for what is outside the sandbox: `bait`'s secrets, its port, its
+    process, the host's files, network and kernel."""
     secret, port = bait.secret, bait.port
-    listed = {
-        "fork bomb": ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
-        "thread bomb": (
-            "import threading, time\n"
-            "while True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
-            "can't start new thread",
-        ),
-        "memory bomb": (
-            "chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))",
-            "MemoryError",
-        ),
-        # Its 2 s of CPU take longer than the 4 s wall clock on a loaded machine.
-        "busy loop": ("while True:\n    pass", "killed: CPU time limit (2 s)|killed: wall-clock"),
-        "sleeps past the limit": ("import time\ntime.sleep(3600)", "killed: wall-clock limit"),
-        "prints gigabytes": ("while True:\n    print('x' * 65536)", "killed: output limit"),
-        "daemon that outlives it": (
-            "import os, time\n"
-            "if os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\nprint('parent gone')",
-            "parent gone",
-        ),
+    return {
         "reads env_svc's variables": (
             "import os\nprint(dict(os.environ))\n"
             "for pid in os.listdir('/proc'):\n"
@@ -130,6 +137,11 @@ def probes(bait: Bait) -> list[Probe]:
         ),
         "kills env_svc": (f"import os\nos.kill({bait.victim}, 9)", "ProcessLookupError"),
     }
+
+
+def probes(bait: Bait) -> list[Probe]:
+    """The hostile programs, against what `bait` holds out."""
+    listed = RESOURCE_PROBES | _escape_probes(bait)
     return [Probe(name, code, tuple(told.split("|"))) for name, (code, told) in listed.items()]
 
 

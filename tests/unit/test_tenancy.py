@@ -41,7 +41,7 @@ from common.wire.messages import (
     result_for,
 )
 from env_svc.chat_template import ChatTokenizer
-from env_svc.service import ForeignJobError
+from env_svc.jobs.admission import ForeignJobError
 from tests.fakes import Backend, Inbox, KafkaBackend
 from tests.handler_kit import (
     GatedEngine,
@@ -289,13 +289,13 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     jobs = Inbox(Topic.JOBS)
     spec = job_spec("ends", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await jobs.hand(service.handle, spec)
-    assert spec.job_id in service._envs
-    await other._env(spec)  # another replica, which ran one of its episodes
+    assert spec.job_id in service.environments.by_job
+    await other.environments.get(spec)  # another replica, which ran one of its episodes
     await jobs.hand(
         service.handle, JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")
     )
     await service.sweep_claims()
-    assert spec.job_id not in service._envs
+    assert spec.job_id not in service.environments.by_job
     # Its working state expires in a week; later sweeps skip it. It never published an
     # adapter (nothing to export), so its record and owner binding expire with it.
     client = backend.store.client
@@ -303,7 +303,7 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
         assert 0 < await client.ttl(key(spec.job_id)) <= ENDED_TTL_S, key
     assert spec.job_id not in await backend.store.active_job_ids()  # no sweep visits it
     await other.sweep_claims()  # nor keeps its environment
-    assert spec.job_id not in other._envs
+    assert spec.job_id not in other.environments.by_job
     # Its audit is kept in the record, for when the ledger has gone.
     summary = await backend.store.audit_summary(spec.job_id)
     assert summary is not None
