@@ -63,7 +63,7 @@ def trainer_child(config: dict[str, Any]) -> dict[str, Any]:
         adjust_threads=compute.adjust if lent else None,
     )
     policy.add_job("job", LORA, RL)
-    trajectories = batch(policy._base.config.vocab_size, seed=0)
+    trajectories = batch(policy.base_model.config.vocab_size, seed=0)
     advantages = [t.reward - 0.5 for t in trajectories]
     step_s = compute.call(
         timed,
@@ -96,14 +96,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from common.files.models import resolve_base_model
     from common.wire.messages import GenerationRequest, SamplingSettings
-    from rollout_svc.engine import AdapterRef, RolloutEngine
+    from rollout_svc.engine import RolloutEngine
+    from rollout_svc.engine_settings import EngineSettings
+    from rollout_svc.loras import AdapterRef
 
     model_dir = resolve_base_model(args.model)
     work = Path(tempfile.mkdtemp(prefix="marlaas-cores-"))
     adapters = [
         AdapterRef(f"job{i}", 1, str(write_adapter(model_dir, work / f"a{i}", i))) for i in range(8)
     ]
-    engine = RolloutEngine(model_dir, max_loras=8, max_lora_rank=8, max_num_seqs=64)
+    engine = RolloutEngine(EngineSettings(model_dir, max_loras=8, max_lora_rank=8, max_num_seqs=64))
     context = prompts(model_dir, 64)
     sampling = SamplingSettings(max_new_tokens=32)
     all_cores = sorted(os.sched_getaffinity(0))

@@ -85,7 +85,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from rollout_svc.engine import CPU_BLOCK_SIZE, CPU_KV_CACHE_GIB
+    from rollout_svc.engine_settings import CPU_BLOCK_SIZE, CPU_KV_CACHE_GIB
 
     profile_dir = Path(tempfile.mkdtemp(prefix="marlaas-engine-profile-"))
     llm = LLM(

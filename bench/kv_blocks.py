@@ -9,8 +9,8 @@ tail past its last whole block. For each block size (one engine each, one after 
 same process, SmolLM2 unless `--model`): the wall time of one prefill of a `--prompt-words`
 prompt, of G requests of one prompt at once (G = 8, 16), of G different prompts, and the
 decode rate of `--decode-sequences` sequences (16, 32, 64) of 64 tokens each.
-rollout_svc/engine.py's `CPU_BLOCK_SIZE` is chosen from this; the decode rates say what fewer
-rollout slots (`ROLLOUT_MAX_IN_FLIGHT`, 64) would cost.
+rollout_svc/engine_settings.py's `CPU_BLOCK_SIZE` is chosen from this; the decode rates say
+what fewer rollout slots (`ROLLOUT_MAX_IN_FLIGHT`, 64) would cost.
 
 Writes `bench/results/kv-blocks-<date>-<machine>.json`.
 """

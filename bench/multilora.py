@@ -95,7 +95,9 @@ def prompts(model_dir: Path, count: int) -> list[list[int]]:
 async def measure_one(config: dict[str, Any]) -> dict[str, Any]:
     """In the child: start one engine, time `requests` concurrent requests, probe greedy."""
     from common.wire.messages import GenerationRequest, SamplingSettings
-    from rollout_svc.engine import AdapterRef, RolloutEngine
+    from rollout_svc.engine import RolloutEngine
+    from rollout_svc.engine_settings import EngineSettings
+    from rollout_svc.loras import AdapterRef
 
     model_dir = Path(config["model_dir"])
     n_adapters = config["adapters"]
@@ -106,12 +108,14 @@ async def measure_one(config: dict[str, Any]) -> dict[str, Any]:
     ]
     zero = AdapterRef("zero", 1, str(write_adapter(model_dir, work / "zero", 0, zero=True)))
     engine = RolloutEngine(
-        model_dir,
-        enable_lora=n_adapters > 0,
-        max_loras=max(1, n_adapters),
-        max_lora_rank=RANK,
-        lora_target_modules=ATTENTION_TARGETS if config["path"] == "stacked" else None,
-        max_num_seqs=max(config["requests"], 64),
+        EngineSettings(
+            model_dir,
+            enable_lora=n_adapters > 0,
+            max_loras=max(1, n_adapters),
+            max_lora_rank=RANK,
+            lora_target_modules=ATTENTION_TARGETS if config["path"] == "stacked" else None,
+            max_num_seqs=max(config["requests"], 64),
+        )
     )
     context = prompts(model_dir, config["requests"])
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=config["new_tokens"])

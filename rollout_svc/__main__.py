@@ -19,20 +19,23 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", settings.cpu_cores)
     from common.files.models import resolve_base_model
     from rollout_svc.engine import RolloutEngine
+    from rollout_svc.engine_settings import EngineSettings
     from rollout_svc.service import GenerationEngine, RolloutService
 
     model = resolve_base_model(shared.base_model, shared.cache_dir)
     engine: GenerationEngine = (
         RolloutEngine(
-            model,
-            max_loras=shared.max_loras,
-            max_lora_rank=shared.max_lora_rank,
-            lora_target_modules=shared.lora_target_modules,
-            max_model_len=settings.max_model_len,
-            kv_cache_gib=settings.kv_cache_gib,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-            dtype=settings.dtype,
+            EngineSettings(
+                model,
+                max_loras=shared.max_loras,
+                max_lora_rank=shared.max_lora_rank,
+                lora_target_modules=shared.lora_target_modules,
+                max_model_len=settings.max_model_len,
+                kv_cache_gib=settings.kv_cache_gib,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                enforce_eager=settings.enforce_eager,
+                dtype=settings.dtype,
+            )
         )
         if settings.engine == "vllm"
         else load_object(settings.engine)(model)

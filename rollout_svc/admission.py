@@ -17,7 +17,8 @@ bench/README.md, "Multi-task speed-up"). Flow control bounds a job's backlog (G 
 (S + 1) open episodes), and so the wait of the tenant's next job. A tenant (or job) whose
 last request leaves drops out of the turn and rejoins at the back with its next one. A
 tenant may be passed over while it holds its share of the slots (`pop(eligible)`: the
-service's fair-share cap, rollout_svc/service.py). Pure bookkeeping: no I/O, no waiting.
+fair-share cap of the engine's slots, rollout_svc/slots.py). Pure bookkeeping: no I/O, no
+waiting.
 """
 
 from __future__ import annotations

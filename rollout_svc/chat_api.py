@@ -163,22 +163,7 @@ class ChatAPI:
     async def complete(self, body: dict[str, Any], *, for_job: str = "") -> dict[str, Any]:
         """One completion; `for_job`: the job it is made for (a judged reward's, header
         `X-Marlaas-Job`), whose tenant's share of the engine it is admitted in."""
-        model = body.get("model")
-        messages = body.get("messages")
-        if not isinstance(model, str) or not model:
-            raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
-        if body.get("stream"):
-            raise ChatError(400, "stream: not supported")
-        if int(body.get("n", 1)) != 1:
-            raise ChatError(400, "n: only 1")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
-        ):
-            raise ChatError(400, "messages: a non-empty list of {role, content}")
-        if (chars := sum(len(m["content"]) for m in messages)) > MAX_PROMPT_CHARS:
-            raise ChatError(413, f"messages: {chars} characters; at most {MAX_PROMPT_CHARS}")
+        model, messages = checked_request(body)
         job_id, version = parse_model(model)
         sampling = sampling_of(body)
         text = self._tokenizer.apply_chat_template(
@@ -209,21 +194,50 @@ class ChatAPI:
         text = self._tokenizer.decode(result.completion_token_ids, skip_special_tokens=True)
         latest = version is None and job_id
         served = f"{job_id}@v{result.adapter_version}" if latest else model
-        return {
-            "id": f"chatcmpl-{call}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": served,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": result.finish_reason,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(result.completion_token_ids),
-                "total_tokens": len(prompt_ids) + len(result.completion_token_ids),
-            },
-        }
+        return completion_body(f"chatcmpl-{call}", served, text, len(prompt_ids), result)
+
+
+def checked_request(body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The body's model and messages, or a ChatError saying what is wrong with the request."""
+    model = body.get("model")
+    messages = body.get("messages")
+    if not isinstance(model, str) or not model:
+        raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
+    if body.get("stream"):
+        raise ChatError(400, "stream: not supported")
+    if int(body.get("n", 1)) != 1:
+        raise ChatError(400, "n: only 1")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+    ):
+        raise ChatError(400, "messages: a non-empty list of {role, content}")
+    if (chars := sum(len(m["content"]) for m in messages)) > MAX_PROMPT_CHARS:
+        raise ChatError(413, f"messages: {chars} characters; at most {MAX_PROMPT_CHARS}")
+    return model, messages
+
+
+def completion_body(
+    completion_id: str, model: str, text: str, prompt_tokens: int, result: GenerationResult
+) -> dict[str, Any]:
+    """OpenAI's `chat.completion` object for one sampled turn."""
+    completion_tokens = len(result.completion_token_ids)
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": result.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }

@@ -34,8 +34,9 @@ from common.wire.messages import (
 )
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService
-from rollout_svc.engine import AdapterRef
-from rollout_svc.service import GenerationEngine, RolloutService
+from rollout_svc.engine_protocol import GenerationEngine
+from rollout_svc.loras import AdapterRef
+from rollout_svc.service import RolloutService
 from tests.fakes import Backend
 from trainer_svc.policy import MultiAdapterPolicy
 from trainer_svc.service import TrainerService

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common.wire.messages import GenerationRequest, GenerationResult, result_for
-from rollout_svc.engine import AdapterRef
+from rollout_svc.loras import AdapterRef
 
 
 class ScriptedEngine:

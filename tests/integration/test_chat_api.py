@@ -18,11 +18,12 @@ from common.runtime.config import RolloutSettings, SharedSettings
 from common.state.store import RedisStore
 from common.wire.chat import CHAT
 from common.wire.messages import EnvSettings, JobSpec, new_id
-from console.chat_client import chat_completion
 from console.cli.main import app
 from env_svc.judge import Judge
 from env_svc.protocol import ChatMessage, Reward, Task, ascore
+from marlaas.chat import chat_completion
 from rollout_svc.engine import RolloutEngine
+from rollout_svc.engine_settings import EngineSettings
 from rollout_svc.service import RolloutService
 from tests.integration.test_rollout_engine import make_adapter
 
@@ -48,7 +49,7 @@ async def served(
     )
     adapter = make_adapter(base, tmp_path_factory.mktemp("adapters") / "v1", seed=3)
     await store.publish_adapter(job_id, 1, adapter.resolve().as_uri(), 1)
-    engine = RolloutEngine(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
+    engine = RolloutEngine(EngineSettings(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8))
     await engine.start()
     shared = SharedSettings(base_model=str(base), metrics_host="127.0.0.1", bus_key=BUS_KEY)
     service = RolloutService(

@@ -21,9 +21,10 @@ from tests.processes import alive, cmdline, descendants_of
 HOLD_ENGINE = """
 import asyncio, sys
 from rollout_svc.engine import RolloutEngine
+from rollout_svc.engine_settings import EngineSettings
 
 async def main() -> None:
-    engine = RolloutEngine(sys.argv[1], max_loras=1, max_lora_rank=8)
+    engine = RolloutEngine(EngineSettings(sys.argv[1], max_loras=1, max_lora_rank=8))
     await engine.start()
     print("ready", flush=True)
     await asyncio.sleep(3600)

@@ -22,12 +22,9 @@ from common.wire.messages import (
     SamplingSettings,
     new_id,
 )
-from rollout_svc.engine import (
-    CPU_BLOCK_SIZE,
-    AdapterRef,
-    AdapterUnavailableError,
-    RolloutEngine,
-)
+from rollout_svc.engine import RolloutEngine
+from rollout_svc.engine_settings import CPU_BLOCK_SIZE, EngineSettings
+from rollout_svc.loras import AdapterRef, AdapterUnavailableError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -137,7 +134,9 @@ def adapters(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(base_dir: Path) -> AsyncIterator[RolloutEngine]:
-    rollout_engine = RolloutEngine(base_dir, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
+    rollout_engine = RolloutEngine(
+        EngineSettings(base_dir, max_loras=2, max_cpu_loras=4, max_lora_rank=8)
+    )
     await rollout_engine.start()
     try:
         yield rollout_engine
@@ -195,7 +194,7 @@ async def test_each_request_in_a_batch_gets_its_own_adapter(
     # Alone, each gives the same; the base request is the one vLLM 0.32's CPU kernels got
     # wrong (it picked up a neighbour's adapter). Here it carries no adapter at all: the
     # stacked CPU LoRA plugin (rollout_svc/cpu_lora.py) masks its rows.
-    assert engine._null_lora is None
+    assert engine.loras.null_lora is None
     for adapter, out in ((None, base_out), (a, a_out), (b, b_out)):
         assert (await engine.generate(request(), adapter)).completion_token_ids == out
     # The batched logprobs are those of the adapter each request named, not its neighbours'.
@@ -231,8 +230,8 @@ async def test_max_new_tokens_ends_with_length_and_stop_strings_with_stop(
 
 async def test_context_that_fills_max_model_len_is_rejected(engine: RolloutEngine) -> None:
     with pytest.raises(ContextTooLongError):
-        await engine.generate(request(context=[5] * engine.max_model_len))
-    near_limit = await engine.generate(request(context=[5] * (engine.max_model_len - 3)))
+        await engine.generate(request(context=[5] * engine.settings.max_model_len))
+    near_limit = await engine.generate(request(context=[5] * (engine.settings.max_model_len - 3)))
     assert len(near_limit.completion_token_ids) == 3
     assert near_limit.finish_reason == "length"
 

@@ -16,8 +16,9 @@ import pytest
 from common.runtime.config import RolloutSettings, SharedSettings
 from common.wire.messages import GenerationRequest, GenerationResult, JobSpec, Topic, result_for
 from rollout_svc.admission import FairQueue, water_fill
-from rollout_svc.engine import AdapterRef
-from rollout_svc.service import READ_AHEAD_PER_SLOT, RolloutService
+from rollout_svc.intake import READ_AHEAD_PER_SLOT
+from rollout_svc.loras import AdapterRef
+from rollout_svc.service import RolloutService
 from tests.fakes import Inbox, MemoryBackend, memory_backend
 from tests.handler_kit import GatedEngine, job_spec, request_for
 
@@ -249,13 +250,13 @@ async def test_the_tenant_a_request_carries_is_the_one_admission_uses() -> None:
         ]
         await read(Inbox(Topic.PROMPTS), service, carried)
         await engine.until_entered(1)
-        assert service._tenant_in_engine == {"acme": 1}
-        assert service._waiting.waiting() == {"acme": 3, "globex": 2}
+        assert service.slots.tenant_in_engine == {"acme": 1}
+        assert service.slots.waiting.waiting() == {"acme": 3, "globex": 2}
         # An older writer's request (no tenant) is queued under its job's registry tenant.
         old = spec_of("o1", "one")
         await registered(backend, old)
         await read(Inbox(Topic.PROMPTS), service, [request_for(old.job_id, 0, 0)])
-        assert service._waiting.waiting() == {"acme": 3, "globex": 2, "one": 1}
+        assert service.slots.waiting.waiting() == {"acme": 3, "globex": 2, "one": 1}
         await stopped(service, engine)
 
 
@@ -300,12 +301,12 @@ async def test_the_poll_loop_waits_while_the_read_ahead_is_full() -> None:
         )
         await engine.until_entered(1)
         await asyncio.sleep(0)  # a handler that did not wait would be done by now
-        assert not reading.done() and len(service._waiting) == READ_AHEAD_PER_SLOT
+        assert not reading.done() and len(service.slots.waiting) == READ_AHEAD_PER_SLOT
 
         engine.let_out(engine.entered[0])  # a slot frees: one request in, one more read
         await asyncio.wait_for(reading, 10)
         await engine.until_entered(2)
-        assert len(service._waiting) == READ_AHEAD_PER_SLOT
+        assert len(service.slots.waiting) == READ_AHEAD_PER_SLOT
         assert prompts.committable == 1
         await stopped(service, engine)
 
@@ -329,7 +330,7 @@ async def test_a_stop_leaves_the_waiting_requests_uncommitted() -> None:
             ]
             + [request_for(acme.job_id, 99, 0)],
         )
-        assert len(service._waiting) == READ_AHEAD_PER_SLOT
+        assert len(service.slots.waiting) == READ_AHEAD_PER_SLOT
         # The read-ahead is full: the next record holds the poll loop until a stop lets it go.
         reading = asyncio.create_task(
             prompts.hand(service.on_request, request_for(globex.job_id, 99, 0))
@@ -464,13 +465,13 @@ async def test_a_judges_request_waits_its_tenants_turn_in_a_rollout_slot() -> No
         answer = asyncio.create_task(service.sample_for_chat(judged, "", None, globex.job_id))
         try:
             async with asyncio.timeout(10):  # a hang guard, not a measure
-                while "globex" not in service._waiting.waiting():  # noqa: ASYNC110 - no event to wait on: the queue is plain bookkeeping
+                while "globex" not in service.slots.waiting.waiting():  # noqa: ASYNC110 - no event to wait on: the queue is plain bookkeeping
                     await asyncio.sleep(0.01)
-            assert service._waiting.waiting() == {"acme": 2, "globex": 1}
+            assert service.slots.waiting.waiting() == {"acme": 2, "globex": 1}
             engine.let_out(engine.entered[0])
             await engine.until_entered(2)
             assert engine.entered[1].request_id == "chat-judge"  # globex's turn before acme's
-            assert service._tenant_in_engine == {"acme": 0, "globex": 1}
+            assert service.slots.tenant_in_engine == {"acme": 0, "globex": 1}
             engine.let_out(engine.entered[1])
             result = await asyncio.wait_for(answer, 10)
             assert result.completion_token_ids == [7]

@@ -1,5 +1,5 @@
 """Seeded sampling (`rl.sampling.seed`): which seed each sampled turn gets
-(`rollout_svc.engine.turn_seed`); vLLM drawing the same tokens from it is
+(`rollout_svc.sampling.turn_seed`); vLLM drawing the same tokens from it is
 tests/integration/test_rollout_engine.py's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import msgspec
 
 from common.state.flow import group_id_of
 from common.wire.messages import SamplingSettings
-from rollout_svc.engine import turn_seed
+from rollout_svc.sampling import turn_seed
 from tests.handler_kit import request_for
 
 
