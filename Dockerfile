@@ -27,6 +27,7 @@ COPY api_svc/ /src/api_svc/
 COPY common/ /src/common/
 COPY console/ /src/console/
 COPY env_svc/ /src/env_svc/
+COPY marlaas/ /src/marlaas/
 COPY rollout_svc/ /src/rollout_svc/
 COPY trainer_svc/ /src/trainer_svc/
 

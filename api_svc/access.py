@@ -16,7 +16,8 @@ from api_svc.limits import TenantGate, bearer_token, vouch
 from api_svc.views import JobView
 from common.runtime.config import SharedSettings
 from common.state.registry import JobRecord
-from console.client import JobStateError, MarlaasClient
+from marlaas import Client as MarlaasClient
+from marlaas import JobStateError
 
 T = TypeVar("T")
 

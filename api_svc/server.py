@@ -16,8 +16,7 @@ from api_svc.limits import AddressGate, BodyLimit, TenantGate
 from api_svc.routes import jobs, outputs, sample, tenant
 from common.runtime.config import SharedSettings
 from common.wire.codec import TOO_DEEP
-from console.client import MarlaasClient
-from console.eventfeed import ReadersBusy
+from marlaas import Client, ReadersBusy
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def create_app(
     """The API over one operator-side client (opened for the app's lifetime), with the
     per-tenant limits of `limits` (api_svc/limits.py)."""
     limits = limits or ApiSettings()
-    client = MarlaasClient(
+    client = Client(
         settings,
         connect_timeout_s=connect_timeout_s,
         readers=limits.readers,

@@ -42,8 +42,8 @@ from common.wire.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.client import MarlaasClient
 from console.stack.local import LocalStack
+from marlaas import Client
 
 console = Console()
 BENCH = Path(__file__).resolve().parent
@@ -76,7 +76,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     env_settings = load(EnvServiceSettings)
     phases: dict[str, dict[str, Any]] = {}
     async with LocalStack(settings, services=SERVICES) as stack:
-        async with MarlaasClient(stack.client_settings) as client:
+        async with Client(stack.client_settings) as client:
             warm = lookup_job(f"warm-{args.run_id}", 2, 1, 0.0)
             await phase(client, stack, "warm-up", [warm], args.timeout_s)
             for name, episodes in (("few", args.few), ("many", args.episodes)):

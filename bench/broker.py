@@ -26,9 +26,9 @@ from rich.console import Console
 
 from common.runtime.config import SharedSettings, load
 from common.wire.lifecycle import SERVICES
-from console.client import MarlaasClient
 from console.demo import demo_jobs
 from console.stack.local import LocalStack
+from marlaas import Client
 
 console = Console()
 RECORDS, RECORD_BYTES = 2000, 1024
@@ -68,7 +68,7 @@ async def one_storage(storage: str, args: argparse.Namespace) -> dict[str, Any]:
     jobs = bench_jobs(base, args.jobs, args.steps, f"{storage}-{args.run_id}")
     async with LocalStack(settings, services=SERVICES, use_existing_from_env=False) as stack:
         connected = stack.client_settings
-        async with MarlaasClient(connected) as client:
+        async with Client(connected) as client:
             await run_jobs(client, stack.kafka_bootstrap, warmup, args.timeout_s)
             started = time.time()
             await run_jobs(client, stack.kafka_bootstrap, jobs, args.timeout_s)

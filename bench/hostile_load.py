@@ -80,10 +80,11 @@ from common.wire.messages import (
     Topic,
     new_id,
 )
-from console.client import MarlaasClient, consumer_groups
-from console.jobwatch import JobProgress, watch_jobs
+from console.operator_client import consumer_groups
 from console.stack.local import LocalStack
 from console.stack.topics import group_lag
+from marlaas import Client
+from marlaas.jobwatch import JobProgress, watch_jobs
 
 console = Console()
 VICTIM, ATTACKER = "victim", "mallory"
@@ -412,7 +413,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     run_id = args.run_id
     async with LocalStack(settings, services=SERVICES) as stack:
         precisions = stack.dtypes
-        async with MarlaasClient(stack.client_settings) as client:
+        async with Client(stack.client_settings) as client:
             tenants = client.store.tenants
             keys = {}
             for tenant in (VICTIM, ATTACKER):

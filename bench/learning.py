@@ -68,11 +68,11 @@ from common.wire.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
-from console.export import best_of
-from console.jobwatch import JobProgress
 from console.stack.local import LocalStack
+from marlaas import Client
+from marlaas.export import best_of
+from marlaas.jobwatch import JobProgress
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -207,7 +207,7 @@ async def run_seed(
 ) -> list[dict[str, Any]]:
     """Alone (one job at a time), then shared (all at once): one record per mode."""
     records: list[dict[str, Any]] = []
-    async with MarlaasClient(stack.client_settings) as client:
+    async with Client(stack.client_settings) as client:
         if "alone" in modes:
             alone: dict[str, dict[str, Any]] = {}
             started = time.time()

@@ -43,10 +43,10 @@ from rich.console import Console
 from common.runtime.config import SharedSettings, load
 from common.wire.lifecycle import REPLICA_COUNTERS, SERVICES, STATE_AFTER, TERMINAL_STATES
 from common.wire.messages import EvalSettings, Event, JobSpec
-from console.client import MarlaasClient
 from console.demo import REWARD_WINDOW, demo_jobs
-from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
+from marlaas import Client
+from marlaas.jobwatch import JobProgress, watch_jobs
 
 console = Console()
 
@@ -133,7 +133,7 @@ def bench_jobs(
     return specs
 
 
-async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
+async def rollout_totals(client: Client) -> dict[str, float]:
     """Cumulative counters summed over rollout replicas."""
     totals: dict[str, float] = {}
     for stats in (await client.store.replica_stats()).values():
@@ -144,7 +144,7 @@ async def rollout_totals(client: MarlaasClient) -> dict[str, float]:
 
 
 async def run_jobs(
-    client: MarlaasClient, bootstrap: str, specs: list[JobSpec], timeout_s: float
+    client: Client, bootstrap: str, specs: list[JobSpec], timeout_s: float
 ) -> tuple[dict[str, JobProgress], list[Event]]:
     """Submit `specs` at once and wait for all of them; their progress and step events."""
     now = time.time()  # a job's wall time counts from its submission, not from the script's start
@@ -176,7 +176,7 @@ def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
 
 
 async def measure(
-    client: MarlaasClient,
+    client: Client,
     stack: LocalStack,
     name: str,
     batches: list[list[JobSpec]],
@@ -257,7 +257,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     draws: list[dict[str, Any]] = []
     async with LocalStack(settings, services=SERVICES) as stack:
         precisions = stack.dtypes
-        async with MarlaasClient(stack.client_settings) as client:
+        async with Client(stack.client_settings) as client:
             await measure(client, stack, "warm-up", [warmup], args.timeout_s)
             for index in range(args.draws):
                 seed_base = args.seed_base + DRAW_SEED_STRIDE * index

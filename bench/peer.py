@@ -49,8 +49,8 @@ from common.wire.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.client import MarlaasClient
 from console.stack.local import LocalStack
+from marlaas import Client
 
 HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
@@ -138,7 +138,7 @@ async def run_marlaas(
     `wall_s` the job is cancelled once it has run that long, and the last version published
     within it is exported to `export_to` (bench/learning.py's equal-time part); without, it
     must complete its steps."""
-    from console.jobwatch import JobProgress, watch_jobs
+    from marlaas.jobwatch import JobProgress, watch_jobs
 
     settings = load(SharedSettings).model_copy(update={"state_dir": run_dir / "state"})
     spec = marlaas_job(config, settings.base_model, run_id)
@@ -152,7 +152,7 @@ async def run_marlaas(
 
     result: dict[str, Any] = {}
     async with LocalStack(settings, services=SERVICES) as stack:
-        async with MarlaasClient(stack.client_settings) as client:
+        async with Client(stack.client_settings) as client:
             jobs = {spec.job_id: JobProgress.of(spec)}
             submitted = time.time()
             await client.submit([msgspec.structs.replace(spec, submitted_at=submitted)])

@@ -53,8 +53,8 @@ from common.wire.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.client import MarlaasClient
 from console.stack.local import LocalStack
+from marlaas import Client
 
 console = Console()
 EXAMPLE_ENVS = Path(__file__).resolve().parent.parent / "examples" / "envs"
@@ -136,7 +136,7 @@ class InFlightSampler:
 
 
 async def phase(
-    client: MarlaasClient, stack: LocalStack, name: str, specs: list[JobSpec], timeout_s: float
+    client: Client, stack: LocalStack, name: str, specs: list[JobSpec], timeout_s: float
 ) -> dict[str, Any]:
     env_svc = next(child for child in stack.children if child.name == "env_svc")
     assert env_svc.metrics_url, "env_svc exposes no /metrics"
@@ -165,7 +165,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, dict[str, Any]] = {}
     async with LocalStack(settings, services=SERVICES) as stack:
         precisions = stack.dtypes
-        async with MarlaasClient(stack.client_settings) as client:
+        async with Client(stack.client_settings) as client:
             warm = verifier_jobs(settings.base_model, f"warm-{run_id}", 1, 1, 0.0, 1)
             await measure(client, stack, "warm-up", [warm], args.timeout_s)
             plan = [

@@ -27,11 +27,11 @@ from common.wire.messages import (
     RLSettings,
     SamplingSettings,
 )
-from console.client import MarlaasClient
-from console.jobwatch import JobProgress
+from console.operator_client import OperatorClient
 from console.stack.children import unless_stack_fails
 from console.stack.local import LocalStack
 from console.status.live import live_view
+from marlaas.jobwatch import JobProgress
 
 REWARD_WINDOW = 3
 """Steps averaged for reward_start / reward_end."""
@@ -179,7 +179,7 @@ async def run_demo(
         console.print(f"hardware: {stack.hardware.describe()}")
         for service, precision in stack.precisions.items():
             console.print(f"{service} computes in {precision.describe()}")
-        async with MarlaasClient(stack.client_settings) as client:
+        async with OperatorClient(stack.client_settings) as client:
             await client.submit(specs)
             async with client.status_board([spec.job_id for spec in specs]) as board:
                 board.expect(specs)

@@ -3,14 +3,11 @@ replica's chat endpoint (`MARLAAS_CHAT_URL`)."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, HTTPException, Request
 
 from api_svc.access import Client, Settings, Tenant, gate, registered
 from api_svc.views import SampleAnswer, SampleRequest
-from common.wire.chat import CHAT
-from console.chat_client import ChatFailed, chat_completion
+from marlaas import ChatFailed
 
 router = APIRouter(prefix="/v1/jobs")
 
@@ -24,32 +21,22 @@ async def sample(
     settings: Settings,
     request: Request,
 ) -> SampleAnswer:
+    """The answer, sampled as the job's tenant's work (the tenants' fair queue)."""
     await registered(client, job_id, tenant)
     if not settings.chat_url:
         raise HTTPException(503, "no rollout chat endpoint configured (MARLAAS_CHAT_URL)")
-    model = job_id if ask.version is None else f"{job_id}@v{ask.version}"
-    token = settings.internal_token(CHAT)
     close = gate(request).open_stream(tenant)  # a long call: one of the tenant's few at once
     try:
-        return await asyncio.to_thread(_chat, settings.chat_url, model, job_id, ask, token)
-    finally:
-        close()
-
-
-def _chat(
-    base_url: str, model: str, job_id: str, ask: SampleRequest, token: str | None
-) -> SampleAnswer:
-    """The answer, sampled as the job's tenant's work (the tenants' fair queue)."""
-    try:
-        answered, content = chat_completion(
-            base_url,
-            model,
+        answered, content = await client.sample(
+            job_id,
             ask.prompt,
+            version=ask.version,
             max_tokens=ask.max_tokens,
             temperature=ask.temperature,
-            token=token,
-            for_job=job_id,
+            url=settings.chat_url,
         )
     except ChatFailed as exc:
         raise HTTPException(exc.status or 502, str(exc)) from None
+    finally:
+        close()
     return SampleAnswer(model=answered, content=content)

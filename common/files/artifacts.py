@@ -3,7 +3,7 @@
 An adapter version is a standard PEFT LoRA directory (`adapter_config.json` +
 `adapter_model.safetensors` with `base_model.model.…lora_A.weight` keys): trainer_svc writes
 `<artifacts>/adapters/<job>/v<n>/`, rollout_svc loads it into vLLM by URI, and `marlaas export`
-copies it out (console/export.py). Layout: docs/architecture.md, "Where state lives".
+copies it out (marlaas/export.py). Layout: docs/architecture.md, "Where state lives".
 
 Every directory or file that another process reads is written with `atomic_dir` /
 `atomic_write_text`: readers see the old contents or the new, never half of either, and a

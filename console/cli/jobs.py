@@ -15,7 +15,6 @@ from common.runtime.config import SharedSettings, load
 from common.state.audit import Audit
 from common.wire.lifecycle import TERMINAL_STATES
 from common.wire.messages import JobAction, JobSpec
-from console.api_client import TenantClient
 from console.cli.support import (
     console,
     fail,
@@ -27,17 +26,19 @@ from console.cli.support import (
     say,
     tenant_client,
 )
-from console.client import MarlaasClient
-from console.export import ExportedAdapter
-from console.jobfile import load_job_file
+from console.env_params import check_env_params
+from console.operator_client import OperatorClient
 from console.status.board import StatusSnapshot
 from console.status.live import live_view
 from console.status.render import event_cells, render
+from marlaas.api_client import TenantClient
+from marlaas.export import ExportedAdapter
+from marlaas.jobfile import load_job_file
 
 
-def _client() -> MarlaasClient:
+def _client() -> OperatorClient:
     quiet_logging()
-    return MarlaasClient(load(SharedSettings), connect_timeout_s=options.connect_timeout_s)
+    return OperatorClient(load(SharedSettings), connect_timeout_s=options.connect_timeout_s)
 
 
 # --- submit ---------------------------------------------------------------------------
@@ -59,6 +60,7 @@ def submit(
             base_model=settings.base_model,
             max_lora_rank=settings.max_lora_rank,
             lora_target_modules=settings.lora_target_modules,
+            check_env=check_env_params,
         )
         for path in files
     ]
@@ -174,7 +176,7 @@ async def _status(job: str | None, once: bool, as_json: bool, interval_s: float)
 
 
 async def _follow(
-    client: MarlaasClient,
+    client: OperatorClient,
     jobs: list[str] | list[JobSpec] | None,
     *,
     until_done: bool,

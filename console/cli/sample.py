@@ -9,9 +9,9 @@ import typer
 
 from common.runtime.config import SharedSettings, load
 from common.wire.chat import CHAT
-from console.api_client import TenantClient
-from console.chat_client import ChatFailed, chat_completion
 from console.cli.support import one_line_errors, run, say, tenant_client
+from marlaas.api_client import TenantClient
+from marlaas.chat import ChatFailed, chat_completion
 
 
 @one_line_errors

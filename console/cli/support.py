@@ -17,9 +17,9 @@ from rich.console import Console
 from common.runtime.backoff import ServerUnreachable
 from common.state.registry import UnknownJobError
 from common.state.tenants import UnknownTenantError
-from console.api_client import ApiClientSettings, ApiError, TenantClient
 from console.stack.children import StackError
 from console.tracking import TrackingUnavailableError
+from marlaas.api_client import ApiClientSettings, ApiError, TenantClient
 
 PIPED_WIDTH = 200
 """Columns of output that does not go to a terminal (a pipe, a log file): read by people

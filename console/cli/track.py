@@ -10,7 +10,7 @@ import typer
 
 from common.runtime.config import SharedSettings, load
 from console.cli.support import one_line_errors, operator_only, options, quiet_logging, run, say
-from console.client import MarlaasClient
+from console.operator_client import OperatorClient
 from console.tracking import MlflowSink, Sink, TensorBoardSink, Tracker
 
 
@@ -67,7 +67,7 @@ def track(
 
 async def _track(jobs: list[str], tracker: Tracker, follow: bool) -> int:
     quiet_logging()
-    async with MarlaasClient(
+    async with OperatorClient(
         load(SharedSettings), connect_timeout_s=options.connect_timeout_s
     ) as client:
         return await client.track(jobs, tracker, follow=follow)

@@ -18,9 +18,9 @@ from common.state.registry import UnknownJobError
 from common.state.store import RedisStore
 from common.wire.lifecycle import CONSUMED_TOPICS
 from common.wire.messages import Event, JobSpec
-from console.eventfeed import EventFeed
-from console.jobwatch import JobProgress
 from console.stack.topics import group_lag
+from marlaas.eventfeed import EventFeed
+from marlaas.jobwatch import JobProgress
 
 RECENT_EVENTS = 200
 """Events kept per job for `marlaas status JOB` and `--json`."""

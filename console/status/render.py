@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from common.wire.messages import Event
-from console.jobwatch import JobProgress
 from console.status.board import JobRow, ReplicaRow, StatusSnapshot
+from marlaas.jobwatch import JobProgress
 
 STATE_STYLES = {
     "running": "green",

@@ -68,12 +68,12 @@ from common.wire.messages import (
     Trajectory,
     new_id,
 )
-from console.client import MarlaasClient
-from console.eventfeed import AdapterFeed, EventFeed, TopicFeed
-from console.jobwatch import submit_jobs
 from console.stack.children import ChildServer, RestartPolicy, unless_stack_fails
 from console.stack.local import LocalStack
 from console.stack.services import start_service
+from marlaas import Client
+from marlaas.eventfeed import AdapterFeed, EventFeed, TopicFeed
+from marlaas.jobwatch import submit_jobs
 
 REPLICAS = 2
 SESSION_TIMEOUT_S = 6.0  # consumer session timeout of every replica: fail-over in seconds
@@ -169,7 +169,7 @@ class Chaos:
         )
         self.replicas: dict[str, ChildServer] = {}
         self.stack: LocalStack | None = None
-        self.client: MarlaasClient | None = None
+        self.client: Client | None = None
         self.jobs: dict[str, JobSpec] = {}
         self.cancelled: set[str] = set()
 
@@ -433,7 +433,7 @@ class Chaos:
             for module in SERVICES:
                 for index in range(REPLICAS):
                     self._start(f"{module}#{index}")
-            async with MarlaasClient(stack.client_settings, connect_timeout_s=30) as client:
+            async with Client(stack.client_settings, connect_timeout_s=30) as client:
                 self.client = client
                 result = await unless_stack_fails(self._drive(), stack.watch())
             for child in self.replicas.values():

@@ -10,9 +10,9 @@ import pytest
 from common.runtime.config import SharedSettings
 from common.wire.lifecycle import SERVICES
 from console.demo import demo_jobs
-from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.local import LocalStack
 from console.stack.services import start_services, stop_services
+from marlaas.jobwatch import JobProgress, submit_jobs, watch_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

@@ -35,10 +35,10 @@ from common.wire.messages import (
     Trajectory,
     new_id,
 )
-from console.jobwatch import JobProgress, submit_jobs, watch_jobs
 from console.stack.children import free_port
 from console.stack.local import LocalStack
 from console.stack.services import start_services, stop_services
+from marlaas.jobwatch import JobProgress, submit_jobs, watch_jobs
 from tests.agent_engine import JUDGE_SCORE
 from tests.agentic import UNITS_SERVER, operator_registrations
 from tests.processes import alive, cmdline, descendants_of

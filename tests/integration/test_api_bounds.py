@@ -23,16 +23,16 @@ import pytest
 from pydantic import SecretStr
 
 from api_svc.server import ApiSettings
-from common.bus import kafka as bus
+from common.bus import clients as bus
 from common.bus.kafka import Producer
 from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.runtime.config import SharedSettings
 from common.state.store import RedisStore
 from common.state.tenants import TenantLimits, TenantRegistry, new_api_key
 from common.wire.messages import EnvSettings, Event, JobSpec, Topic, new_id
-from console.client import MarlaasClient
-from console.eventfeed import EventFeed, TopicFeed
 from console.stack.local import LocalStack
+from marlaas import Client
+from marlaas.eventfeed import EventFeed, TopicFeed
 from tests.api_server import api_server
 
 pytestmark = pytest.mark.kafka
@@ -55,7 +55,7 @@ def settings(local_stack: LocalStack) -> SharedSettings:
 
 
 def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[list[Any], list[Any]]:
-    """Every `common.bus.kafka.<name>` (AIOKafkaProducer, AIOKafkaConsumer) made from now on, and
+    """Every `common.bus.clients.<name>` (AIOKafkaProducer, AIOKafkaConsumer) made from now on, and
     every one stopped."""
     made: list[Any] = []
     stopped: list[Any] = []
@@ -304,6 +304,6 @@ async def test_a_client_closes_at_once_after_its_pooled_reads(settings: SharedSe
     _, _, job_id = await tenant_with_job(settings, events=2)
     for _ in range(5):
         started = time.monotonic()
-        async with MarlaasClient(settings, connect_timeout_s=5) as client:
+        async with Client(settings, connect_timeout_s=5) as client:
             assert [event.step for event in await client.events(job_id)] == [1, 2]
         assert time.monotonic() - started < 10

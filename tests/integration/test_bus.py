@@ -26,10 +26,10 @@ from common.security.signing import RecordSigner
 from common.state.store import RedisStore
 from common.wire.codec import decode, encode
 from common.wire.messages import DeadLetter, Event, Topic, new_id
-from console.eventfeed import EventFeed
 from console.stack.children import free_port
 from console.stack.infra import start_valkey
 from console.stack.topics import ensure_topics, group_lag
+from marlaas.eventfeed import EventFeed
 
 pytestmark = pytest.mark.kafka
 

@@ -15,7 +15,7 @@ import yaml
 from common.files.models import tiny_model
 from common.state.store import RedisStore
 from common.wire.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
-from console.export import ExportError, export_adapter
+from marlaas.export import ExportError, export_adapter
 from tests.conftest import with_store
 from trainer_svc.policy import MultiAdapterPolicy
 

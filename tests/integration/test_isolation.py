@@ -42,9 +42,9 @@ from common.wire.messages import (
     Trajectory,
     new_id,
 )
-from console.api_client import ApiError, TenantClient
-from console.client import MarlaasClient
 from console.stack.local import LocalStack
+from marlaas import Client
+from marlaas.api_client import ApiError, TenantClient
 from tests.api_server import api_server
 from tests.conftest import RunningServices
 from tests.fakes import KafkaTap
@@ -195,7 +195,7 @@ async def test_a_hostile_tenant_cannot_touch_another_tenants_job(
     assert {bytes(letter.raw_value) for letter in letters} == set(forged)
     assert all(letter.error.startswith("unsigned record") for letter in letters)
 
-    async with MarlaasClient(operator_settings) as operator:
+    async with Client(operator_settings) as operator:
         audit = await operator.audit(job_id)
         pointer = await operator.store.adapter(job_id)
     assert audit.ok and not audit.lost and not audit.unexpected, audit.problems

@@ -15,8 +15,8 @@ import pytest
 
 from common.wire.codec import decode
 from common.wire.messages import JobSpec, Topic, new_id
-from console.jobwatch import JobProgress, watch_jobs
 from console.stack.local import LocalStack
+from marlaas.jobwatch import JobProgress, watch_jobs
 from tests.conftest import RunningServices
 from tests.wire_samples import readme_json_job
 

@@ -36,7 +36,7 @@ from console.stack.children import ChildServer, free_port
 from console.stack.infra import start_valkey
 from console.stack.local import LocalStack
 from env_svc.service import working_state_keys as env_working_state
-from trainer_svc.service import working_state_keys as trainer_working_state
+from trainer_svc.roster import working_state_keys as trainer_working_state
 
 pytestmark = pytest.mark.kafka
 

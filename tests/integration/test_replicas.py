@@ -30,9 +30,9 @@ from common.wire.messages import (
     SamplingSettings,
     new_id,
 )
-from console.client import MarlaasClient
 from console.stack.local import LocalStack
 from console.stack.services import replicated
+from marlaas import Client
 
 pytestmark = pytest.mark.kafka
 
@@ -78,7 +78,7 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
     specs = jobs(8)
     async with LocalStack(settings, use_existing_from_env=False, services=services) as stack:
         connected = stack.client_settings  # its broker, Redis and bus key
-        async with MarlaasClient(connected, connect_timeout_s=60) as client:
+        async with Client(connected, connect_timeout_s=60) as client:
             await client.submit(specs)
             trainers = [c for c in stack.children if c.name == "trainer_svc"]
             killed: int | None = None

@@ -249,7 +249,7 @@ def test_the_durable_broker_keeps_topics_messages_and_offsets_through_kill_9_and
     from common.bus.kafka import Producer
     from common.runtime.config import SharedSettings
     from common.wire.messages import Event, new_id
-    from console.eventfeed import EventFeed
+    from marlaas.eventfeed import EventFeed
 
     settings = SharedSettings(state_dir=tmp_path, connect_timeout_s=60, broker_storage="s3")
     job_id, group = f"durable-{new_id()[:8]}", f"durable-{new_id()[:8]}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.wire.messages import Event, job_event
-from console.export import best_version
+from marlaas.export import best_version
 
 
 def evaluated(version: int, accuracy: float) -> Event:

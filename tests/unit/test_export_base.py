@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import console.export
-from console.export import local_base_model
+import marlaas.export
+from marlaas.export import local_base_model
 
 
 def test_a_known_base_model_needs_no_local_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,7 +16,7 @@ def test_a_known_base_model_needs_no_local_copy(monkeypatch: pytest.MonkeyPatch)
     def unavailable(name: str, cache_dir: Path | None = None) -> Path:
         raise AssertionError(f"resolved {name} where no model is installed")
 
-    monkeypatch.setattr(console.export, "resolve_base_model", unavailable)
+    monkeypatch.setattr(marlaas.export, "resolve_base_model", unavailable)
     assert local_base_model("smollm2-135m-instruct") is None
 
 

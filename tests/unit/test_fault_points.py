@@ -172,7 +172,7 @@ async def test_a_rollout_replica_killed_after_sending_keeps_the_prompt_uncommitt
     await prompts.hand(service.on_request, request_for("crash-job", 0, min_adapter_version=0))
     engine.gate.set()
     with pytest.raises(Crashed):
-        await asyncio.gather(*service._generations)
+        await asyncio.gather(*service.slots.generations)
     assert prompts.committable == 0  # redelivered after the restart; env_svc de-duplicates
     assert len(await memory.sent(Topic.ROLLOUTS, "crash-job", expect=1)) == 1
 

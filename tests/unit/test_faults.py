@@ -61,7 +61,7 @@ from tests.handler_kit import (
     rollout_service,
     trajectory,
 )
-from trainer_svc import service as trainer_service_module
+from trainer_svc import step as trainer_step_module
 from trainer_svc.policy import MultiAdapterPolicy
 from trainer_svc.service import TrainerService
 
@@ -228,7 +228,7 @@ async def test_rollout_keeps_a_request_uncommitted_until_its_result_reaches_the_
     await sends.until_refused(2)  # retried with back-off, not given up
     assert prompts.committable == 0
     sends.error = None
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert prompts.committable == 1
     (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
     assert isinstance(result, GenerationResult) and result.finish_reason == "stop"
@@ -248,7 +248,7 @@ async def test_rollout_dead_letters_a_result_the_broker_refuses_and_ends_the_epi
     engine.gate.set()
     await sends.until_refused(1)
     sends.error = None  # the small "abort" result goes through
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert prompts.committable == 1
     (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
     assert isinstance(result, GenerationResult) and result.finish_reason == "abort"
@@ -304,7 +304,7 @@ async def test_rollout_leaves_requests_to_a_restart_when_its_engine_dies(
     engine.gate.set()
     with pytest.raises(RuntimeError, match="engine died"):
         await asyncio.wait_for(watch, 10)  # the replica stops, to be restarted
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert prompts.committable == 0  # both read again by the restarted replica
     assert await backend.sent(Topic.ROLLOUTS, job_id, expect=0) == []  # no aborts
 
@@ -489,14 +489,14 @@ async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
             trajectory(spec, 0, sample, 0.0, 0), error="tool server unreachable"
         )
         await inbox.hand(service.on_trajectory, failed)
-    send_drop = service._drop
+    send_drop = service.roster.drop
 
     async def drop_while_group_1_completes(*args: Any) -> None:
         for sample in range(2):
             await inbox.hand(service.on_trajectory, trajectory(spec, 1, sample, float(sample), 0))
         await send_drop(*args)
 
-    service._drop = drop_while_group_1_completes  # type: ignore[method-assign,assignment]
+    service.roster.drop = drop_while_group_1_completes  # type: ignore[method-assign,assignment]
     assert await service.train_once()
     pointer = await backend.store.adapter(spec.job_id)
     assert pointer is not None and pointer.version == 1
@@ -786,7 +786,7 @@ async def test_a_full_disk_costs_the_job_its_step_not_the_trainer(
         return save(policy, job_id, *args)
 
     monkeypatch.setattr(service.checkpoints, "save", saving)
-    monkeypatch.setattr(trainer_service_module, "UNSAVED_RETRY_S", 0.0)
+    monkeypatch.setattr(trainer_step_module, "UNSAVED_RETRY_S", 0.0)
     inbox = Inbox(Topic.TRAJECTORIES)
     for spec in (good, full):
         for sample in range(2):

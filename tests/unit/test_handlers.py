@@ -37,7 +37,7 @@ from common.wire.messages import (
 from env_svc.chat_template import ChatTokenizer
 from env_svc.protocol import environment_for
 from env_svc.service import EnvService
-from rollout_svc.service import IDLE_JOB_S
+from rollout_svc.jobs import IDLE_JOB_S
 from tests.fakes import Backend, Inbox
 from tests.handler_kit import (
     GatedEngine,
@@ -647,7 +647,7 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
     assert await backend.sent(Topic.ROLLOUTS, job_id, expect=0) == []
 
     engine.gate.set()
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert prompts.committable == 2
     results = await backend.sent(Topic.ROLLOUTS, job_id, expect=2)
     assert sorted((r.request_id, r.adapter_version) for r in results) == [  # type: ignore[union-attr]
@@ -674,7 +674,7 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
         request = request_for(job_id, index, min_adapter_version=2)
         request = msgspec.structs.replace(request, pinned_adapter_version=pinned)
         await prompts.hand(service.on_request, request)
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     used = sorted((a.version, a.path) if a else (0, "base") for a in engine.used)
     latest = service.latest[job_id].path  # v2 as its broadcast named it
     assert used == [(0, "base"), (1, adapter_uri(job_id, 1)), (2, latest)]
@@ -698,14 +698,14 @@ async def test_rollout_forgets_a_job_idle_past_its_time_and_reads_it_again(
     await service.on_adapter(adapter_update(job_id, 1))
     prompts = Inbox(Topic.PROMPTS)
     await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=1))
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     await service.forget_idle(time.monotonic())
     assert job_id in service.latest
     await service.forget_idle(time.monotonic() + IDLE_JOB_S + 1)
-    assert job_id not in service.latest and job_id not in service._tenants
+    assert job_id not in service.latest and job_id not in service.jobs.tenants
     assert (job_id, 1) in engine.retired
     await prompts.hand(service.on_request, request_for(job_id, 1, min_adapter_version=1))
-    await asyncio.wait_for(asyncio.gather(*service._generations), 10)
+    await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert service.latest[job_id].version == 1
     results = await backend.sent(Topic.ROLLOUTS, job_id, expect=2)
     assert [r.adapter_version for r in results] == [1, 1]  # type: ignore[union-attr]

@@ -22,11 +22,12 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 STARTS = {
     # compose's `topics` and `cli` services: topics, and job files read for `submit`.
-    "base": "import console.stack.topics, console.export, console.report.numbers, runpy\n"
+    "base": "import console.stack.topics, marlaas.export, marlaas.report.numbers, runpy\n"
     "import common.state.audit\n"
-    "from pathlib import Path\nfrom console.jobfile import load_job_file\n"
+    "from pathlib import Path\nfrom marlaas.jobfile import load_job_file\n"
+    "from console.env_params import check_env_params\n"
     f"for f in Path({str(ROOT / 'examples' / 'jobs')!r}).glob('*.toml'): "
-    "load_job_file(f, base_model='smollm2-135m-instruct')\n"
+    "load_job_file(f, base_model='smollm2-135m-instruct', check_env=check_env_params)\n"
     "sys.argv = ['marlaas', 'topics', '--help']\n"
     "runpy.run_module('console.cli.main', run_name='__main__')",
     "api": "import runpy; sys.argv = ['api_svc', '--check']; "

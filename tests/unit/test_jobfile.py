@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from console.jobfile import JobFileError, load_job_file
+from common.wire.messages import JobSpec
+from console.env_params import check_env_params
+from marlaas.jobfile import JobFileError, load_job_file
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "jobs"
 BASE = "smollm2-135m-instruct"
@@ -24,6 +27,11 @@ max_new_tokens = 8
 """
 
 
+def load_as_cli(path: Path, **limits: Any) -> JobSpec:
+    """The file as `marlaas submit` loads it: environment params checked where installed."""
+    return load_job_file(path, check_env=check_env_params, **limits)
+
+
 def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -32,7 +40,7 @@ def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
 def test_every_example_is_a_valid_job(path: Path) -> None:
-    spec = load_job_file(path, base_model=BASE, max_lora_rank=16)
+    spec = load_as_cli(path, base_model=BASE, max_lora_rank=16)
     assert spec.env.name == path.stem  # one example per built-in environment
     assert spec.job_id.startswith(f"{spec.tenant}-{path.stem}-")
     assert spec.base_model == BASE and spec.submitted_at > 0
@@ -45,7 +53,7 @@ def test_examples_cover_every_built_in_environment() -> None:
 
 
 def test_fields_map_onto_the_job_spec_and_defaults_fill_the_rest(tmp_path: Path) -> None:
-    spec = load_job_file(write(tmp_path, GOOD), base_model=BASE)
+    spec = load_as_cli(write(tmp_path, GOOD), base_model=BASE)
     assert (spec.tenant, spec.env.params, spec.rl.group_size, spec.rl.max_steps) == (
         "acme",
         {"max_operand": 20},
@@ -58,19 +66,17 @@ def test_fields_map_onto_the_job_spec_and_defaults_fill_the_rest(tmp_path: Path)
 
 def test_without_job_id_each_load_gets_a_fresh_id_and_with_one_it_is_kept(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD)
-    assert (
-        load_job_file(path, base_model=BASE).job_id != load_job_file(path, base_model=BASE).job_id
-    )
+    assert load_as_cli(path, base_model=BASE).job_id != load_as_cli(path, base_model=BASE).job_id
     fixed = write(tmp_path, 'job_id = "my-run"\n' + GOOD, "fixed.toml")
-    assert load_job_file(fixed, base_model=BASE).job_id == "my-run"
+    assert load_as_cli(fixed, base_model=BASE).job_id == "my-run"
 
 
 def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD, "my first (try).toml")
-    job_id = load_job_file(path, base_model=BASE).job_id
+    job_id = load_as_cli(path, base_model=BASE).job_id
     assert job_id.startswith("acme-my-first-try-") and job_id.count("--") == 0
     long_name = write(tmp_path, GOOD, f"{'x' * 200}.toml")
-    assert len(load_job_file(long_name, base_model=BASE).job_id) == 128
+    assert len(load_as_cli(long_name, base_model=BASE).job_id) == 128
 
 
 @pytest.mark.parametrize(
@@ -111,7 +117,7 @@ def test_a_file_name_with_spaces_still_gives_a_usable_job_id(tmp_path: Path) -> 
 def test_mistakes_are_named_by_file_and_field(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(JobFileError) as caught:
-        load_job_file(path, base_model=BASE, max_lora_rank=16)
+        load_as_cli(path, base_model=BASE, max_lora_rank=16)
     assert str(caught.value).startswith(f"{path}: ")
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
@@ -119,14 +125,14 @@ def test_mistakes_are_named_by_file_and_field(tmp_path: Path, text: str, message
 
 def test_an_environment_only_the_deployment_has_is_left_to_env_svc(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD.replace('name = "arithmetic"', 'name = "my-plugin-env"'))
-    assert load_job_file(path, base_model=BASE).env.name == "my-plugin-env"
+    assert load_as_cli(path, base_model=BASE).env.name == "my-plugin-env"
 
 
 def test_unreadable_paths_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(JobFileError, match="no such file"):
-        load_job_file(tmp_path / "missing.toml", base_model=BASE)
+        load_as_cli(tmp_path / "missing.toml", base_model=BASE)
     with pytest.raises(JobFileError, match="is a directory"):
-        load_job_file(tmp_path, base_model=BASE)
+        load_as_cli(tmp_path, base_model=BASE)
 
 
 def test_what_only_env_svc_registers_is_left_to_it_and_checked_where_registered(
@@ -139,7 +145,13 @@ def test_what_only_env_svc_registers_is_left_to_it_and_checked_where_registered(
     taskset = GOOD.replace('name = "arithmetic"', 'name = "verifiers"').replace(
         "max_operand = 20", 'taskset = "gsm8k"'
     )
-    assert load_job_file(write(tmp_path, taskset), base_model=BASE).env.name == "verifiers"
+    assert load_as_cli(write(tmp_path, taskset), base_model=BASE).env.name == "verifiers"
     monkeypatch.setenv("MARLAAS_VERIFIERS_TASKSETS", "mini-arith")
     with pytest.raises(JobFileError, match="unknown taskset 'gsm8k'; registered: mini-arith"):
-        load_job_file(write(tmp_path, taskset), base_model=BASE)
+        load_as_cli(write(tmp_path, taskset), base_model=BASE)
+
+
+def test_the_library_alone_leaves_environment_params_to_env_svc(tmp_path: Path) -> None:
+    """A tenant's program without the environments installed submits what env_svc judges."""
+    path = write(tmp_path, GOOD.replace("max_operand = 20", "max_operand = 'x'"))
+    assert load_job_file(path, base_model=BASE).env.params == {"max_operand": "x"}

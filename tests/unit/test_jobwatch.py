@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from common.wire.messages import Event, job_event
-from console.jobwatch import ETA_WINDOW, JobProgress
 from console.status.board import JobRow, StatusSnapshot
 from console.status.live import ProgressLog
+from marlaas.jobwatch import ETA_WINDOW, JobProgress
 
 
 def at(event: Event, when: float) -> Event:

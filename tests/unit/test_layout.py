@@ -2,8 +2,9 @@
 
 `common/` is what the services share: every module in it is imported (directly or through
 another common module) by at least one service, and it imports neither the operator console
-nor a service. Services never import each other or the console. The tenant API (`api_svc/`)
-imports `common/` and the client library only, and nothing imports it.
+nor a service. Services never import each other or the console. The client library
+(`marlaas/`) imports `common/` only; the tenant API (`api_svc/`) imports `common/` and the client
+library only, and nothing imports it.
 """
 
 from __future__ import annotations
@@ -13,16 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("env_svc", "rollout_svc", "trainer_svc")
-PACKAGES = ("api_svc", "common", "console", *SERVICES)
-API_MAY_IMPORT = (
-    "api_svc",
-    "common",
-    "console.client",
-    "console.eventfeed",
-    "console.chat_client",
-)
-"""The tenant API, a deployable of its own: `common` and the operator's client library (the
-client, the feeds it reads the bus with, the chat client)."""
+PACKAGES = ("api_svc", "common", "console", "marlaas", *SERVICES)
+API_MAY_IMPORT = ("api_svc", "common", "marlaas")
+"""The tenant API, a deployable of its own: `common` and the client library."""
+LIBRARY_MAY_IMPORT = ("marlaas", "common")
+"""The client library: `common` (the wire format) and nothing else of the deployment."""
 
 
 def imports_of(path: Path) -> set[str]:
@@ -110,6 +106,45 @@ def test_the_api_imports_common_and_the_client_library_and_nothing_imports_it() 
     for package in ("common", "console", *SERVICES):
         for module, path in modules(package).items():
             assert not [n for n in imports_of(path) if n.startswith("api_svc")], module
+
+
+def test_the_client_library_imports_common_only() -> None:
+    for module, path in modules("marlaas").items():
+        foreign = [n for n in imports_of(path) if not n.startswith(LIBRARY_MAY_IMPORT)]
+        assert foreign == [], f"{module} imports {foreign}"
+
+
+def test_the_api_reaches_no_console_module() -> None:
+    """Following every import (inside functions too) from the API's modules, through the
+    client library and `common`, reaches nothing of the operator's console."""
+    known = {
+        **{name: path for package in PACKAGES for name, path in modules(package).items()},
+        **{package: ROOT / package / "__init__.py" for package in PACKAGES},
+    }
+    known |= {
+        ".".join(path.parent.relative_to(ROOT).parts): path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("__init__.py")
+    }
+
+    def module_of(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    reached: set[str] = set()
+    frontier = list(modules("api_svc"))
+    while frontier:
+        module = frontier.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        parts = module.split(".")
+        packages = [".".join(parts[:i]) for i in range(1, len(parts))]  # their __init__ runs
+        frontier += [p for p in packages if p in known]
+        frontier += [m for name in imports_of(known[module]) if (m := module_of(name))]
+    assert sorted(m for m in reached if m.split(".")[0] == "console") == []
+    assert "marlaas.client" in reached  # the walk does follow the API into the library
 
 
 def test_the_console_is_in_rooms() -> None:

@@ -18,8 +18,8 @@ from common.wire.lifecycle import (
     StepMetrics,
 )
 from common.wire.messages import Event, EventKind, JobAction, Topic, job_event
-from console.jobwatch import JobProgress
-from console.report.numbers import build_report
+from marlaas.jobwatch import JobProgress
+from marlaas.report.numbers import build_report
 
 
 def fold(*kinds: EventKind, reason: str = "") -> JobLifecycle:

@@ -1,4 +1,4 @@
-"""console/eventfeed.py `ReaderPool`: one-shot reads share a bounded set of consumers."""
+"""marlaas/eventfeed.py `ReaderPool`: one-shot reads share a bounded set of consumers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from aiokafka.structs import TopicPartition
 
-from console import eventfeed
-from console.eventfeed import ReaderPool, ReadersBusy
+from marlaas import eventfeed
+from marlaas.eventfeed import ReaderPool, ReadersBusy
 
 
 class FakeConsumer:

@@ -12,8 +12,8 @@ import pytest
 
 from common.wire.lifecycle import RolloutReplicaStats
 from common.wire.messages import EnvSettings, Event, EventKind, JobSpec, RLSettings, job_event
-from console.report.numbers import Report, build_report
-from console.report.page import write_report
+from marlaas.report.numbers import Report, build_report
+from marlaas.report.page import write_report
 
 T0 = 1_800_000_000.0
 CHARTS = {"reward", "eval", "staleness", "throughput", "utilisation"} | {

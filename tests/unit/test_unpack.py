@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from console.api_client import _unpack_into
+from marlaas.api_client import _unpack_into
 
 
 def archive(*members: tuple[str, bytes | None]) -> bytes:

@@ -1,5 +1,6 @@
 """One chat completion from a rollout replica's OpenAI-compatible endpoint
-(rollout_svc/chat_api.py): what `marlaas sample` and the tenant API's `sample` ask."""
+(rollout_svc/chat_api.py): what `Client.sample`, `marlaas sample` and the tenant API's
+`sample` ask."""
 
 from __future__ import annotations
 

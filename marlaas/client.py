@@ -1,9 +1,11 @@
-"""What tenants and operators do with MARLaaS, over Kafka and Redis only: the CLI's engine.
+"""`Client`: what a program does with MARLaaS jobs, over Kafka and Redis only: submit,
+command, read and follow events, sample, export, audit and report.
 
-Usable from Python as well:
-
-    async with MarlaasClient(load(SharedSettings)) as client:
+    async with Client(load(SharedSettings)) as client:
         await client.submit([load_job_file(path, base_model=...)])
+
+The tenant API and the `marlaas` CLI are its users; the CLI's operator views (the status
+board, experiment tracking) extend it in `console.operator_client`.
 """
 
 from __future__ import annotations
@@ -12,36 +14,33 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from pathlib import Path
+from typing import Self
 
 from common.bus.kafka import Producer
 from common.files.artifacts import latest_checkpoint_version
-from common.runtime.config import (
-    SERVICE_SETTINGS,
-    SharedSettings,
-    load,
-)
+from common.runtime.config import SharedSettings
 from common.state.audit import Audit, audit
 from common.state.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.state.store import RedisStore
-from common.wire.lifecycle import COMMAND_EVENT, SERVICES, STATE_AFTER, TERMINAL_STATES
+from common.wire.chat import CHAT
+from common.wire.lifecycle import COMMAND_EVENT, STATE_AFTER, TERMINAL_STATES
 from common.wire.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from console.eventfeed import AdapterFeed, EventFeed, ReaderPool
-from console.export import (
+from marlaas.chat import chat_completion
+from marlaas.eventfeed import AdapterFeed, EventFeed, ReaderPool
+from marlaas.export import (
     ExportedAdapter,
     ExportError,
     best_version,
     export_adapter,
     local_base_model,
 )
-from console.status.board import StatusBoard
-from console.tracking import Tracker
 
 
 class JobStateError(ValueError):
     """A command that does not apply to the job's current state."""
 
 
-class MarlaasClient:
+class Client:
     """One Redis connection, one Kafka producer (opened at the first send, or by
     `start_producer`) and at most `readers` pooled consumers for one-shot reads of the bus
     (events, reports, audits), each waited for up to `reader_wait_s` (ReadersBusy then);
@@ -67,7 +66,7 @@ class MarlaasClient:
         self._producer: Producer | None = None
         self._producer_started = asyncio.Lock()
 
-    async def __aenter__(self) -> MarlaasClient:
+    async def __aenter__(self) -> Self:
         self._store = await RedisStore.connect(
             self.settings.redis_url, timeout_s=self.connect_timeout_s
         )
@@ -101,7 +100,7 @@ class MarlaasClient:
     @property
     def store(self) -> RedisStore:
         if self._store is None:
-            raise RuntimeError("use `async with MarlaasClient(...)`")
+            raise RuntimeError("use `async with Client(...)`")
         return self._store
 
     # --- jobs -------------------------------------------------------------------------
@@ -181,15 +180,6 @@ class MarlaasClient:
                     yield event
                     ended = ended or STATE_AFTER.get(event.event) in TERMINAL_STATES
 
-    def status_board(self, job_ids: Collection[str] | None = None) -> StatusBoard:
-        return StatusBoard(
-            self.settings.kafka_bootstrap,
-            self.store,
-            consumer_groups(),
-            job_ids=job_ids,
-            timeout_s=self.connect_timeout_s,
-        )
-
     # --- results ----------------------------------------------------------------------
 
     async def export(
@@ -213,6 +203,37 @@ class MarlaasClient:
         )
         return await export_adapter(
             self.store, record, out_dir, base_model_path=base_model_path, version=version
+        )
+
+    async def sample(
+        self,
+        job_id: str,
+        prompt: str,
+        *,
+        version: int | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        as_tenant: bool = True,
+        url: str = "",
+    ) -> tuple[str, str]:
+        """(the model that answered, its answer) to `prompt` from the job's adapter (the
+        latest, or `version`), through a rollout replica's OpenAI-compatible chat endpoint
+        (`url`, default `MARLAAS_CHAT_URL`); ChatFailed when it refuses or is unreachable.
+        `as_tenant`: queued as the job's tenant's work (the tenants' fair queue), not in the
+        endpoint's few shared slots."""
+        base_url = url or self.settings.chat_url
+        if not base_url:
+            raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
+        model = job_id if version is None else f"{job_id}@v{version}"
+        return await asyncio.to_thread(
+            chat_completion,
+            base_url,
+            model,
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            token=self.settings.internal_token(CHAT),
+            for_job=job_id if as_tenant else "",
         )
 
     async def audit(self, job_id: str) -> Audit:
@@ -258,8 +279,8 @@ class MarlaasClient:
 
     async def report(self, jobs: Collection[Job], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
-        from console.report.numbers import build_report
-        from console.report.page import write_report
+        from marlaas.report.numbers import build_report
+        from marlaas.report.page import write_report
 
         job_ids = {job_id_of(job) for job in jobs}
         async with self._feed(job_ids or None, pooled=True) as feed:
@@ -273,28 +294,6 @@ class MarlaasClient:
                 specs[job_id] = record.spec
         report = build_report(events, await self.store.replica_stats_history(), specs=specs)
         return write_report(report, out_dir)
-
-    async def track(self, job_ids: Collection[str], tracker: Tracker, *, follow: bool) -> int:
-        """Write the jobs' (or every job's) metrics and settings to the tracker's sinks;
-        returns how many events were new. With `follow`, keep writing as events come,
-        until the named jobs have ended (no job named: until interrupted)."""
-        for job_id in job_ids:
-            await self.job(job_id)  # UnknownJobError for a typo, before anything is written
-        specs: dict[str, JobSpec] = {}
-        written, ended = 0, set[str]()
-        async with self._feed(set(job_ids) or None) as feed:
-            while True:
-                if follow:
-                    events = await feed.poll(0.5)
-                else:
-                    events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
-                for job_id in {event.job_id for event in events} - specs.keys():
-                    if (record := await self.store.job(job_id)) is not None:
-                        specs[job_id] = record.spec
-                written += await asyncio.to_thread(tracker.write, events, specs)
-                ended |= {e.job_id for e in events if STATE_AFTER.get(e.event) in TERMINAL_STATES}
-                if not follow or (job_ids and feed.caught_up and set(job_ids) <= ended):
-                    return written
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -313,8 +312,3 @@ class MarlaasClient:
         producer = await self.start_producer()
         for message in messages:
             await producer.send(message)
-
-
-def consumer_groups() -> dict[str, str]:
-    """Each service's consumer group, as this machine's settings name them."""
-    return {service: load(SERVICE_SETTINGS[service]).consumer_group for service in SERVICES}

@@ -1,6 +1,6 @@
 """Inline SVG line charts whose series carry their exact numbers (`data-values`).
 
-Drawn for `console.report.page`; styles are inline so a chart copied out of the page renders the
+Drawn for `marlaas.report.page`; styles are inline so a chart copied out of the page renders the
 same. A series may have gaps (segments), and a missing value is left out, never drawn as 0.
 """
 

@@ -1,4 +1,5 @@
-"""Submitting jobs and following them through `marlaas.events` (demo, CLI, tests)."""
+"""Submitting jobs and following them through `marlaas.events`: `JobProgress`, what one job's
+events say so far, and `watch_jobs`, which folds them in until the jobs are done."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from common.security.signing import RecordSigner
 from common.state.evals import evaluated
 from common.wire.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
 from common.wire.messages import Event, JobSpec, Message
-from console.eventfeed import EventFeed
+from marlaas.eventfeed import EventFeed
 
 ETA_WINDOW = 5
 """Steps whose pace predicts the rest, once a job has trained more than that many."""
@@ -192,7 +193,7 @@ async def submit_jobs(
     timeout_s: float = 60,
     signing: RecordSigner | None = None,
 ) -> None:
-    """Produce job specs or commands to marlaas.jobs; `MarlaasClient.submit` checks ids first."""
+    """Produce job specs or commands to marlaas.jobs; `Client.submit` checks ids first."""
     producer = Producer(bootstrap, client_id="marlaas-cli", signing=signing)
     await producer.start(timeout_s=timeout_s)
     try:

@@ -1,8 +1,9 @@
-"""The CLI's way in for a tenant: the tenant API (api_svc/) with an API key.
+"""`TenantClient`: a tenant's way in, the tenant API (api_svc/) with an API key.
 
+A tenant's program holds no Kafka or Redis credentials and uses it directly; the CLI
 `marlaas` talks to the API when `MARLAAS_API_URL` and `MARLAAS_API_KEY` are set (or
 `--api-url` / `--api-key`), and straight to Kafka and Redis with the operator's credentials
-otherwise. The methods mirror `MarlaasClient`'s, so the CLI's commands read the same either
+otherwise. The methods mirror `Client`'s, so the CLI's commands read the same either
 way; an API error is raised as `ApiError` with the API's own message.
 """
 

@@ -1,8 +1,8 @@
 """`marlaas report`, its numbers: jobs, steps and replica utilisation from events and stats.
 
 Pure: it turns events (`marlaas.events`) and rollout replica stats history (Redis) into a
-`Report`; reading them is `console.client`'s job, writing the page and files is
-`console.report.page`'s.
+`Report`; reading them is `marlaas.client`'s job, writing the page and files is
+`marlaas.report.page`'s.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from common.wire.lifecycle import (
     StepMetrics,
 )
 from common.wire.messages import Event, JobSpec
-from console.export import best_version
-from console.report.charts import is_number
+from marlaas.export import best_version
+from marlaas.report.charts import is_number
 
 RESTART_SLACK_S = 1.0
 """How much shorter than the gap between two samples the uptime may be (sampling jitter)

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from console.report.charts import Point, Series, line_chart, plottable
-from console.report.numbers import EvalRow, JobSummary, Report, StepRow, UtilisationRow
+from marlaas.report.charts import Point, Series, line_chart, plottable
+from marlaas.report.numbers import EvalRow, JobSummary, Report, StepRow, UtilisationRow
 
 # --- files ------------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ A file holds the fields of `JobSpec` (common/wire/messages.py) as TOML tables:
 
 `job_id` may be omitted: each submission then gets a fresh id `<tenant>-<file stem>-<hex>`.
 `base_model` defaults to the deployment's. Checks beyond types are `common.wire.jobspec`'s, and
-the environment's own for its params when the environment is installed here.
+`check_env`'s when given (the CLI's: the environment's own for its params when the environment
+is installed on the machine that submits); env_svc checks them all again where it accepts a job.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import re
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,17 @@ def load_job_file(
     base_model: str,
     max_lora_rank: int | None = None,
     lora_target_modules: Sequence[str] | None = None,
+    check_env: Callable[[JobSpec], None] | None = None,
 ) -> JobSpec:
-    """Read, type-check and validate one job file; raises JobFileError('<file>: <field>: ...')."""
+    """Read, type-check and validate one job file; raises JobFileError('<file>: <field>: ...').
+    `check_env` raises JobFileError for environment params it refuses."""
     try:
-        return _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank, lora_target_modules)
+        spec = _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank, lora_target_modules)
+        if check_env is not None:
+            check_env(spec)
     except (JobFileError, JobSpecError) as exc:
         raise JobFileError(f"{path}: {exc}") from None
+    return spec
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -131,30 +137,7 @@ def _spec_of(
         max_lora_rank=max_lora_rank,
         lora_target_modules=lora_target_modules,
     )
-    _check_env_params(spec)
     return spec
-
-
-def _check_env_params(spec: JobSpec) -> None:
-    """Environment params checked here when the environment is installed on this machine.
-
-    An environment only the deployment has (a plugin), or a param naming what only the
-    deployment registers (an MCP server, a verifiers taskset), is left to env_svc, which
-    rejects a bad one with the reason on `marlaas.events`.
-    """
-    from env_svc.protocol import (
-        EnvSpecError,
-        UnknownEnvironmentError,
-        UnregisteredHereError,
-        environment_for,
-    )
-
-    try:
-        environment_for(spec)
-    except (UnknownEnvironmentError, UnregisteredHereError):
-        return
-    except EnvSpecError as exc:
-        raise JobFileError(f"env: {exc}") from None
 
 
 def _table(name: str, value: Any, kind: type[msgspec.Struct]) -> msgspec.Struct:

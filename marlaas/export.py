@@ -142,6 +142,28 @@ async def export_adapter(
     record = job if isinstance(job, JobRecord) else await store.job(job_id)
     if record is None:
         raise ExportError(f"unknown job {job_id!r}")
+    source, wanted, latest = await _adapter_source(store, record, job_id, version)
+    config = check_adapter_dir(source)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not an empty directory")
+    trained_on = str(config.get("base_model_name_or_path", ""))
+    hub_id = public_model_id(record.spec.base_model) or public_model_id(trained_on)
+    # The trainer's copy is a path on its machine: loads nowhere else, and is none of the
+    # reader's business.
+    config["base_model_name_or_path"] = hub_id or base_model_path or record.spec.base_model
+    info = _export_info(record, job_id, wanted, latest, hub_id)
+    _write_atomically(out_dir, source, config, info)
+    return ExportedAdapter(
+        job_id, record.spec.tenant, wanted, out_dir, str(config["base_model_name_or_path"])
+    )
+
+
+async def _adapter_source(
+    store: RedisStore, record: JobRecord, job_id: str, version: int | None
+) -> tuple[Path, int, int]:
+    """The artifact-store directory of the job's adapter `version` (None: the latest), that
+    version, and the latest one."""
     pointer = await store.adapter(job_id)
     if pointer is None or pointer.version < 1:
         raise ExportError(
@@ -159,21 +181,19 @@ async def export_adapter(
             f"adapter v{wanted} of job {job_id!r} is not in this machine's artifact store: run "
             "export where the artifact store (MARLAAS_ARTIFACT_DIR) is mounted"
         )
-    config = check_adapter_dir(source)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} exists and is not an empty directory")
-    trained_on = str(config.get("base_model_name_or_path", ""))
-    hub_id = public_model_id(record.spec.base_model) or public_model_id(trained_on)
-    # The trainer's copy is a path on its machine: loads nowhere else, and is none of the
-    # reader's business.
-    config["base_model_name_or_path"] = hub_id or base_model_path or record.spec.base_model
-    info = {
+    return source, wanted, pointer.version
+
+
+def _export_info(
+    record: JobRecord, job_id: str, version: int, latest: int, hub_id: str | None
+) -> dict[str, object]:
+    """What `marlaas_export.json` says of the export: the job, its versions and settings."""
+    return {
         "job_id": job_id,
         "tenant": record.spec.tenant,
         "env": record.spec.env.name,
-        "version": wanted,
-        "latest_version": pointer.version,
+        "version": version,
+        "latest_version": latest,
         "base_model": record.spec.base_model,
         "exported_at": time.time(),
         "job_state": record.status,
@@ -184,10 +204,6 @@ async def export_adapter(
             for name in record.spec.__struct_fields__
         },
     }
-    _write_atomically(out_dir, source, config, info)
-    return ExportedAdapter(
-        job_id, record.spec.tenant, wanted, out_dir, str(config["base_model_name_or_path"])
-    )
 
 
 def _write_atomically(
