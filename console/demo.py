@@ -38,7 +38,7 @@ REWARD_WINDOW = 3
 DEMO_EVAL_TASKS = 64
 """Held-out tasks per evaluation. With 32, the standard error of an accuracy near 0.6 was
 0.088, and an adapter well above its base on the task stream could still score within one
-standard error of it by chance (issue 22): at 0.75 against a base of 0.56, 8% of the time
+standard error of it by chance: at 0.75 against a base of 0.56, 8% of the time
 (binomial). 64 halve the variance (SE ~0.06; 0.4%), as bench/learning.py uses, for two more
 greedy batches per job."""
 

@@ -6,7 +6,7 @@
 the base model's chat template over the messages; generation runs in the same engine, batched
 with the jobs' rollouts. `GET /v1/models` lists the jobs whose adapters this replica knows.
 Any OpenAI client works against `http://<host>:<ROLLOUT_API_PORT>/v1`; `marlaas sample` uses it.
-Not authenticated: tenant keys belong to the tenant API (issue 14), not to this endpoint.
+Not authenticated: tenant keys belong to the tenant API, not to this endpoint.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def worth_resampling(recent_signal: Sequence[bool]) -> bool:
     A replacement has a signal about as often as recent groups had: at a share q, one costs
     1/q groups of generation. A job that solves (or fails) nearly everything has q near 0,
     and resampling for it generates `resample_uniform_groups` groups a step for nothing
-    (issue 26: the calculators, solved, took the shared run from 556 s to 905 s). Until a
+    (the calculators, solved, took a shared run from 556 s to 905 s). Until a
     few groups are judged, resample."""
     judged = len(recent_signal)
     return judged < _MIN_JUDGED or sum(recent_signal) >= MIN_SIGNAL_SHARE * judged

@@ -55,7 +55,7 @@ def step_each(
 
     AdamW would otherwise still move the adapter on its momentum (and count the step in
     its bias correction): a job whose groups are all solved, several steps running, was
-    carried past its solution that way (issue 26: rewards of 1.0 fell to 0.1 in one step
+    carried past its solution that way (rewards of 1.0 fell to 0.1 in one step
     after two or three such steps; bench/results/learning-*.json). Computing the rows or
     skipping them gives the same update either way."""
     import torch

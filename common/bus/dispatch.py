@@ -2,7 +2,7 @@
 
 A consumer that awaits each record before reading the next has one record in hand at a time:
 an environment whose reward waits 1 s on a remote verifier then scores one episode a second,
-whatever the replica's workers (issue 41). `Dispatcher` runs each record's handling as a task
+whatever the replica's workers. `Dispatcher` runs each record's handling as a task
 instead, up to a bound. Order is kept where the contract needs it: records of one partition
 with the same key (a job's spec and its commands, an episode's turns) run in offset order; an
 unkeyed record is ordered with the other unkeyed records of its partition. What may be

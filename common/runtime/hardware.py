@@ -60,7 +60,7 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 BF16_EMULATED_SLOWDOWN = 38
 """float32 matmul rate / bf16 matmul rate on a CPU without native bf16: 105.8 vs 2.8 GFLOP/s,
 one thread, an AMD EPYC (Zen 5) capped to AVX2 (bench/results/precision-20261204-cpu2-avx2.json;
-on two threads 75x: the emulated path does not parallelise); the AVX2-only EPYC of issue 22
+on two threads 75x: the emulated path does not parallelise); a native AVX2-only EPYC
 measured 31x."""
 
 

@@ -255,8 +255,8 @@ KAFKA_GRANTS: Mapping[Principal, KafkaGrant] = {
         groups=(_group_of("trainer_svc"),),
     ),
     "api": KafkaGrant(
-        # Job specs and commands (console/jobwatch.py submit_jobs); a job's events (its log,
-        # its follow, its report: console/eventfeed.py, assigned, no group).
+        # Job specs and commands (marlaas/jobwatch.py submit_jobs); a job's events (its log,
+        # its follow, its report: marlaas/eventfeed.py, assigned, no group).
         writes=(Topic.JOBS,),
         reads=(Topic.EVENTS,),
     ),

@@ -129,7 +129,7 @@ class RLSettings(_Part):
     (n - k + 1) / n of `learning_rate`, or cosine's share of it, towards 0 after the last step
     (TRL's default is linear). On the demo's 12-step jobs a linear decay learned arithmetic
     no better than the constant rate and the calculator's tool use less surely
-    (bench/README.md, issue 22)."""
+    (bench/HISTORY.md)."""
     warmup_steps: Annotated[int, Meta(ge=0, le=MAX_STEPS)] = 0
     """Steps over which the learning rate rises linearly to `learning_rate` (step k of W
     takes k / W of it), before `lr_schedule` applies; 0 = none."""

@@ -195,3 +195,19 @@ def test_common_is_in_rooms_each_saying_what_it_owns() -> None:
     for room in rooms:
         docstring = ast.get_docstring(ast.parse((room / "__init__.py").read_text()))
         assert docstring and len(docstring) > 80, f"{room.name}/__init__.py says nothing"
+
+
+def test_product_code_names_no_issue() -> None:
+    """Comments and docstrings say what and why; the history (issue numbers, sessions) is in
+    the issues and bench/HISTORY.md."""
+    import re
+
+    history = re.compile(r"\bissue \d+|\bsession \d+", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if history.search(line)
+    ]
+    assert found == []
