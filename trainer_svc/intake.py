@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 from aiokafka.structs import TopicPartition
@@ -27,22 +28,15 @@ from trainer_svc.roster import Roster, retry_through_outages
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Intake:
     """Trajectories in, ready groups out (`OwnedJob.ready`; `wake` is set for each)."""
 
-    def __init__(
-        self,
-        roster: Roster,
-        publisher: Publisher,
-        checkpoints: CheckpointStore,
-        compute: ComputeThread,
-        wake: asyncio.Event,
-    ) -> None:
-        self.roster = roster
-        self.publisher = publisher
-        self.checkpoints = checkpoints
-        self.compute = compute
-        self.wake = wake
+    roster: Roster
+    publisher: Publisher
+    checkpoints: CheckpointStore
+    compute: ComputeThread
+    wake: asyncio.Event
 
     async def on_trajectory(self, trajectory: Trajectory, delivery: Delivery) -> None:
         store = self.roster.io.require_store()

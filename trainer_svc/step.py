@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from common.runtime.logs import job_logger
@@ -26,20 +27,14 @@ UNSAVED_RETRY_S = 10.0
 """How long a job whose step could not be saved waits before it is trained again."""
 
 
+@dataclass(eq=False)
 class Stepper:
     """Trains, saves and publishes one step of the jobs it is given."""
 
-    def __init__(
-        self,
-        roster: Roster,
-        publisher: Publisher,
-        checkpoints: CheckpointStore,
-        compute: ComputeThread,
-    ) -> None:
-        self.roster = roster
-        self.publisher = publisher
-        self.checkpoints = checkpoints
-        self.compute = compute
+    roster: Roster
+    publisher: Publisher
+    checkpoints: CheckpointStore
+    compute: ComputeThread
 
     async def step(self, jobs: list[OwnedJob]) -> None:
         """Train B groups of each job in one shared step; then save, publish and report each
