@@ -120,6 +120,10 @@ class ServerUnreachable(ConnectionError):
         self.address = address
 
 
+QUIET_RETRIES = 2
+"""Connection retries logged at INFO before they become warnings."""
+
+
 async def connect_with_backoff(
     what: str,
     address: str,
@@ -144,7 +148,10 @@ async def connect_with_backoff(
             delay = backoff.next_delay()
             if time.monotonic() + delay > deadline:
                 raise ServerUnreachable(what, address, timeout_s, last_error) from None
-            log.warning(
+            # A server still starting (the embedded stack's, a container's) takes a retry or
+            # two: said quietly; past that, a warning.
+            log.log(
+                logging.INFO if backoff.failures <= QUIET_RETRIES else logging.WARNING,
                 "%s at %s unreachable (%s); retry %d in %.1fs",
                 what,
                 address,
