@@ -42,7 +42,6 @@ from env_svc.jobs.issuing import GroupIssuer
 from env_svc.jobs.retirement import Retirement, working_state_keys
 from env_svc.jobs.scoring import ResultScorer
 from env_svc.jobs.sweep import Sweep
-from env_svc.jobs.workbench import Workbench
 from env_svc.mcp import close_mcp_hub
 
 __all__ = ["SERVICE", "EnvService", "working_state_keys"]
@@ -73,16 +72,17 @@ class EnvService(Service):
         self._wire(shared, settings)
 
     def _wire(self, shared: SharedSettings, settings: EnvServiceSettings) -> None:
-        io = self.io
-        bench = Workbench(io, self.environments)
-        self.issuer = GroupIssuer(bench, claim_timeout_s=settings.claim_timeout_s)
-        self.evaluations = Evaluations(bench, eval_timeout_s=settings.eval_timeout_s)
-        self.admission = Admission(shared, bench, issuer=self.issuer, evaluations=self.evaluations)
-        self.scorer = ResultScorer(bench, self.evaluations)
+        io, environments = self.io, self.environments
+        self.issuer = GroupIssuer(io, environments, claim_timeout_s=settings.claim_timeout_s)
+        self.evaluations = Evaluations(io, environments, eval_timeout_s=settings.eval_timeout_s)
+        self.admission = Admission(
+            shared, io, environments, issuer=self.issuer, evaluations=self.evaluations
+        )
+        self.scorer = ResultScorer(io, environments, self.evaluations)
         self.commands = LifecycleCommands(io, self.issuer)
         self.sweep = Sweep(
             io,
-            self.environments,
+            environments,
             issuer=self.issuer,
             evaluations=self.evaluations,
             retirement=Retirement(io),

@@ -14,6 +14,7 @@ import msgspec
 from common.runtime.backoff import is_transient
 from common.runtime.config import SharedSettings
 from common.runtime.logs import job_logger
+from common.runtime.service import Connections
 from common.state.registry import JobRecord
 from common.state.tenants import TenantLimits
 from common.wire.codec import job_named_in
@@ -22,10 +23,11 @@ from common.wire.lifecycle import STATE_AFTER
 from common.wire.messages import JobSpec, MessageDecodeError, Topic, job_event
 from env_svc.episodes import start_episode
 from env_svc.jobs import SERVICE
+from env_svc.jobs.environments import JobEnvironments
+from env_svc.jobs.episode_part import EpisodePart
 from env_svc.jobs.evaluations import Evaluations
 from env_svc.jobs.issuing import GroupIssuer
 from env_svc.jobs.reasons import reason
-from env_svc.jobs.workbench import EpisodePart, Workbench
 from env_svc.protocol import Environment
 
 log = logging.getLogger(__name__)
@@ -41,12 +43,13 @@ class Admission(EpisodePart):
     def __init__(
         self,
         shared: SharedSettings,
-        bench: Workbench,
+        io: Connections,
+        environments: JobEnvironments,
         *,
         issuer: GroupIssuer,
         evaluations: Evaluations,
     ) -> None:
-        super().__init__(bench)
+        super().__init__(io, environments)
         self.shared = shared
         self.issuer = issuer
         self.evaluations = evaluations

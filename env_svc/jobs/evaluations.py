@@ -10,6 +10,7 @@ from functools import partial
 
 from common.runtime.backoff import is_transient
 from common.runtime.logs import job_logger
+from common.runtime.service import Connections
 from common.state.evals import (
     DONE,
     MAX_RESENDS,
@@ -22,8 +23,9 @@ from common.state.registry import JobRecord
 from common.wire.messages import GenerationRequest, JobSpec, job_event
 from env_svc.episodes import start_eval_episode
 from env_svc.jobs import SERVICE
+from env_svc.jobs.environments import JobEnvironments
+from env_svc.jobs.episode_part import EpisodePart
 from env_svc.jobs.reasons import reason
-from env_svc.jobs.workbench import EpisodePart, Workbench
 from env_svc.protocol import RewardResult
 
 log = logging.getLogger(__name__)
@@ -37,11 +39,12 @@ class Evaluations(EpisodePart):
 
     def __init__(
         self,
-        bench: Workbench,
+        io: Connections,
+        environments: JobEnvironments,
         *,
         eval_timeout_s: float,
     ) -> None:
-        super().__init__(bench)
+        super().__init__(io, environments)
         self.eval_timeout_s = eval_timeout_s
 
     async def evaluate(self, record: JobRecord, version: int) -> None:

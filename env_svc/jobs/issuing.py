@@ -12,13 +12,15 @@ import msgspec
 from common.runtime.backoff import is_transient
 from common.runtime.faults import fault_point
 from common.runtime.logs import job_logger
+from common.runtime.service import Connections
 from common.state.flow import IssuedGroup, group_id_of
 from common.state.registry import JobRecord
 from common.wire.lifecycle import TERMINAL_STATES
 from common.wire.messages import GenerationRequest, JobSpec, Trajectory
 from env_svc.episodes import start_episode, unstarted_trajectory
+from env_svc.jobs.environments import JobEnvironments
+from env_svc.jobs.episode_part import EpisodePart
 from env_svc.jobs.reasons import reason
-from env_svc.jobs.workbench import EpisodePart, Workbench
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +30,12 @@ class GroupIssuer(EpisodePart):
 
     def __init__(
         self,
-        bench: Workbench,
+        io: Connections,
+        environments: JobEnvironments,
         *,
         claim_timeout_s: float,
     ) -> None:
-        super().__init__(bench)
+        super().__init__(io, environments)
         self.claim_timeout_s = claim_timeout_s
 
     async def issue_groups(self, record: JobRecord) -> None:

@@ -10,14 +10,16 @@ from functools import partial
 from common.runtime.backoff import is_transient
 from common.runtime.faults import fault_point
 from common.runtime.logs import job_logger
+from common.runtime.service import Connections
 from common.state.dedup import RESULTS
 from common.state.evals import eval_version_of
 from common.wire.lifecycle import TERMINAL_STATES
 from common.wire.messages import GenerationRequest, GenerationResult, JobSpec, Trajectory
 from env_svc.episodes import advance_episode, failed_trajectory
+from env_svc.jobs.environments import JobEnvironments
+from env_svc.jobs.episode_part import EpisodePart
 from env_svc.jobs.evaluations import NOT_EVALUATED, Evaluations
 from env_svc.jobs.reasons import reason
-from env_svc.jobs.workbench import EpisodePart, Workbench
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +29,11 @@ class ResultScorer(EpisodePart):
 
     def __init__(
         self,
-        bench: Workbench,
+        io: Connections,
+        environments: JobEnvironments,
         evaluations: Evaluations,
     ) -> None:
-        super().__init__(bench)
+        super().__init__(io, environments)
         self.evaluations = evaluations
 
     async def on_result(self, result: GenerationResult) -> None:
