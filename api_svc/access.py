@@ -66,9 +66,9 @@ Tenant = Annotated[str, Depends(_tenant_of)]
 
 async def owned(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord | None:
     """The tenant's job (None: bound to it but not registered yet); 404 otherwise."""
-    if await client.store.owner(job_id) != tenant:
+    if await client.store.jobs.owner(job_id) != tenant:
         raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
-    record = await client.store.job(job_id)
+    record = await client.store.jobs.get(job_id)
     if record is not None and record.spec.tenant != tenant:  # registered by the operator
         raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
     return record
@@ -82,7 +82,7 @@ async def registered(client: MarlaasClient, job_id: str, tenant: str) -> JobReco
 
 
 async def view_of(client: MarlaasClient, record: JobRecord) -> JobView:
-    pointer = await client.store.adapter(record.spec.job_id)
+    pointer = await client.store.adapters.get(record.spec.job_id)
     return JobView.of(record, pointer.version if pointer else 0)
 
 

@@ -448,7 +448,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 step_times(stack.kafka_bootstrap, spec, done, args.timeout_s)
             )
             await client.submit([spec])
-            while await client.store.adapter(spec.job_id) is None:  # noqa: ASYNC110 - Redis, polled
+            while await client.store.adapters.get(spec.job_id) is None:  # noqa: ASYNC110 - Redis, polled
                 await asyncio.sleep(0.5)  # its first step: the flood meets a job that trains
             polling = asyncio.create_task(
                 poll_own_job(stack.api_url, keys[VICTIM], spec.job_id, done)
@@ -491,8 +491,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             alive = {child.name: child.process.poll() is None for child in stack.children}
             restarts = dict(stack.supervisor.restarts)
             records = [
-                await client.store.job(job_id)
-                for job_id in await client.store.tenant_job_ids(ATTACKER)
+                await client.store.jobs.get(job_id)
+                for job_id in await client.store.jobs.of_tenant(ATTACKER)
             ]
             states = collections.Counter(r.status for r in records if r is not None)
     quiet_median = statistics.median(quiet)

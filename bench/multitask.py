@@ -136,7 +136,7 @@ def bench_jobs(
 async def rollout_totals(client: Client) -> dict[str, float]:
     """Cumulative counters summed over rollout replicas."""
     totals: dict[str, float] = {}
-    for stats in (await client.store.replica_stats()).values():
+    for stats in (await client.store.replicas.stats()).values():
         for name, value in stats.as_map().items():
             if name in REPLICA_COUNTERS:
                 totals[name] = totals.get(name, 0.0) + value

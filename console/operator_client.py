@@ -42,7 +42,7 @@ class OperatorClient(Client):
                 else:
                     events = await feed.read_to_end(timeout_s=self.connect_timeout_s * 3)
                 for job_id in {event.job_id for event in events} - specs.keys():
-                    if (record := await self.store.job(job_id)) is not None:
+                    if (record := await self.store.jobs.get(job_id)) is not None:
                         specs[job_id] = record.spec
                 written += await asyncio.to_thread(tracker.write, events, specs)
                 ended |= {e.job_id for e in events if STATE_AFTER.get(e.event) in TERMINAL_STATES}

@@ -91,7 +91,7 @@ class EnvService(Service):
     async def start(self) -> None:
         asyncio.get_running_loop().set_default_executor(self.calls.executor)
         await self.io.open()
-        if (taken := await self.io.require_store().backfill_active()) is not None:
+        if (taken := await self.io.require_store().jobs.backfill_active()) is not None:
             log.info("active jobs and tenants' counters filled from %d registered jobs", taken)
         self.consumer = await self.io.consume(
             SERVICE,
@@ -137,7 +137,7 @@ class EnvService(Service):
                 await self._on_adapter(message)
             case GroupDropped():
                 # A dropped group frees a slot.
-                if (record := await self.io.require_store().job(message.job_id)) is not None:
+                if (record := await self.io.require_store().jobs.get(message.job_id)) is not None:
                     await self.issuer.issue_groups(record)
 
     async def on_undecodable(
@@ -150,10 +150,10 @@ class EnvService(Service):
     async def _on_adapter(self, update: AdapterUpdate) -> None:
         """A trained version widens the window, and is evaluated when the job evaluates it."""
         store = self.io.require_store()
-        if (record := await store.job(update.job_id)) is None:
+        if (record := await store.jobs.get(update.job_id)) is None:
             return
         await self.issuer.issue_groups(record)
-        if (untrusted := await unpublished(store, update)) is not None:
+        if (untrusted := await unpublished(store.adapters, update)) is not None:
             raise ValueError(f"adapter update not evaluated: {untrusted}")
         await self.evaluations.evaluate(record, update.version)
 

@@ -108,7 +108,7 @@ class Client:
     async def submit(self, specs: Sequence[JobSpec]) -> None:
         """Produce every spec to marlaas.jobs; refuses ids that already exist (none is sent)."""
         for spec in specs:
-            if (record := await self.store.job(spec.job_id)) is not None:
+            if (record := await self.store.jobs.get(spec.job_id)) is not None:
                 raise JobStateError(
                     f"job {spec.job_id!r} already exists ({record.status}); "
                     "give the file another job_id or leave it out for a fresh one"
@@ -119,7 +119,7 @@ class Client:
         """The job's record (UnknownJobError: never registered); a record is its own."""
         if isinstance(job, JobRecord):
             return job
-        if (record := await self.store.job(job)) is None:
+        if (record := await self.store.jobs.get(job)) is None:
             raise UnknownJobError(job)
         return record
 
@@ -167,7 +167,7 @@ class Client:
         """The job's events so far, then each new one until the job has ended; or until
         `allowed()`, asked every `check_every_s` even while no event comes, says no (the
         tenant API: the key was revoked)."""
-        if isinstance(job, str) and await self.store.job(job) is None:
+        if isinstance(job, str) and await self.store.jobs.get(job) is None:
             await self.events(job)  # raises UnknownJobError unless it has events
         async with self._feed({job_id_of(job)}) as feed:
             ended, checked = False, time.monotonic()
@@ -258,11 +258,11 @@ class Client:
             announced[update.job_id] = max(announced.get(update.job_id, 0), update.version)
         audits = {}
         for job_id, record in records.items():
-            ledger = await self.store.ledger(job_id)
-            if not ledger and (summary := await self.store.audit_summary(job_id)) is not None:
+            ledger = await self.store.flow.ledger(job_id)
+            if not ledger and (summary := await self.store.jobs.audit_summary(job_id)) is not None:
                 audits[job_id] = Audit.from_json(summary)  # ended over a week ago: kept
                 continue
-            pointer = await self.store.adapter(job_id)
+            pointer = await self.store.adapters.get(job_id)
             checkpoint: int | None = None
             if (self.settings.artifacts / "checkpoints").is_dir():
                 checkpoint = latest_checkpoint_version(self.settings.artifacts, job_id) or 0
@@ -289,10 +289,10 @@ class Client:
         for job in jobs:
             if isinstance(job, str) and job not in {e.job_id for e in events}:
                 await self.job(job)  # no events yet: it must at least be registered
-        for job_id in job_ids or {e.job_id for e in events} | set(await self.store.job_ids()):
-            if job_id not in specs and (record := await self.store.job(job_id)) is not None:
+        for job_id in job_ids or {e.job_id for e in events} | set(await self.store.jobs.ids()):
+            if job_id not in specs and (record := await self.store.jobs.get(job_id)) is not None:
                 specs[job_id] = record.spec
-        report = build_report(events, await self.store.replica_stats_history(), specs=specs)
+        report = build_report(events, await self.store.replicas.stats_history(), specs=specs)
         return write_report(report, out_dir)
 
     # --- helpers ----------------------------------------------------------------------

@@ -139,7 +139,7 @@ async def export_adapter(
     empty; it appears whole or not at all.
     """
     job_id = job_id_of(job)
-    record = job if isinstance(job, JobRecord) else await store.job(job_id)
+    record = job if isinstance(job, JobRecord) else await store.jobs.get(job_id)
     if record is None:
         raise ExportError(f"unknown job {job_id!r}")
     source, wanted, latest = await _adapter_source(store, record, job_id, version)
@@ -164,7 +164,7 @@ async def _adapter_source(
 ) -> tuple[Path, int, int]:
     """The artifact-store directory of the job's adapter `version` (None: the latest), that
     version, and the latest one."""
-    pointer = await store.adapter(job_id)
+    pointer = await store.adapters.get(job_id)
     if pointer is None or pointer.version < 1:
         raise ExportError(
             f"job {job_id!r} has no trained adapter yet ({record.status}); "
@@ -173,7 +173,11 @@ async def _adapter_source(
     wanted = pointer.version if version is None else version
     if not 1 <= wanted <= pointer.version:
         raise ExportError(f"job {job_id!r} has adapter versions 1..{pointer.version}, not {wanted}")
-    uri = pointer.uri if wanted == pointer.version else await store.published_uri(job_id, wanted)
+    uri = (
+        pointer.uri
+        if wanted == pointer.version
+        else await store.adapters.published_uri(job_id, wanted)
+    )
     # Versions published before their URIs were recorded sit beside the latest as v<n>.
     source = adapter_path(uri) if uri else adapter_path(pointer.uri).parent / f"v{wanted}"
     if not source.is_dir():

@@ -35,7 +35,7 @@ class JobAdapters:
 
     async def read_pointers(self) -> int:
         """Take every job's newest version from Redis (start-up); returns how many."""
-        for job_id, pointer in (await self._io.require_store().adapters()).items():
+        for job_id, pointer in (await self._io.require_store().adapters.all()).items():
             self.latest[job_id] = AdapterRef(
                 job_id, pointer.version, str(adapter_path(pointer.uri))
             )
@@ -47,7 +47,7 @@ class JobAdapters:
         if current is not None and current.version >= update.version:
             return
         store = self._io.require_store()
-        if untrusted := await unpublished(store, update, artifacts=self._artifacts):
+        if untrusted := await unpublished(store.adapters, update, artifacts=self._artifacts):
             (await self._jobs.job_log(update.job_id)).error("adapter update ignored: %s", untrusted)
             return
         new = AdapterRef(update.job_id, update.version, str(adapter_path(update.uri)))
@@ -65,7 +65,7 @@ class JobAdapters:
         current = self.latest.get(request.job_id)
         if (current.version if current else 0) < request.min_adapter_version:
             # The broadcast has not reached this replica yet; Redis already has the pointer.
-            pointer = await self._io.require_store().adapter(request.job_id)
+            pointer = await self._io.require_store().adapters.get(request.job_id)
             if pointer is not None:
                 await self.on_adapter(
                     AdapterUpdate(
@@ -82,7 +82,7 @@ class JobAdapters:
         current = self.latest.get(job_id)
         if version == 0 or (current is not None and current.version == version):
             return current if version else None
-        uri = await self._io.require_store().published_uri(job_id, version)
+        uri = await self._io.require_store().adapters.published_uri(job_id, version)
         if uri is None:
             raise ValueError(f"adapter v{version} of job {job_id} was never published")
         return AdapterRef(job_id, version, str(adapter_path(uri)))

@@ -52,10 +52,10 @@ class ChatSampling:
     async def _adapter(self, job_id: str, version: int | None) -> AdapterRef | None:
         """The job's adapter `version` (None: its pointer's); LookupError when there is none."""
         store = self._io.require_store()
-        if await store.job(job_id) is None:
+        if await store.jobs.get(job_id) is None:
             raise LookupError(f"unknown job {job_id!r}")
         if version is None:  # the pointer: newer than a broadcast this replica awaits
-            pointer = await store.adapter(job_id)
+            pointer = await store.adapters.get(job_id)
             version = pointer.version if pointer is not None else 0
         try:
             return await self._adapters.pinned(job_id, version)

@@ -47,7 +47,7 @@ class JobsSeen:
         store = self._store()
         if job_id not in self.tenants and store is not None:
             try:
-                record = await store.job(job_id)
+                record = await store.jobs.get(job_id)
             except Exception as exc:
                 log.debug("no tenant for job %s: %r", job_id, exc)
                 record = None

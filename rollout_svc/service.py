@@ -95,7 +95,7 @@ class RolloutService(Service):
             clock=lambda: self.clock(),
         )
         self.stopped = StoppedJobs(
-            lambda jobs: self.io.require_store().job_statuses(jobs), lambda: self.clock()
+            lambda jobs: self.io.require_store().jobs.statuses(jobs), lambda: self.clock()
         )
         self.intake = Intake(
             engine,

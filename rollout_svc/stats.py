@@ -77,7 +77,7 @@ class StatsReport:
             now = time.monotonic()
             stats = self.sample(now)
             try:
-                await store.put_replica_stats(self._replica, stats, ttl_s=60)
+                await store.replicas.put_stats(self._replica, stats, ttl_s=60)
             except Exception as exc:  # telemetry: a Redis restart skips a report, no more
                 if not is_transient(exc):
                     raise

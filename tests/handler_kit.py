@@ -79,7 +79,7 @@ async def register_running(store: RedisStore, spec: JobSpec, *, issued: int = 64
     """Register the job as running with `issued` groups already issued, as env_svc would
     have (the trainer takes trajectories only of issued groups), for tests that hand the
     trainer trajectories themselves."""
-    await store.register_job(spec, status="running")
+    await store.jobs.register(spec, status="running")
     await store.client.hset(flow_key(spec.job_id), ISSUED_GROUPS, issued)
 
 

@@ -106,7 +106,7 @@ class Batching:
         store, ready_ids = self.roster.io.require_store(), [g.group_id for g in job.ready]
         elsewhere = await retry_through_outages(
             "checking for groups dropped elsewhere",
-            lambda: store.dropped_among(job.spec.job_id, ready_ids),
+            lambda: store.dedup.dropped_among(job.spec.job_id, ready_ids),
         )
         pending, job.ready = job.ready, deque()
         for group in [g for g in pending if g.group_id in elsewhere]:
@@ -133,7 +133,7 @@ class Batching:
 
     async def _sweep(self, job: OwnedJob) -> None:
         job_id = job.spec.job_id
-        record = await self.roster.io.require_store().job(job_id)
+        record = await self.roster.io.require_store().jobs.get(job_id)
         if record is None or record.status in TERMINAL_STATES:
             async with self.roster.stepping:  # an adapter is not removed under a resume
                 await self.roster.ended(job)
@@ -154,13 +154,13 @@ class Batching:
         replicas. Trajectories not read yet (a backlog replayed after a hand-over) are late,
         not lost: dropping their groups would have env_svc issue more and grow the backlog."""
         store, job_id = self.roster.io.require_store(), job.spec.job_id
-        last = await store.last_activity(job_id)
+        last = await store.flow.last_activity(job_id)
         quiet = time.time() - last if last is not None else 0.0
         if quiet <= self.settings.group_timeout_s or not self.roster.owns(job):
             return
         if not await self.caught_up(job.partition):
             return
-        for group_id in await store.live_groups(job_id):
+        for group_id in await store.flow.live_groups(job_id):
             # Closed here: complete (ready or trained) or dropped. Checked at each group, not
             # once: a group may complete while an earlier drop is being recorded.
             if group_id in job.closed or not self.roster.owns(job):

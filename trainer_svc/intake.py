@@ -49,9 +49,9 @@ class Intake:
         if (foreign := not_of_job(trajectory, job.spec)) is not None:
             job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", foreign)
             return
-        if group_id in job.closed or await store.seen(TRAINED, job_id, group_id):
+        if group_id in job.closed or await store.dedup.seen(TRAINED, job_id, group_id):
             return  # redelivered after its group was trained: never train it twice
-        if await store.seen(DROPPED, job_id, group_id):
+        if await store.dedup.seen(DROPPED, job_id, group_id):
             return  # its group was dropped and replaced
         if group_id not in job.filling and (unissued := await self._unissued(job, group_id)):
             job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", unissued)
@@ -82,7 +82,7 @@ class Intake:
         """Why a group's first trajectory is not of a group env_svc issued (the ledger's
         count in Redis, which only env_svc writes), or None."""
         index = group_index_of(job.spec.job_id, group_id)
-        issued = (await self.roster.io.require_store().flow(job.spec.job_id)).issued_groups
+        issued = (await self.roster.io.require_store().flow.state(job.spec.job_id)).issued_groups
         if index is None or index >= issued:
             return f"group {group_id!r} was never issued ({issued} groups so far)"
         return None
@@ -90,7 +90,7 @@ class Intake:
     async def _own(self, job_id: str, delivery: Delivery) -> OwnedJob | None:
         """Take a job on: its adapter and optimizer, resumed from its latest checkpoint."""
         store = self.roster.io.require_store()
-        record = await store.job(job_id)
+        record = await store.jobs.get(job_id)
         if record is None:
             raise ValueError(f"trajectory for unknown job {job_id!r}")
         if record.status in TERMINAL_STATES:
@@ -99,7 +99,7 @@ class Intake:
         # First fence off any previous owner (a replica whose partition moved, or stalled):
         # from here on only this replica can publish the job's versions.
         epoch = await retry_through_outages(
-            f"taking {job_id} over", partial(store.take_over, job_id)
+            f"taking {job_id} over", partial(store.adapters.take_over, job_id)
         )
         # Adding an adapter changes the model's modules: never while a step (forward,
         # backward, a checkpoint's state_dict) runs in its thread.

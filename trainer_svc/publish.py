@@ -73,7 +73,7 @@ class Publisher:
         try:
             moved = await retry_through_outages(
                 f"publishing {job_id} v{version}",
-                lambda: store.publish_adapter(
+                lambda: store.adapters.publish(
                     job_id, version, uri, version, group_ids, epoch=job.epoch
                 ),
             )
@@ -86,7 +86,7 @@ class Publisher:
         # Not newer: our own publish whose answer a Redis blip lost (the same version and
         # URI), or someone else's; then this replica's version must not be announced.
         pointer = await retry_through_outages(
-            f"reading {job_id}'s pointer", partial(store.adapter, job_id)
+            f"reading {job_id}'s pointer", partial(store.adapters.get, job_id)
         )
         if pointer is not None and (pointer.version, pointer.uri) == (version, uri):
             return True
@@ -144,7 +144,7 @@ class Publisher:
         )
         await retry_through_outages(
             f"marking {spec.job_id} v{version} announced",
-            partial(store.mark_announced, spec.job_id, version),
+            partial(store.adapters.mark_announced, spec.job_id, version),
         )
 
     async def reconcile(self, job: OwnedJob, checkpoint: Checkpoint) -> None:
@@ -154,7 +154,7 @@ class Publisher:
         store, job_id, version = self.io.require_store(), job.spec.job_id, job.version
         uri = self.checkpoints.adapter_uri(checkpoint, job_id)
         pointer = await retry_through_outages(
-            f"reading {job_id}'s pointer", partial(store.adapter, job_id)
+            f"reading {job_id}'s pointer", partial(store.adapters.get, job_id)
         )
         if pointer is None or pointer.version < version:
             job_logger(log, job_id, job.spec.tenant).warning(

@@ -87,7 +87,7 @@ class Roster:
         self.disown(job_id)
         await retry_through_outages(
             f"expiring {job_id}'s state",
-            lambda: self.io.require_store().expire_after_end(working_state_keys(job_id)),
+            lambda: self.io.require_store().jobs.expire_after_end(working_state_keys(job_id)),
         )
 
     async def fail(self, job: OwnedJob, reason: str) -> None:
@@ -96,7 +96,7 @@ class Roster:
         spec, store = job.spec, self.io.require_store()
         changed = await retry_through_outages(
             f"failing {spec.job_id}",
-            lambda: store.set_job_status(spec.job_id, STATE_AFTER["failed"], reason),
+            lambda: store.jobs.set_status(spec.job_id, STATE_AFTER["failed"], reason),
         )
         if changed:
             await self.io.send(
@@ -117,7 +117,7 @@ class Roster:
         spec, store = job.spec, self.io.require_store()
         changed = await retry_through_outages(
             f"completing {spec.job_id}",
-            lambda: store.set_job_status(spec.job_id, STATE_AFTER["completed"]),
+            lambda: store.jobs.set_status(spec.job_id, STATE_AFTER["completed"]),
         )
         if changed:
             await self.io.send(
@@ -133,7 +133,7 @@ class Roster:
         try:
             counted = await retry_through_outages(
                 "counting a dropped group",
-                lambda: store.record_dropped_group(
+                lambda: store.flow.record_dropped_group(
                     job_id,
                     group.group_id,
                     invalid=kind == "dropped_invalid",

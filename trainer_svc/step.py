@@ -77,7 +77,7 @@ class Stepper:
         for job in jobs:
             job_id = job.spec.job_id
             record = await retry_through_outages(
-                f"reading job {job_id}", partial(store.job, job_id)
+                f"reading job {job_id}", partial(store.jobs.get, job_id)
             )
             if record is None or record.status in TERMINAL_STATES:
                 await self.roster.ended(job)

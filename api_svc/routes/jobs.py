@@ -37,12 +37,12 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
         raise HTTPException(422, str(exc)) from None
     if limits is not None:
         try:
-            await client.store.check_quota(spec, limits)
+            await client.store.jobs.check_quota(spec, limits)
         except QuotaError as exc:
             raise HTTPException(429, str(exc)) from None
     # Taken: bound to anyone already, this tenant included (a resubmitted id).
-    if await client.store.owner(spec.job_id) is not None or (
-        await client.store.bind_owner(spec.job_id, tenant) != tenant
+    if await client.store.jobs.owner(spec.job_id) is not None or (
+        await client.store.jobs.bind_owner(spec.job_id, tenant) != tenant
     ):
         raise HTTPException(409, f"job id {spec.job_id!r} is taken; leave job_id out")
     await client.submit([spec])
@@ -53,8 +53,8 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
 @router.get("", response_model=list[JobView])
 async def jobs(tenant: Tenant, client: Client) -> list[JobView]:
     views = []
-    for job_id in await client.store.tenant_job_ids(tenant):
-        if (record := await client.store.job(job_id)) is not None:
+    for job_id in await client.store.jobs.of_tenant(tenant):
+        if (record := await client.store.jobs.get(job_id)) is not None:
             views.append(await view_of(client, record))
     return views
 
@@ -64,7 +64,7 @@ async def job(job_id: str, tenant: Tenant, client: Client) -> JobView:
     record = await owned(client, job_id, tenant)
     if record is not None:
         return await view_of(client, record)
-    if (reason := await client.store.rejection(job_id)) is not None:
+    if (reason := await client.store.jobs.rejection(job_id)) is not None:
         return JobView(job_id=job_id, tenant=tenant, status="rejected", reason=reason)
     return JobView(job_id=job_id, tenant=tenant, status="submitted")
 

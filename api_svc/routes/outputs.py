@@ -96,7 +96,7 @@ async def report(
     job: Annotated[list[str] | None, Query()] = None,
 ) -> Response:
     """The HTML report (+ CSV, JSON) of the named jobs, or of all the tenant's, as .tar.gz."""
-    job_ids = job or await client.store.tenant_job_ids(tenant)
+    job_ids = job or await client.store.jobs.of_tenant(tenant)
     records = [await registered(client, job_id, tenant) for job_id in job_ids]
     if not records:
         raise HTTPException(404, f"tenant {tenant!r} has no jobs to report on")

@@ -22,7 +22,7 @@ async def whoami(tenant: Tenant, client: Client) -> TenantView:
     return TenantView(
         tenant=tenant,
         limits=msgspec.structs.asdict(limits),
-        jobs=await client.store.tenant_job_ids(tenant),
+        jobs=await client.store.jobs.of_tenant(tenant),
     )
 
 

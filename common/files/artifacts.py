@@ -80,7 +80,7 @@ class PublishedVersions(Protocol):
 
 
 async def unpublished(
-    store: PublishedVersions, update: AdapterUpdate, *, artifacts: Path | None = None
+    pointers: PublishedVersions, update: AdapterUpdate, *, artifacts: Path | None = None
 ) -> str | None:
     """Why an adapter update is not to be acted on (None: it is the trainer's): its URI must
     be the one the trainer published for that version in Redis, which only the trainer's
@@ -91,7 +91,7 @@ async def unpublished(
         and (foreign := foreign_adapter_uri(artifacts, update.job_id, update.uri)) is not None
     ):
         return foreign
-    published = await store.published_uri(update.job_id, update.version)
+    published = await pointers.published_uri(update.job_id, update.version)
     if published is None or adapter_path(published) != adapter_path(update.uri):
         return (
             f"v{update.version} of job {update.job_id!r} was published as {published!r}, "

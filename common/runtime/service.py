@@ -175,7 +175,7 @@ async def announce_runtime(
     Redis away for a while skips a refresh, no more: this is telemetry."""
     while not stopping.is_set():
         try:
-            await connections.require_store().put_runtime(
+            await connections.require_store().replicas.put_runtime(
                 service, replica, fields(), ttl_s=int(3 * RUNTIME_INTERVAL_S)
             )
         except Exception as exc:

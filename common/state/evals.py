@@ -205,13 +205,13 @@ class EvalTallies(RedisPart):
     _take_stale_evals = Lua(_TAKE_STALE_EVALS)
     _record_eval = Lua(_RECORD_EVAL)
 
-    async def claim_eval(self, job_id: str, version: int) -> bool:
+    async def claim(self, job_id: str, version: int) -> bool:
         """True for the one caller that sends the evaluation of `version` now; False when it
-        was claimed before, or waits behind the job's evaluation in flight (`finish_eval`
+        was claimed before, or waits behind the job's evaluation in flight (`finish`
         starts it)."""
         return bool(await self._claim_eval(keys=[evals_key(job_id)], args=[version, time.time()]))
 
-    async def take_stale_evals(self, job_id: str, older_than_s: float) -> list[int]:
+    async def take_stale(self, job_id: str, older_than_s: float) -> list[int]:
         """Evaluations sent more than `older_than_s` ago and not done, each handed to one
         caller per `older_than_s`: the caller finishes it or sends its requests again."""
         now = time.time()
@@ -220,7 +220,7 @@ class EvalTallies(RedisPart):
         )
         return [int(version) for version in taken]
 
-    async def record_eval(
+    async def record(
         self,
         job_id: str,
         version: int,
@@ -239,21 +239,21 @@ class EvalTallies(RedisPart):
             )
         )
 
-    async def eval_tally(self, job_id: str, version: int) -> EvalTally:
+    async def tally(self, job_id: str, version: int) -> EvalTally:
         return EvalTally.from_hash(
             version, await self._redis.hgetall(eval_tally_key(job_id, version))
         )
 
-    async def count_eval_resend(self, job_id: str, version: int) -> int:
+    async def count_resend(self, job_id: str, version: int) -> int:
         """One more re-send of the evaluation of `version`; returns how many so far."""
         return int(await self._redis.hincrby(eval_resends_key(job_id), str(version), 1))
 
-    async def finish_eval(self, job_id: str, version: int) -> int | None:
+    async def finish(self, job_id: str, version: int) -> int | None:
         """Its `eval` event is out: the sweeper leaves it alone. Returns the waiting version
         whose evaluation the caller now starts (and sends), if any."""
-        return await self.start_waiting_eval(job_id, done=version)
+        return await self.start_waiting(job_id, done=version)
 
-    async def start_waiting_eval(self, job_id: str, *, done: int | None = None) -> int | None:
+    async def start_waiting(self, job_id: str, *, done: int | None = None) -> int | None:
         """The lowest waiting version, claimed for the caller to send when none is in
         flight (after marking `done` done); None otherwise."""
         started = int(
@@ -263,24 +263,24 @@ class EvalTallies(RedisPart):
         )
         return None if started < 0 else started
 
-    async def abandon_evals(self, job_id: str) -> None:
+    async def abandon(self, job_id: str) -> None:
         """A job whose evaluations stop (cancelled, failed): every one not done is."""
         key = evals_key(job_id)
         left = [k for k, v in (await self._redis.hgetall(key)).items() if text(v) != DONE]
         if left:
             await self._redis.hset(key, mapping=dict.fromkeys(left, DONE))
 
-    async def eval_seen(self, job_id: str, version: int) -> set[str]:
+    async def seen(self, job_id: str, version: int) -> set[str]:
         """The episodes of `version`'s evaluation counted so far."""
         return {text(m) for m in await self._redis.smembers(eval_seen_key(job_id, version))}
 
-    async def eval_state(self, job_id: str, version: int) -> str | None:
+    async def state(self, job_id: str, version: int) -> str | None:
         """When `version`'s evaluation requests were last sent, `waiting`, `done`, or None
         (never claimed, or expired with the job's state)."""
         state = await self._redis.hget(evals_key(job_id), str(version))
         return None if state is None else text(state)
 
-    async def evals(self, job_id: str) -> dict[int, str]:
+    async def versions(self, job_id: str) -> dict[int, str]:
         """Evaluated versions: when their requests were last sent, or `done`."""
         raw = await self._redis.hgetall(evals_key(job_id))
         return {int(text(k)): text(v) for k, v in raw.items()}

@@ -220,7 +220,7 @@ class FlowWindow(RedisPart):
             raise FencedError(job_id, epoch)
         return DroppedGroup(bool(counted), int(dropped), int(failed))
 
-    async def flow(self, job_id: str) -> FlowState:
+    async def state(self, job_id: str) -> FlowState:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(flow_key(job_id))
             pipe.hget(adapter_key(job_id), "version")

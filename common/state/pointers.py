@@ -104,7 +104,7 @@ class AdapterPointers(RedisPart):
         """Record that `version`'s step event was sent (never moves back)."""
         await self._mark_announced(keys=[adapter_key(job_id)], args=[version])
 
-    async def publish_adapter(
+    async def publish(
         self,
         job_id: str,
         version: int,
@@ -146,11 +146,11 @@ class AdapterPointers(RedisPart):
         """A new fencing epoch for a trainer taking the job on; every older one is fenced."""
         return int(await self._redis.incr(fence_key(job_id)))
 
-    async def adapter(self, job_id: str) -> AdapterPointer | None:
+    async def get(self, job_id: str) -> AdapterPointer | None:
         fields = await self._redis.hgetall(adapter_key(job_id))
         return AdapterPointer.of(job_id, fields) if fields else None
 
-    async def adapters(self) -> dict[str, AdapterPointer]:
+    async def all(self) -> dict[str, AdapterPointer]:
         """Every job's adapter pointer (rollout replicas read this at start-up)."""
         pointers: dict[str, AdapterPointer] = {}
         async for key in self._redis.scan_iter(match=f"{adapter_key.prefix}*", count=500):

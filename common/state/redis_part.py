@@ -1,11 +1,11 @@
 """What every part of the Redis store shares: one client, its Lua scripts, and decoding its
 answers.
 
-The store (`store`) is one class made of parts, one per concern, each in the module of
+The store (`store`) holds one part per concern as an attribute, each in the module of
 common/state/ that owns that concern with its Lua scripts beside it: adapter pointers
 (`pointers`), the job registry (`registry`), the flow window (`flow`), evaluation tallies
-(`evals`), de-dup sets (`dedup`) and what replicas report (`replicas`). Every Redis key they
-use is named in `keyspace`.
+(`evals`), de-dup sets (`dedup`), what replicas report (`replicas`) and tenants (`tenants`).
+Every Redis key they use is named in `keyspace`.
 """
 
 from __future__ import annotations

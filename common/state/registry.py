@@ -197,7 +197,7 @@ class JobRegistry(RedisPart):
         self.specs = DecodedSpecs()
         """The registered specs this process has read, decoded once each."""
 
-    async def register_job(
+    async def register(
         self,
         spec: JobSpec,
         status: JobState = "pending",
@@ -278,10 +278,10 @@ class JobRegistry(RedisPart):
         reason = await self._redis.get(rejection_key(job_id))
         return None if reason is None else text(reason)
 
-    async def tenant_job_ids(self, tenant: str) -> list[str]:
+    async def of_tenant(self, tenant: str) -> list[str]:
         return sorted(text(m) for m in await self._redis.smembers(tenant_jobs_key(tenant)))
 
-    async def job(self, job_id: str) -> JobRecord | None:
+    async def get(self, job_id: str) -> JobRecord | None:
         fields = {text(k): v for k, v in (await self._redis.hgetall(job_key(job_id))).items()}
         if not fields:
             return None
@@ -293,7 +293,7 @@ class JobRegistry(RedisPart):
             updated_at=float(fields["updated_at"]),
         )
 
-    async def job_statuses(self, job_ids: Collection[str]) -> dict[str, str | None]:
+    async def statuses(self, job_ids: Collection[str]) -> dict[str, str | None]:
         """Each job's status alone, in one round trip (None: no record): for a hot path
         that needs no spec."""
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -305,11 +305,11 @@ class JobRegistry(RedisPart):
             for job_id, answer in zip(job_ids, answers, strict=True)
         }
 
-    async def job_ids(self) -> list[str]:
+    async def ids(self) -> list[str]:
         """Every job ever registered (listings: the status board, reports)."""
         return sorted(text(member) for member in await self._redis.smembers(JOBS))
 
-    async def active_job_ids(self) -> list[str]:
+    async def active_ids(self) -> list[str]:
         """The jobs env_svc's sweep still visits (`retire` takes one out)."""
         return sorted(text(member) for member in await self._redis.smembers(ACTIVE_JOBS))
 
@@ -354,7 +354,7 @@ class JobRegistry(RedisPart):
         )
         return None if taken < 0 else taken
 
-    async def set_job_status(self, job_id: str, status: JobState, reason: str = "") -> bool:
+    async def set_status(self, job_id: str, status: JobState, reason: str = "") -> bool:
         """Move a job to `status`; a job in a terminal status stays there (returns False).
 
         Raises UnknownJobError for a job that was never registered.

@@ -18,9 +18,7 @@ STATS_HISTORY_TTL_S = 7 * 24 * 3600
 
 
 class ReplicaBoard(RedisPart):
-    async def put_replica_stats(
-        self, replica: str, stats: RolloutReplicaStats, *, ttl_s: int
-    ) -> None:
+    async def put_stats(self, replica: str, stats: RolloutReplicaStats, *, ttl_s: int) -> None:
         """Publish a rollout replica's numbers; they vanish if it stops reporting.
 
         Each call also appends a timestamped sample to the replica's history (a capped Redis
@@ -41,7 +39,7 @@ class ReplicaBoard(RedisPart):
             pipe.expire(stats_history_key(replica), STATS_HISTORY_TTL_S)
             await pipe.execute()
 
-    async def replica_stats(self) -> dict[str, RolloutReplicaStats]:
+    async def stats(self) -> dict[str, RolloutReplicaStats]:
         """The numbers of every live rollout replica, by replica name."""
         found: dict[str, RolloutReplicaStats] = {}
         async for key in self._redis.scan_iter(match=f"{stats_key.prefix}*", count=500):
@@ -49,7 +47,7 @@ class ReplicaBoard(RedisPart):
             found[text(key).removeprefix(stats_key.prefix)] = _stats(fields)
         return found
 
-    async def replica_stats_history(self) -> dict[str, list[RolloutReplicaStats]]:
+    async def stats_history(self) -> dict[str, list[RolloutReplicaStats]]:
         """Time-ordered samples (each with `at`) of every rollout replica, by replica name."""
         found: dict[str, list[RolloutReplicaStats]] = {}
         async for key in self._redis.scan_iter(match=f"{stats_history_key.prefix}*", count=500):

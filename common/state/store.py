@@ -1,10 +1,12 @@
-"""The Redis store: one client, one class made of one part per concern.
+"""The Redis store: one client, and one part per concern reached as an attribute.
 
-Each part lives with its concern and its Lua scripts, all in common/state/: adapter pointers
-(`pointers`), the job registry (`registry`), each job's flow window and audit ledger (`flow`),
-evaluation tallies (`evals`), de-dup sets (`dedup`) and what replicas report (`replicas`);
-tenants and API keys are `tenants`. Every key is named in `keyspace`. Every
-read-modify-write is one Lua script, so concurrent replicas cannot interleave.
+`store.jobs` is the job registry (`registry`), `store.adapters` the adapter version pointers
+(`pointers`), `store.flow` each job's flow window and audit ledger (`flow`), `store.evals`
+evaluation tallies (`evals`), `store.dedup` de-dup sets (`dedup`), `store.replicas` what
+replicas report (`replicas`) and `store.tenants` tenants and API keys (`tenants`). Each part
+lives with its concern and its Lua scripts in common/state/; every key is named in
+`keyspace`. Every read-modify-write is one Lua script, so concurrent replicas cannot
+interleave.
 
 Services and their tests use this class alone: unit tests run it over fakeredis, whose Lua
 runs the same scripts (tests/fakes.py), so no protocol mirrors it.
@@ -33,12 +35,19 @@ POOL_WAIT_S = 30.0
 """How long a call waits for a free connection before it fails (transient: retried)."""
 
 
-class RedisStore(AdapterPointers, JobRegistry, FlowWindow, EvalTallies, DedupSets, ReplicaBoard):
+class RedisStore:
     """Async access to MARLaaS' Redis state. Create with `await RedisStore.connect(url)`."""
 
     def __init__(self, client: aioredis.Redis, url: str) -> None:
-        super().__init__(client)
+        self._redis = client
         self.url = url
+        self.jobs = JobRegistry(client)
+        self.adapters = AdapterPointers(client)
+        self.flow = FlowWindow(client)
+        self.evals = EvalTallies(client)
+        self.dedup = DedupSets(client)
+        self.replicas = ReplicaBoard(client)
+        self.tenants = TenantRegistry(client)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:
@@ -80,11 +89,6 @@ class RedisStore(AdapterPointers, JobRegistry, FlowWindow, EvalTallies, DedupSet
     def client(self) -> aioredis.Redis:
         """The Redis client itself, for what no method covers (tests, repairs)."""
         return self._redis
-
-    @property
-    def tenants(self) -> TenantRegistry:
-        """Tenants, their limits and API keys (common/state/tenants.py)."""
-        return TenantRegistry(self._redis)
 
     async def ping(self) -> None:
         """Raises when Redis does not answer (readiness probes)."""

@@ -15,7 +15,7 @@ constant-time comparison. Redis keys (named here; common/state/keyspace.py lists
 - `tenant-jobs:{name}` set of the tenant's registered jobs (the quota's count)
 
 Limits are enforced where a job is accepted (env_svc, atomically with its registration:
-common/state/registry.py `register_job`), so jobs produced to Kafka directly by the operator obey
+common/state/registry.py `register`), so jobs produced to Kafka directly by the operator obey
 them too; the API asks the same rule first (`check_quota`) only to answer sooner. A tenant
 the operator never added has no limits beyond the bounds on every job field
 (common/wire/jobspec.py): only the operator's own Kafka producers can send its jobs, since tenants

@@ -244,7 +244,7 @@ class LocalStack:
     async def _count_restart(self, name: str) -> None:
         store = await RedisStore.connect(self.redis_url, timeout_s=5)
         try:
-            await store.count_restart(name)
+            await store.replicas.count_restart(name)
         finally:
             await store.close()
 

@@ -151,14 +151,17 @@ class StatusBoard:
 
     async def snapshot(self) -> StatusSnapshot:
         self._apply(await self._feed.poll(0.05))
-        job_ids = self.job_ids or set(await self.store.job_ids()) | set(self._progress)
+        job_ids = self.job_ids or set(await self.store.jobs.ids()) | set(self._progress)
         rows = [await self._row(job_id) for job_id in sorted(job_ids)]
         if self.job_ids:
             for row, job_id in zip(rows, sorted(job_ids), strict=True):
                 if row is None:
                     raise UnknownJobError(job_id)
         lags, replicas, restarts, runtimes = await asyncio.gather(
-            self._lags(), self._replicas(), self.store.restarts(), self.store.runtimes()
+            self._lags(),
+            self._replicas(),
+            self.store.replicas.restarts(),
+            self.store.replicas.runtimes(),
         )
         jobs = [row for row in rows if row is not None]
         jobs.sort(key=lambda row: (row.progress.done, row.progress.submitted_at))
@@ -187,7 +190,7 @@ class StatusBoard:
             self._events.setdefault(event.job_id, deque(maxlen=RECENT_EVENTS)).append(event)
 
     async def _row(self, job_id: str) -> JobRow | None:
-        record = await self.store.job(job_id)
+        record = await self.store.jobs.get(job_id)
         progress = self._progress.get(job_id)
         if record is None and progress is None:
             return None
@@ -206,7 +209,7 @@ class StatusBoard:
             state = record.status
             progress.submitted_at = spec.submitted_at or progress.submitted_at
             if state in ("running", "paused"):
-                flow = await self.store.flow(job_id)
+                flow = await self.store.flow.state(job_id)
                 in_flight = flow.untrained_groups(spec.rl.groups_per_step) * spec.rl.group_size
         return JobRow(progress, state, in_flight, list(self._events.get(job_id, ())))
 
@@ -228,5 +231,5 @@ class StatusBoard:
                 tokens_per_s=stats.tokens_per_s,
                 in_flight=int(stats.in_flight or 0),
             )
-            for name, stats in sorted((await self.store.replica_stats()).items())
+            for name, stats in sorted((await self.store.replicas.stats()).items())
         ]

@@ -59,12 +59,12 @@ class Admission(EpisodePart):
         # A job id is bound to the tenant that first sent it, for good: a spec of another
         # tenant under it is dead-lettered with no event, since a `rejected` event would end
         # the owner's view of its job (docs/architecture.md, "Tenants").
-        if (owner := await store.bind_owner(spec.job_id, spec.tenant)) != spec.tenant:
+        if (owner := await store.jobs.bind_owner(spec.job_id, spec.tenant)) != spec.tenant:
             raise ForeignJobError(
                 f"job id {spec.job_id!r} belongs to tenant {owner!r}; "
                 f"a spec for it from tenant {spec.tenant!r} is refused"
             )
-        if (known := await store.job(spec.job_id)) is not None:
+        if (known := await store.jobs.get(spec.job_id)) is not None:
             # Redelivered, or sent again under its id: the registered spec stands, checked when
             # it came. Checked again, it could be `rejected` (its tenant's limits lowered since,
             # an environment gone) while it runs, ending its owner's view of it.
@@ -88,7 +88,7 @@ class Admission(EpisodePart):
             job_logger(log, spec.job_id, spec.tenant).info("job accepted: env %s", spec.env.name)
             await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
         # Its status as registered (a redelivered spec of a paused job stays paused).
-        if (record := await store.job(spec.job_id)) is not None:
+        if (record := await store.jobs.get(spec.job_id)) is not None:
             await self._start(record)
 
     async def on_undecodable(
@@ -101,7 +101,10 @@ class Admission(EpisodePart):
             return
         job_id, tenant = named
         store = self.io.require_store()
-        if await store.job(job_id) is not None or await store.owner(job_id) not in (None, tenant):
+        if await store.jobs.get(job_id) is not None or await store.jobs.owner(job_id) not in (
+            None,
+            tenant,
+        ):
             # Not this sender's job to reject: a `rejected` event would end the owner's view
             # of a job that runs (`logs --follow`). The dead letter says what came.
             job_logger(log, job_id, tenant).warning("undecodable spec for a taken job id")
@@ -129,19 +132,19 @@ class Admission(EpisodePart):
         )
         # A first episode proves the environment, its params and the prompt length.
         probed = await self._probe(spec)
-        registered = await self.io.require_store().register_job(
+        registered = await self.io.require_store().jobs.register(
             spec, status=STATE_AFTER["accepted"], limits=limits
         )
         return probed, registered
 
     async def _reject(self, job_id: str, tenant: str, why: str) -> None:
         job_logger(log, job_id, tenant).warning("job rejected: %s", why)
-        await self.io.require_store().record_rejection(job_id, why)
+        await self.io.require_store().jobs.record_rejection(job_id, why)
         await self.io.send(job_event(job_id, "rejected", SERVICE, tenant=tenant, reason=why))
 
     async def _engine_context(self) -> int | None:
         """The shortest `max_model_len` of the live rollout replicas (None: none reports)."""
-        stats = await self.io.require_store().replica_stats()
+        stats = await self.io.require_store().replicas.stats()
         limits = [int(s.max_model_len) for s in stats.values() if s.max_model_len]
         return min(limits, default=None)
 

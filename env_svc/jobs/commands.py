@@ -26,18 +26,18 @@ class LifecycleCommands:
 
     async def on_command(self, command: JobCommand) -> None:
         store = self.io.require_store()
-        record = await store.job(command.job_id)
+        record = await store.jobs.get(command.job_id)
         if record is None:
             job_logger(log, command.job_id).warning(
                 "command %s for an unknown job ignored", command.action
             )
             return
-        if await store.seen(COMMANDS, command.job_id, command.command_id):
+        if await store.dedup.seen(COMMANDS, command.job_id, command.command_id):
             return  # applied before: a redelivered or replayed command changes nothing
         kind = COMMAND_EVENT[command.action]
-        changed = await store.set_job_status(command.job_id, STATE_AFTER[kind])
+        changed = await store.jobs.set_status(command.job_id, STATE_AFTER[kind])
         # Marked once applied: a crash before this applies it again, which changes nothing.
-        await store.mark_seen(COMMANDS, command.job_id, command.command_id)
+        await store.dedup.mark_seen(COMMANDS, command.job_id, command.command_id)
         if not changed:
             return  # already finished: a late command changes nothing
         await self.io.send(job_event(command.job_id, kind, SERVICE, tenant=record.spec.tenant))

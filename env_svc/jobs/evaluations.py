@@ -52,7 +52,7 @@ class Evaluations(EpisodePart):
         when the job's evaluation in flight has finished (common/state/evals.py)."""
         if record.status in NOT_EVALUATED or not evaluated(record.spec, version):
             return
-        if await self.io.require_store().claim_eval(record.spec.job_id, version):
+        if await self.io.require_store().evals.claim(record.spec.job_id, version):
             await self.send(record.spec, version)
 
     async def send(self, spec: JobSpec, version: int) -> None:
@@ -60,7 +60,7 @@ class Evaluations(EpisodePart):
         when sent again); one whose task cannot start, or whose request cannot be sent (over
         a record's size), is counted at once as unsolved with the reason. Finished at once
         when every episode was counted."""
-        counted = await self.io.require_store().eval_seen(spec.job_id, version)
+        counted = await self.io.require_store().evals.seen(spec.job_id, version)
         if len(counted) >= spec.eval.tasks:
             await self.finish(spec, version)
             return
@@ -114,14 +114,14 @@ class Evaluations(EpisodePart):
         """Tally one finished evaluation episode; the last one sends the `eval` event. One of
         an evaluation not in flight (finished, or gone with an ended job's state: a replayed
         result) is not counted, nor does it bring back the state that went."""
-        state = await self.io.require_store().eval_state(spec.job_id, version)
+        state = await self.io.require_store().evals.state(spec.job_id, version)
         if state is None or state in (DONE, WAITING):
             log.debug("result of %s ignored: its evaluation is %s", episode_id, state or "gone")
             return
         solved = not error and (await self.environments.get(spec)).solved(
             RewardResult(total=reward, components=components)
         )
-        counted = await self.io.require_store().record_eval(
+        counted = await self.io.require_store().evals.record(
             spec.job_id, version, episode_id, reward=reward, solved=solved, components=components
         )
         if counted >= spec.eval.tasks:
@@ -131,12 +131,12 @@ class Evaluations(EpisodePart):
         """Send the `eval` event with the tally (compared with the base model's), and start
         the job's next evaluation, which waited for this one."""
         store = self.io.require_store()
-        tally = await store.eval_tally(spec.job_id, version)
+        tally = await store.evals.tally(spec.job_id, version)
         metrics = tally.metrics()
         # Compared with the base model's (version 0): a job that learned the wrong thing
         # says so in its events, where status, the report and the tracking sinks read it.
         worse = ""
-        if version > 0 and (base := await store.eval_tally(spec.job_id, 0)).episodes:
+        if version > 0 and (base := await store.evals.tally(spec.job_id, 0)).episodes:
             metrics["eval_base_accuracy"] = base.accuracy
             worse = below_base(tally, base)
             metrics["eval_below_base"] = 1.0 if worse else 0.0
@@ -151,7 +151,7 @@ class Evaluations(EpisodePart):
                 reason=worse,
             )
         )
-        waited = await store.finish_eval(spec.job_id, version)
+        waited = await store.evals.finish(spec.job_id, version)
         logger = job_logger(log, spec.job_id, spec.tenant)
         logger.info(
             "eval v%d: accuracy %.3f +- %.3f, reward %.3f (%d episodes)",
@@ -173,17 +173,17 @@ class Evaluations(EpisodePart):
         waits when none is in flight (its start was lost with a replica)."""
         store, spec = self.io.require_store(), record.spec
         if record.status in NOT_EVALUATED:
-            await store.abandon_evals(spec.job_id)
+            await store.evals.abandon(spec.job_id)
             return
-        for version in await store.take_stale_evals(spec.job_id, self.eval_timeout_s):
-            if (await store.eval_tally(spec.job_id, version)).episodes >= spec.eval.tasks:
+        for version in await store.evals.take_stale(spec.job_id, self.eval_timeout_s):
+            if (await store.evals.tally(spec.job_id, version)).episodes >= spec.eval.tasks:
                 await self.finish(spec, version)
-            elif await store.count_eval_resend(spec.job_id, version) > MAX_RESENDS:
+            elif await store.evals.count_resend(spec.job_id, version) > MAX_RESENDS:
                 await self.finish(spec, version)
             else:
                 job_logger(log, spec.job_id, spec.tenant).warning(
                     "evaluation of v%d unfinished; sending its requests again", version
                 )
                 await self.send(spec, version)
-        if (waiting := await store.start_waiting_eval(spec.job_id)) is not None:
+        if (waiting := await store.evals.start_waiting(spec.job_id)) is not None:
             await self.send(spec, waiting)

@@ -46,7 +46,7 @@ class GroupIssuer(EpisodePart):
         job_id = spec.job_id
         rl = spec.rl
         while (
-            group := await store.try_issue_group(
+            group := await store.flow.try_issue_group(
                 job_id,
                 max_staleness=rl.max_staleness,
                 groups_per_step=rl.groups_per_step,
@@ -61,9 +61,9 @@ class GroupIssuer(EpisodePart):
         """Send again every group of the job claimed more than `claim_timeout_s` ago and never
         finished (an ended job's are finished unsent); returns how many were sent again."""
         store, job_id, resent = self.io.require_store(), record.spec.job_id, 0
-        for group in await store.take_stale_claims(job_id, self.claim_timeout_s):
+        for group in await store.flow.take_stale_claims(job_id, self.claim_timeout_s):
             if record.status in TERMINAL_STATES:
-                await store.finish_claim(job_id, group.index)
+                await store.flow.finish_claim(job_id, group.index)
                 continue
             job_logger(log, job_id, record.spec.tenant).warning(
                 "group %d was claimed but not all sent; sending it again", group.index
@@ -91,7 +91,7 @@ class GroupIssuer(EpisodePart):
             if is_transient(exc):
                 raise
             await self._fail_group(spec, group, exc)
-        await self.io.require_store().finish_claim(spec.job_id, group.index)
+        await self.io.require_store().flow.finish_claim(spec.job_id, group.index)
 
     async def _fail_group(self, spec: JobSpec, group: IssuedGroup, exc: Exception) -> None:
         """A group refused for good (e.g. a record over the broker's size limit) ends as

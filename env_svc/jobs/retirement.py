@@ -33,22 +33,22 @@ class Retirement:
         state here expires in a week, and it is retired (no sweep visits it again). False
         while something is left to finish."""
         store, job_id = self.io.require_store(), record.spec.job_id
-        evals = await store.evals(job_id)
+        evals = await store.evals.versions(job_id)
         if any(state != DONE for state in evals.values()):
             return False
-        pointer = await store.adapter(job_id)
+        pointer = await store.adapters.get(job_id)
         summary = audit(
             job_id,
-            await store.ledger(job_id),
+            await store.flow.ledger(job_id),
             status=record.status,
             groups_per_step=record.spec.rl.groups_per_step,
             pointer_version=pointer.version if pointer else 0,
         )
-        await store.put_audit_summary(job_id, summary.to_json())
-        await store.expire_after_end(working_state_keys(job_id, evals))
+        await store.jobs.put_audit_summary(job_id, summary.to_json())
+        await store.jobs.expire_after_end(working_state_keys(job_id, evals))
         if pointer is None:  # nothing to export: its record goes too
-            await store.expire_unkept(job_id, record.spec.tenant)
-        await store.retire(job_id)
+            await store.jobs.expire_unkept(job_id, record.spec.tenant)
+        await store.jobs.retire(job_id)
         return True
 
 

@@ -38,9 +38,9 @@ class ResultScorer(EpisodePart):
 
     async def on_result(self, result: GenerationResult) -> None:
         store = self.io.require_store()
-        if await store.seen(RESULTS, result.job_id, result.request_id):
+        if await store.dedup.seen(RESULTS, result.job_id, result.request_id):
             return  # redelivered: its successor was already sent
-        record = await store.job(result.job_id)
+        record = await store.jobs.get(result.job_id)
         version = eval_version_of(result.job_id, result.group_id)
         # A completed job's final version is evaluated after its last step.
         ended = NOT_EVALUATED if version is not None else TERMINAL_STATES
@@ -53,7 +53,7 @@ class ResultScorer(EpisodePart):
                 raise
             await self._fail(record.spec, result, version, reason(exc))
         fault_point("env.after_send")
-        await store.mark_seen(RESULTS, result.job_id, result.request_id)
+        await store.dedup.mark_seen(RESULTS, result.job_id, result.request_id)
 
     async def _advance(self, spec: JobSpec, result: GenerationResult, version: int | None) -> None:
         """The episode's next request sent, or its end: sent, or tallied when it evaluates."""

@@ -36,13 +36,13 @@ class Sweep:
         allows (in case the record that should have prompted it, an AdapterUpdate or a
         GroupDropped, never arrived); returns how many groups were sent again."""
         store, resent = self.io.require_store(), 0
-        await store.drop_expired_listings()
-        active = await store.active_job_ids()
+        await store.jobs.drop_expired_listings()
+        active = await store.jobs.active_ids()
         self.environments.keep_only(active)  # retired, maybe by another replica
         for job_id in active:
-            record = await store.job(job_id)
+            record = await store.jobs.get(job_id)
             if record is None:
-                await store.retire(job_id)
+                await store.jobs.retire(job_id)
                 continue
             if record.status in TERMINAL_STATES:
                 self.environments.forget(job_id)  # a cache: rebuilt should a late result need it

@@ -346,7 +346,7 @@ class Chaos:
         while not done.is_set():
             for job_id, spec in list(self.jobs.items()):
                 try:
-                    flow = await store.flow(job_id)
+                    flow = await store.flow.state(job_id)
                 except Exception:
                     continue  # Redis restarting
                 rl = spec.rl
@@ -390,7 +390,7 @@ class Chaos:
         found = set()
         try:
             for job_id in job_ids:
-                record = await self.client.store.job(job_id)
+                record = await self.client.store.jobs.get(job_id)
                 if record is not None and record.status in TERMINAL_STATES:
                     found.add(job_id)
         except Exception as exc:  # Valkey restarting: ask again later
@@ -492,7 +492,7 @@ class Chaos:
         statuses: dict[str, int] = {}
         audits = await self.client.audits(sorted(self.jobs))  # marlaas.adapters read once
         for job_id in sorted(self.jobs):
-            record = await self.client.store.job(job_id)
+            record = await self.client.store.jobs.get(job_id)
             status = record.status if record else "missing"
             statuses[status] = statuses.get(status, 0) + 1
             if job_id not in self.cancelled and status not in ("completed", "failed"):
@@ -511,7 +511,7 @@ class Chaos:
         async with EventFeed(self.stack.kafka_bootstrap) as events:
             problems += missing_steps(
                 await events.read_to_end(timeout_s=120),
-                {job_id: (await self.client.store.job(job_id)) for job_id in self.jobs},
+                {job_id: (await self.client.store.jobs.get(job_id)) for job_id in self.jobs},
             )
         async with DeadLetterFeed(self.stack.kafka_bootstrap) as feed:
             letters = await feed.read_to_end(timeout_s=120)

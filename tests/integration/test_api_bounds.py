@@ -94,8 +94,8 @@ async def tenant_with_job(settings: SharedSettings, *, events: int = 0) -> tuple
 
     async def setup(store: RedisStore) -> str:
         await store.tenants.add(tenant, TenantLimits())
-        await store.bind_owner(job_id, tenant)
-        await store.register_job(spec, status="completed")
+        await store.jobs.bind_owner(job_id, tenant)
+        await store.jobs.register(spec, status="completed")
         return str((await store.tenants.issue_key(tenant)).token)
 
     key = await with_store(settings, setup)
@@ -216,7 +216,7 @@ async def test_an_export_is_streamed_from_disk_not_built_in_memory(
 
     async def publish(store: RedisStore) -> None:
         for version, adapter in enumerate((small, large), start=1):
-            await store.publish_adapter(job_id, version, adapter.resolve().as_uri(), version)
+            await store.adapters.publish(job_id, version, adapter.resolve().as_uri(), version)
 
     await with_store(settings, publish)
     archive = tmp_path / "export.tar.gz"

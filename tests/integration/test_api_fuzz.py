@@ -74,8 +74,8 @@ def fuzzed(local_stack: LocalStack) -> Iterator[Fuzzed]:
         for tenant in (fuzzer, victim):
             await store.tenants.add(tenant, TenantLimits())
         spec = JobSpec(job_id=victim_job, tenant=victim, env=EnvSettings(name="arithmetic"))
-        await store.bind_owner(victim_job, victim)
-        await store.register_job(spec, status="running")
+        await store.jobs.bind_owner(victim_job, victim)
+        await store.jobs.register(spec, status="running")
         return (await store.tenants.issue_key(fuzzer)).token
 
     key = with_store(local_stack.redis_url, setup)

@@ -385,7 +385,7 @@ async def test_handlers_ride_out_a_valkey_restart(kafka_bootstrap: str, tmp_path
     received: list[Event] = []
 
     async def record(message: Event) -> None:
-        await store.mark_seen("restart-test", job_id, str(message.step))
+        await store.dedup.mark_seen("restart-test", job_id, str(message.step))
 
     try:
         async with producer(kafka_bootstrap) as prod:
@@ -412,7 +412,7 @@ async def test_handlers_ride_out_a_valkey_restart(kafka_bootstrap: str, tmp_path
         # A dead-lettered record would never have reached `received`.
         assert sorted(m.step for m in received) == [0, 1, 2, 3]
         for step in (1, 2, 3):
-            assert await store.seen("restart-test", job_id, str(step))
+            assert await store.dedup.seen("restart-test", job_id, str(step))
     finally:
         await store.close()
         valkey.stop()

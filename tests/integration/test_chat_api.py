@@ -41,14 +41,14 @@ async def served(
     base = tiny_model()
     store = await RedisStore.connect(local_stack.redis_url)
     job_id = f"chat-{new_id()[:8]}"
-    await store.register_job(
+    await store.jobs.register(
         JobSpec(
             job_id=job_id, tenant="acme", base_model=str(base), env=EnvSettings(name="arithmetic")
         ),
         status="running",
     )
     adapter = make_adapter(base, tmp_path_factory.mktemp("adapters") / "v1", seed=3)
-    await store.publish_adapter(job_id, 1, adapter.resolve().as_uri(), 1)
+    await store.adapters.publish(job_id, 1, adapter.resolve().as_uri(), 1)
     engine = RolloutEngine(EngineSettings(base, max_loras=2, max_cpu_loras=4, max_lora_rank=8))
     await engine.start()
     shared = SharedSettings(base_model=str(base), metrics_host="127.0.0.1", bus_key=BUS_KEY)

@@ -88,14 +88,14 @@ def history(kafka_bootstrap: str, redis_url: str, *, status: str = "running") ->
     job = spec(f"cli-{new_id()[:8]}")
 
     async def write(registry: RedisStore) -> None:
-        await registry.register_job(job, status=status)  # type: ignore[arg-type]
+        await registry.jobs.register(job, status=status)  # type: ignore[arg-type]
         # 3 versions trained (the pointer), 9 groups issued, 1 of them dropped.
-        await registry.publish_adapter(job.job_id, len(REWARDS), "/artifacts/none", len(REWARDS))
+        await registry.adapters.publish(job.job_id, len(REWARDS), "/artifacts/none", len(REWARDS))
         for _ in range(9):
-            assert await registry.try_issue_group(
+            assert await registry.flow.try_issue_group(
                 job.job_id, max_staleness=9, groups_per_step=B, max_groups=100
             )
-        await registry.record_dropped_group(job.job_id, f"{job.job_id}/g0", invalid=False)
+        await registry.flow.record_dropped_group(job.job_id, f"{job.job_id}/g0", invalid=False)
         producer = Producer(kafka_bootstrap, client_id="test-history")
         await producer.start()
         events = [job_event(job.job_id, "accepted", "env_svc", tenant=job.tenant)]
@@ -254,7 +254,7 @@ def test_status_shows_each_rollout_replica_as_it_reported(
     }
     with_store(
         redis_url,
-        lambda r: r.put_replica_stats(replica, RolloutReplicaStats.of(stats), ttl_s=60),
+        lambda r: r.replicas.put_stats(replica, RolloutReplicaStats.of(stats), ttl_s=60),
     )
     code, out, _ = invoke(cli, "status", "--json")
     assert code == 0
@@ -276,7 +276,9 @@ def test_status_shows_what_each_service_computes_in_and_on(cli: CliRunner, redis
     cpu = CpuInfo("AMD EPYC 7B13", "avx2", "avx2", "", 1)
     precision = trainer_precision("auto", "cpu", Hardware(cpu))
     fields = runtime_fields(Hardware(cpu), precision)
-    with_store(redis_url, lambda r: r.put_runtime("trainer_svc", replica, fields, ttl_s=60))
+    with_store(
+        redis_url, lambda r: r.replicas.put_runtime("trainer_svc", replica, fields, ttl_s=60)
+    )
     code, out, _ = invoke(cli, "status", "--json")
     assert code == 0
     (seen,) = [r for r in json.loads(out)["runtimes"] if r["replica"] == replica]
@@ -426,7 +428,7 @@ def test_report_plots_the_rewards_of_the_events(
                 "generated_tokens": 100 * second,
                 "in_flight": 3.0,
             }
-            await registry.put_replica_stats(
+            await registry.replicas.put_stats(
                 f"cli-test-{job.job_id}", RolloutReplicaStats.of(stats), ttl_s=60
             )
 

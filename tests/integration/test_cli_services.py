@@ -152,15 +152,15 @@ def test_pause_resume_cancel_are_applied_by_env_svc(
     code, out, _ = invoke(cli, "submit", str(path))
     job_id = out.split()[0]
     deadline = time.monotonic() + 120
-    while with_store(local_stack.redis_url, lambda r: r.job(job_id)) is None:
+    while with_store(local_stack.redis_url, lambda r: r.jobs.get(job_id)) is None:
         assert time.monotonic() < deadline, "env_svc never registered the job"
         time.sleep(0.5)
 
     code, out, err = invoke(cli, "pause", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: paused"), err
-    issued = with_store(local_stack.redis_url, lambda r: r.flow(job_id)).issued_groups
+    issued = with_store(local_stack.redis_url, lambda r: r.flow.state(job_id)).issued_groups
     time.sleep(4)  # training goes on with what is in flight; no new group is issued
-    assert with_store(local_stack.redis_url, lambda r: r.flow(job_id)).issued_groups == issued
+    assert with_store(local_stack.redis_url, lambda r: r.flow.state(job_id)).issued_groups == issued
 
     code, out, _ = invoke(cli, "resume", job_id)
     assert (code, out.strip()) == (0, f"job {job_id}: running")

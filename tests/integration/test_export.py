@@ -66,9 +66,9 @@ def published(trained: tuple[MultiAdapterPolicy, str, Path], redis_url_module: s
     _, job_id, artifacts = trained
 
     async def publish(registry: RedisStore) -> None:
-        await registry.register_job(spec(job_id), status="completed")
+        await registry.jobs.register(spec(job_id), status="completed")
         uri = (artifacts / "adapters" / job_id / "v2").resolve().as_uri()
-        await registry.publish_adapter(job_id, 2, uri, 2)
+        await registry.adapters.publish(job_id, 2, uri, 2)
 
     with_store(redis_url_module, publish)
     return job_id
@@ -134,9 +134,9 @@ def test_an_export_of_a_known_base_names_its_public_id(
     known = f"known-{new_id()[:6]}"
 
     async def publish(registry: RedisStore) -> None:
-        await registry.register_job(spec(known, "smollm2-135m-instruct"), status="completed")
+        await registry.jobs.register(spec(known, "smollm2-135m-instruct"), status="completed")
         uri = (artifacts / "adapters" / trained_id / "v1").resolve().as_uri()
-        await registry.publish_adapter(known, 1, uri, 1)
+        await registry.adapters.publish(known, 1, uri, 1)
 
     with_store(redis_url_module, publish)
     hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -218,7 +218,7 @@ def test_export_errors_say_what_is_wrong(
 
     assert export("no-such-job", tmp_path / "a") == "unknown job 'no-such-job'"
     untrained = f"untrained-{new_id()[:6]}"
-    with_store(redis_url_module, lambda r: r.register_job(spec(untrained), status="running"))
+    with_store(redis_url_module, lambda r: r.jobs.register(spec(untrained), status="running"))
     assert "has no trained adapter yet (running)" in export(untrained, tmp_path / "b")
     assert "versions 1..2, not 3" in export(published, tmp_path / "c", version=3)
     occupied = tmp_path / "occupied"
@@ -229,8 +229,8 @@ def test_export_errors_say_what_is_wrong(
     elsewhere = f"elsewhere-{new_id()[:6]}"
 
     async def publish_missing(registry: RedisStore) -> None:
-        await registry.register_job(spec(elsewhere), status="running")
-        await registry.publish_adapter(elsewhere, 1, "file:///nonexistent/adapters/x/v1", 1)
+        await registry.jobs.register(spec(elsewhere), status="running")
+        await registry.adapters.publish(elsewhere, 1, "file:///nonexistent/adapters/x/v1", 1)
 
     with_store(redis_url_module, publish_missing)
     missing = export(elsewhere, tmp_path / "d")
@@ -244,8 +244,8 @@ def test_export_errors_say_what_is_wrong(
     (adapter_dir / "adapter_model.safetensors").write_bytes(b"not safetensors")
 
     async def publish_broken(registry: RedisStore) -> None:
-        await registry.register_job(spec(broken), status="running")
-        await registry.publish_adapter(broken, 1, adapter_dir.as_uri(), 1)
+        await registry.jobs.register(spec(broken), status="running")
+        await registry.adapters.publish(broken, 1, adapter_dir.as_uri(), 1)
 
     with_store(redis_url_module, publish_broken)
     assert export(broken, tmp_path / "e").startswith("adapter_config.json: unreadable (")

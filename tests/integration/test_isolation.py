@@ -197,7 +197,7 @@ async def test_a_hostile_tenant_cannot_touch_another_tenants_job(
 
     async with Client(operator_settings) as operator:
         audit = await operator.audit(job_id)
-        pointer = await operator.store.adapter(job_id)
+        pointer = await operator.store.adapters.get(job_id)
     assert audit.ok and not audit.lost and not audit.unexpected, audit.problems
     assert pointer is not None and pointer.version == job.rl.max_steps
     published = adapter_path(pointer.uri) / "adapter_model.safetensors"

@@ -115,7 +115,7 @@ async def registered_job(valkey: AclValkey) -> tuple[str, str]:
     tenant, job_id = f"t{new_id()[:8]}", f"acl-{new_id()}"
     async with store_as(valkey, "operator") as operator:
         await operator.tenants.add(tenant, TenantLimits())
-        assert await operator.register_job(spec(job_id, tenant))
+        assert await operator.jobs.register(spec(job_id, tenant))
     return tenant, job_id
 
 
@@ -146,108 +146,110 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
     tenant, first = await registered_job(acl_valkey)
     job_id = f"acl-{new_id()}"
     async with store_as(acl_valkey, "operator") as operator:
-        await operator.publish_adapter(job_id, 1, "file:///a/v1", 1)
-        await operator.put_replica_stats("r-env", RolloutReplicaStats(max_model_len=512), ttl_s=60)
+        await operator.adapters.publish(job_id, 1, "file:///a/v1", 1)
+        await operator.replicas.put_stats("r-env", RolloutReplicaStats(max_model_len=512), ttl_s=60)
     async with store_as(acl_valkey, "env_svc") as env:
         limits = await env.tenants.limits(tenant)
         assert limits == TenantLimits()
-        assert await env.bind_owner(job_id, tenant) == tenant
-        assert await env.owner(job_id) == tenant
+        assert await env.jobs.bind_owner(job_id, tenant) == tenant
+        assert await env.jobs.owner(job_id) == tenant
         # The quota script reads the tenant's other job (`first`) without declaring it.
-        assert await env.register_job(spec(job_id, tenant), limits=limits)
-        assert {first, job_id} <= set(await env.job_ids())
-        assert await env.set_job_status(job_id, "running")
-        assert job_id in await env.active_job_ids()
-        await env.backfill_active()  # once per deployment, maybe by another test before
-        record = await env.job(job_id)
+        assert await env.jobs.register(spec(job_id, tenant), limits=limits)
+        assert {first, job_id} <= set(await env.jobs.ids())
+        assert await env.jobs.set_status(job_id, "running")
+        assert job_id in await env.jobs.active_ids()
+        await env.jobs.backfill_active()  # once per deployment, maybe by another test before
+        record = await env.jobs.get(job_id)
         assert record is not None and record.status == "running"
-        issued = await env.try_issue_group(job_id, max_staleness=0, groups_per_step=1, max_groups=9)
+        issued = await env.flow.try_issue_group(
+            job_id, max_staleness=0, groups_per_step=1, max_groups=9
+        )
         assert issued is not None and issued.trained_version == 1
-        assert [g.index for g in await env.take_stale_claims(job_id, older_than_s=-1)] == [0]
-        await env.finish_claim(job_id, issued.index)
-        assert await env.claim_eval(job_id, 0)
-        assert await env.take_stale_evals(job_id, older_than_s=-1) == [0]
-        assert await env.record_eval(job_id, 0, "e0", reward=1.0, solved=True, components={})
-        assert (await env.eval_tally(job_id, 0)).solved == 1
-        assert await env.count_eval_resend(job_id, 0) == 1
-        assert not await env.claim_eval(job_id, 2)  # waits behind v0's
-        assert await env.eval_seen(job_id, 0) == {"e0"}
-        assert await env.finish_eval(job_id, 0) == 2
-        assert await env.start_waiting_eval(job_id) is None
-        await env.abandon_evals(job_id)
-        assert await env.evals(job_id) == {0: "done", 2: "done"}
-        assert await env.mark_seen("results", job_id, "req-1")
-        assert await env.seen("results", job_id, "req-1")
-        assert await env.published_uri(job_id, 1) == "file:///a/v1"
-        assert await env.mark_seen(COMMANDS, job_id, "command-1")
-        await env.expire_after_end(env_working_state(job_id, [0, 2]))  # its own keys only
-        await env.retire(job_id)
-        assert job_id not in await env.active_job_ids()
-        assert (await env.replica_stats())["r-env"].max_model_len == 512
+        assert [g.index for g in await env.flow.take_stale_claims(job_id, older_than_s=-1)] == [0]
+        await env.flow.finish_claim(job_id, issued.index)
+        assert await env.evals.claim(job_id, 0)
+        assert await env.evals.take_stale(job_id, older_than_s=-1) == [0]
+        assert await env.evals.record(job_id, 0, "e0", reward=1.0, solved=True, components={})
+        assert (await env.evals.tally(job_id, 0)).solved == 1
+        assert await env.evals.count_resend(job_id, 0) == 1
+        assert not await env.evals.claim(job_id, 2)  # waits behind v0's
+        assert await env.evals.seen(job_id, 0) == {"e0"}
+        assert await env.evals.finish(job_id, 0) == 2
+        assert await env.evals.start_waiting(job_id) is None
+        await env.evals.abandon(job_id)
+        assert await env.evals.versions(job_id) == {0: "done", 2: "done"}
+        assert await env.dedup.mark_seen("results", job_id, "req-1")
+        assert await env.dedup.seen("results", job_id, "req-1")
+        assert await env.adapters.published_uri(job_id, 1) == "file:///a/v1"
+        assert await env.dedup.mark_seen(COMMANDS, job_id, "command-1")
+        await env.jobs.expire_after_end(env_working_state(job_id, [0, 2]))  # its own keys only
+        await env.jobs.retire(job_id)
+        assert job_id not in await env.jobs.active_ids()
+        assert (await env.replicas.stats())["r-env"].max_model_len == 512
         await env.ping()
 
 
 async def test_trainer_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
     _, job_id = await registered_job(acl_valkey)
     async with store_as(acl_valkey, "trainer_svc") as trainer:
-        assert (await trainer.job(job_id)) is not None
-        epoch = await trainer.take_over(job_id)
-        assert await trainer.publish_adapter(job_id, 1, "file:///a/v1", 1, ["g0"], epoch=epoch)
-        pointer = await trainer.adapter(job_id)
+        assert (await trainer.jobs.get(job_id)) is not None
+        epoch = await trainer.adapters.take_over(job_id)
+        assert await trainer.adapters.publish(job_id, 1, "file:///a/v1", 1, ["g0"], epoch=epoch)
+        pointer = await trainer.adapters.get(job_id)
         assert pointer is not None and pointer.version == 1
-        dropped = await trainer.record_dropped_group(job_id, "g1", invalid=True)
+        dropped = await trainer.flow.record_dropped_group(job_id, "g1", invalid=True)
         assert dropped.counted and dropped.failed_in_a_row == 1
-        assert await trainer.dropped_among(job_id, ["g0", "g1"]) == {"g1"}
-        assert await trainer.seen(TRAINED, job_id, "g0")
-        await trainer.expire_after_end(trainer_working_state(job_id))
-        assert await trainer.seen(DROPPED, job_id, "g1")
-        assert await trainer.live_groups(job_id) == []
-        assert await trainer.last_activity(job_id) is not None
-        assert [e["kind"] for e in await trainer.ledger(job_id)] == ["trained", "dropped"]
-        assert (await trainer.flow(job_id)).dropped_groups == 1
-        assert await trainer.set_job_status(job_id, "completed")
+        assert await trainer.dedup.dropped_among(job_id, ["g0", "g1"]) == {"g1"}
+        assert await trainer.dedup.seen(TRAINED, job_id, "g0")
+        await trainer.jobs.expire_after_end(trainer_working_state(job_id))
+        assert await trainer.dedup.seen(DROPPED, job_id, "g1")
+        assert await trainer.flow.live_groups(job_id) == []
+        assert await trainer.flow.last_activity(job_id) is not None
+        assert [e["kind"] for e in await trainer.flow.ledger(job_id)] == ["trained", "dropped"]
+        assert (await trainer.flow.state(job_id)).dropped_groups == 1
+        assert await trainer.jobs.set_status(job_id, "completed")
 
 
 async def test_rollout_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
     _, job_id = await registered_job(acl_valkey)
     async with store_as(acl_valkey, "trainer_svc") as trainer:
-        await trainer.publish_adapter(job_id, 1, "file:///a/v1", 1)
+        await trainer.adapters.publish(job_id, 1, "file:///a/v1", 1)
     async with store_as(acl_valkey, "rollout_svc") as rollout:
-        assert (await rollout.adapters())[job_id].uri == "file:///a/v1"
-        pointer = await rollout.adapter(job_id)
+        assert (await rollout.adapters.all())[job_id].uri == "file:///a/v1"
+        pointer = await rollout.adapters.get(job_id)
         assert pointer is not None and pointer.version == 1
-        assert await rollout.published_uri(job_id, 1) == "file:///a/v1"
-        assert (await rollout.job(job_id)) is not None
-        await rollout.put_replica_stats("r-acl", RolloutReplicaStats(busy_s=1.0), ttl_s=60)
+        assert await rollout.adapters.published_uri(job_id, 1) == "file:///a/v1"
+        assert (await rollout.jobs.get(job_id)) is not None
+        await rollout.replicas.put_stats("r-acl", RolloutReplicaStats(busy_s=1.0), ttl_s=60)
     async with store_as(acl_valkey, "api") as api:
-        assert [s.busy_s for s in (await api.replica_stats_history())["r-acl"]] == [1.0]
+        assert [s.busy_s for s in (await api.replicas.stats_history())["r-acl"]] == [1.0]
 
 
 async def test_api_runs_its_store_operations(acl_valkey: AclValkey) -> None:
     tenant, job_id = await registered_job(acl_valkey)
     async with store_as(acl_valkey, "operator") as operator:
         key = await operator.tenants.issue_key(tenant)
-        await operator.publish_adapter(job_id, 1, "file:///a/v1", 1)
+        await operator.adapters.publish(job_id, 1, "file:///a/v1", 1)
     async with store_as(acl_valkey, "api") as api:
         assert await api.tenants.authenticate(key.token) == tenant
         record = await api.tenants.get(tenant)
         assert record is not None and record.key_ids == (key.key_id,)
         assert await api.tenants.limits(tenant) == TenantLimits()
-        assert await api.tenant_job_ids(tenant) == [job_id]
+        assert await api.jobs.of_tenant(tenant) == [job_id]
         new_job = f"acl-{new_id()}"
-        assert await api.owner(new_job) is None
-        assert await api.bind_owner(new_job, tenant) == tenant
-        assert job_id in await api.job_ids()
-        record_of_job = await api.job(job_id)
+        assert await api.jobs.owner(new_job) is None
+        assert await api.jobs.bind_owner(new_job, tenant) == tenant
+        assert job_id in await api.jobs.ids()
+        record_of_job = await api.jobs.get(job_id)
         assert record_of_job is not None
-        assert (await api.adapter(job_id)) is not None
-        assert await api.published_uri(job_id, 1) == "file:///a/v1"
-        assert [e["kind"] for e in await api.ledger(job_id)] == ["trained"]
+        assert (await api.adapters.get(job_id)) is not None
+        assert await api.adapters.published_uri(job_id, 1) == "file:///a/v1"
+        assert [e["kind"] for e in await api.flow.ledger(job_id)] == ["trained"]
         # The count-limit rule, read-only: the tenant's one live job fills a limit of one.
         spec = msgspec.structs.replace(record_of_job.spec, job_id=new_job)
-        await api.check_quota(spec, TenantLimits())
+        await api.jobs.check_quota(spec, TenantLimits())
         with pytest.raises(QuotaError, match=r"max_concurrent_jobs: tenant .* has 1 jobs"):
-            await api.check_quota(spec, TenantLimits(max_concurrent_jobs=1))
+            await api.jobs.check_quota(spec, TenantLimits(max_concurrent_jobs=1))
 
 
 # --- and nothing else -------------------------------------------------------------------
@@ -257,7 +259,7 @@ Attempt = Callable[[RedisStore, aioredis.Redis, str], Awaitable[object]]
 DENIED: dict[str, tuple[tuple[Principal, ...], Attempt]] = {
     "publish an adapter": (
         ("env_svc", "rollout_svc", "api"),
-        lambda store, _, job: store.publish_adapter(job, 9, "file:///evil", 9),
+        lambda store, _, job: store.adapters.publish(job, 9, "file:///evil", 9),
     ),
     "write an adapter pointer": (
         ("env_svc", "rollout_svc", "api"),
@@ -269,7 +271,7 @@ DENIED: dict[str, tuple[tuple[Principal, ...], Attempt]] = {
     ),
     "take a job over": (
         ("env_svc", "rollout_svc", "api"),
-        lambda store, _, job: store.take_over(job),
+        lambda store, _, job: store.adapters.take_over(job),
     ),
     "read an API key": (
         ("env_svc", "rollout_svc", "trainer_svc"),
@@ -281,17 +283,20 @@ DENIED: dict[str, tuple[tuple[Principal, ...], Attempt]] = {
     ),
     "register a job": (
         ("rollout_svc", "trainer_svc", "api"),
-        lambda store, _, job: store.register_job(spec(job, "acme")),
+        lambda store, _, job: store.jobs.register(spec(job, "acme")),
     ),
     "change a job's status": (
         ("rollout_svc", "api"),
-        lambda store, _, job: store.set_job_status(job, "cancelled"),
+        lambda store, _, job: store.jobs.set_status(job, "cancelled"),
     ),
     "bind a job's owner": (
         ("rollout_svc", "trainer_svc"),
-        lambda store, _, job: store.bind_owner(job, "acme"),
+        lambda store, _, job: store.jobs.bind_owner(job, "acme"),
     ),
-    "count a restart": (SERVICE_USERS, lambda store, _, job: store.count_restart("env_svc")),
+    "count a restart": (
+        SERVICE_USERS,
+        lambda store, _, job: store.replicas.count_restart("env_svc"),
+    ),
     "FLUSHALL": (SERVICE_USERS, lambda _, raw, job: raw.flushall()),
     "FLUSHDB": (SERVICE_USERS, lambda _, raw, job: raw.flushdb()),
     "CONFIG SET": (SERVICE_USERS, lambda _, raw, job: raw.config_set("appendonly", "no")),
@@ -320,7 +325,7 @@ async def test_a_principal_cannot_do_what_it_does_not_need(
         with pytest.raises((NoPermissionError, ResponseError), match=r"(?i)permission"):
             await attempt(store, raw, job_id)
     async with store_as(acl_valkey, "operator") as operator:
-        assert await operator.job(job_id) is not None, "the data is all still there"
+        assert await operator.jobs.get(job_id) is not None, "the data is all still there"
 
 
 async def test_the_operator_may_do_anything(acl_valkey: AclValkey) -> None:

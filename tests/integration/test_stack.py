@@ -76,7 +76,7 @@ def test_up_starts_broker_and_redis_and_ctrl_c_leaves_nothing_behind(
 
     async def check() -> dict[str, int]:
         registry = await RedisStore.connect(settings["MARLAAS_REDIS_URL"], timeout_s=10)
-        await registry.publish_adapter("probe", 1, "file:///probe", 1)
+        await registry.adapters.publish("probe", 1, "file:///probe", 1)
         await registry.close()
         return await ensure_topics(settings["MARLAAS_KAFKA_BOOTSTRAP"], 12)
 
@@ -207,7 +207,7 @@ def test_up_restarts_a_killed_service_and_ctrl_c_leaves_no_process_behind(
         async def restarts() -> dict[str, int]:
             store = await RedisStore.connect(redis_url, timeout_s=10)
             try:
-                return await store.restarts()
+                return await store.replicas.restarts()
             finally:
                 await store.close()
 

@@ -44,14 +44,14 @@ async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_u
 
     async def watch(reader: RedisStore) -> None:
         while not done.is_set():
-            if pointer := await reader.adapter(job_id):
+            if pointer := await reader.adapters.get(job_id):
                 observed.append(pointer.version)
             await asyncio.sleep(0)
 
     async def write(writer: RedisStore, versions: list[int]) -> list[tuple[int, bool]]:
         results = []
         for version in versions:
-            moved = await writer.publish_adapter(job_id, version, f"file:///a/v{version}", version)
+            moved = await writer.adapters.publish(job_id, version, f"file:///a/v{version}", version)
             results.append((version, moved))
         return results
 
@@ -67,7 +67,7 @@ async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_u
             await writer.close()
 
     pointer = await RedisStore.connect(redis_url)
-    final = await pointer.adapter(job_id)
+    final = await pointer.adapters.get(job_id)
     await pointer.close()
     assert final is not None and final.version == 200 and final.uri == "file:///a/v200"
     assert observed == sorted(observed), "a reader saw the pointer move backwards"
@@ -78,39 +78,39 @@ async def test_adapter_pointer_never_moves_back_under_concurrent_writers(redis_u
 
 async def test_an_older_writer_cannot_overwrite_a_newer_version(registry: RedisStore) -> None:
     job_id = f"older-{new_id()}"
-    assert await registry.publish_adapter(job_id, 5, "file:///v5", 5)
-    assert not await registry.publish_adapter(job_id, 4, "file:///v4", 4)
-    assert not await registry.publish_adapter(job_id, 5, "file:///other", 5)  # replay
-    pointer = await registry.adapter(job_id)
+    assert await registry.adapters.publish(job_id, 5, "file:///v5", 5)
+    assert not await registry.adapters.publish(job_id, 4, "file:///v4", 4)
+    assert not await registry.adapters.publish(job_id, 5, "file:///other", 5)  # replay
+    pointer = await registry.adapters.get(job_id)
     assert pointer is not None and (pointer.version, pointer.uri, pointer.step) == (
         5,
         "file:///v5",
         5,
     )
-    assert (await registry.adapters())[job_id] == pointer
-    assert await registry.adapter(f"none-{new_id()}") is None
+    assert (await registry.adapters.all())[job_id] == pointer
+    assert await registry.adapters.get(f"none-{new_id()}") is None
 
 
 async def test_job_registry_registers_once_and_terminal_status_sticks(registry: RedisStore) -> None:
     job_id = f"job-{new_id()}"
-    assert await registry.register_job(spec(job_id))
-    assert not await registry.register_job(spec(job_id, tenant="someone-else"))  # redelivery
-    record = await registry.job(job_id)
+    assert await registry.jobs.register(spec(job_id))
+    assert not await registry.jobs.register(spec(job_id, tenant="someone-else"))  # redelivery
+    record = await registry.jobs.get(job_id)
     assert record is not None and record.spec == spec(job_id) and record.status == "pending"
-    assert job_id in await registry.job_ids()
+    assert job_id in await registry.jobs.ids()
 
-    assert await registry.set_job_status(job_id, "running")
-    assert await registry.set_job_status(job_id, "paused", "tenant asked")
-    record = await registry.job(job_id)
+    assert await registry.jobs.set_status(job_id, "running")
+    assert await registry.jobs.set_status(job_id, "paused", "tenant asked")
+    record = await registry.jobs.get(job_id)
     assert record is not None and (record.status, record.reason) == ("paused", "tenant asked")
-    assert await registry.set_job_status(job_id, "completed")
-    assert not await registry.set_job_status(job_id, "running")  # a late message cannot revive it
-    record = await registry.job(job_id)
+    assert await registry.jobs.set_status(job_id, "completed")
+    assert not await registry.jobs.set_status(job_id, "running")  # a late message cannot revive it
+    record = await registry.jobs.get(job_id)
     assert record is not None and record.status == "completed"
 
     with pytest.raises(UnknownJobError, match="unknown job"):
-        await registry.set_job_status(f"missing-{new_id()}", "running")
-    assert await registry.job(f"missing-{new_id()}") is None
+        await registry.jobs.set_status(f"missing-{new_id()}", "running")
+    assert await registry.jobs.get(f"missing-{new_id()}") is None
 
 
 async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url: str) -> None:
@@ -119,7 +119,7 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
     try:
 
         async def claim(replica: RedisStore) -> tuple[int, int] | None:
-            group = await replica.try_issue_group(
+            group = await replica.flow.try_issue_group(
                 job_id, max_staleness=1, groups_per_step=4, max_groups=100
             )
             return None if group is None else (group.index, group.trained_version)
@@ -133,7 +133,7 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
         assert not await trained(replicas[1], job_id, 0)  # the pointer never moves back
         claims = await asyncio.gather(*(claim(replicas[i % 4]) for i in range(20)))
         assert sorted(c for c in claims if c is not None) == [(i, 1) for i in range(8, 12)]
-        assert await replicas[2].flow(job_id) == FlowState(
+        assert await replicas[2].flow.state(job_id) == FlowState(
             issued_groups=12, dropped_groups=0, trained_version=1
         )
     finally:
@@ -143,13 +143,13 @@ async def test_flow_control_issues_exactly_the_bound_under_concurrency(redis_url
 
 async def trained(store: RedisStore, job_id: str, version: int) -> bool:
     """What the trainer does once `version` is durable: move the adapter pointer."""
-    return await store.publish_adapter(job_id, version, f"/artifacts/{job_id}/v{version}", version)
+    return await store.adapters.publish(job_id, version, f"/artifacts/{job_id}/v{version}", version)
 
 
 async def claim_index(
     store: RedisStore, job_id: str, *, max_staleness: int, groups_per_step: int, max_groups: int
 ) -> int | None:
-    group = await store.try_issue_group(
+    group = await store.flow.try_issue_group(
         job_id,
         max_staleness=max_staleness,
         groups_per_step=groups_per_step,
@@ -178,10 +178,10 @@ async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
         return await claim_index(registry, job_id, max_staleness=0, groups_per_step=2, max_groups=4)
 
     assert [await claim(), await claim(), await claim()] == [0, 1, None]
-    dropped = await registry.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
+    dropped = await registry.flow.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
     assert dropped == DroppedGroup(counted=True, dropped_groups=1, failed_in_a_row=1)
     # Replayed after a crash: counted once, so the window is not widened twice.
-    replayed = await registry.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
+    replayed = await registry.flow.record_dropped_group(job_id, f"{job_id}/g0", invalid=True)
     assert replayed == DroppedGroup(counted=False, dropped_groups=1, failed_in_a_row=1)
     assert [await claim(), await claim()] == [2, None]  # one replacement, no more
     await trained(registry, job_id, 1)
@@ -189,19 +189,19 @@ async def test_dropped_groups_are_replaced_and_the_job_total_is_capped(
     await trained(registry, job_id, 5)
     assert await claim() is None
     # A trained step ended the run of failed groups.
-    assert await registry.flow(job_id) == FlowState(
+    assert await registry.flow.state(job_id) == FlowState(
         issued_groups=5, dropped_groups=1, trained_version=5, failed_in_a_row=0
     )
 
 
 async def test_dedup_sets(registry: RedisStore) -> None:
     job_id = f"dedup-{new_id()}"
-    assert await registry.mark_seen("trained", job_id, "group-1")
-    assert not await registry.mark_seen("trained", job_id, "group-1")
-    assert await registry.seen("trained", job_id, "group-1")
-    assert not await registry.seen("issued", job_id, "group-1")  # scopes are separate
-    await registry.forget_seen("trained", job_id, "group-1")
-    assert not await registry.seen("trained", job_id, "group-1")
+    assert await registry.dedup.mark_seen("trained", job_id, "group-1")
+    assert not await registry.dedup.mark_seen("trained", job_id, "group-1")
+    assert await registry.dedup.seen("trained", job_id, "group-1")
+    assert not await registry.dedup.seen("issued", job_id, "group-1")  # scopes are separate
+    await registry.dedup.forget_seen("trained", job_id, "group-1")
+    assert not await registry.dedup.seen("trained", job_id, "group-1")
 
 
 async def test_unreachable_redis_fails_with_its_address() -> None:
@@ -214,11 +214,11 @@ async def test_stats_keep_latest_values_and_a_time_ordered_history(registry: Red
     replica = f"test-{new_id()[:8]}"
     for busy_s in (1.0, 2.5, 4.0):
         stats = RolloutReplicaStats(busy_s=busy_s, uptime_s=5.0)
-        await registry.put_replica_stats(replica, stats, ttl_s=60)
-    assert (await registry.replica_stats())[replica] == RolloutReplicaStats(
+        await registry.replicas.put_stats(replica, stats, ttl_s=60)
+    assert (await registry.replicas.stats())[replica] == RolloutReplicaStats(
         busy_s=4.0, uptime_s=5.0
     )
-    history = (await registry.replica_stats_history())[replica]
+    history = (await registry.replicas.stats_history())[replica]
     assert [sample.busy_s for sample in history] == [1.0, 2.5, 4.0]
     assert all(sample.uptime_s == 5.0 for sample in history)
     times = [sample.at or 0.0 for sample in history]

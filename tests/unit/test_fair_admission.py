@@ -171,7 +171,7 @@ def spec_of(name: str, tenant: str) -> JobSpec:
 
 async def registered(backend: MemoryBackend, *specs: JobSpec) -> None:
     for spec in specs:
-        assert await backend.store.register_job(spec)
+        assert await backend.store.jobs.register(spec)
 
 
 async def read(prompts: Inbox, service: RolloutService, requests: list[GenerationRequest]) -> None:
@@ -496,7 +496,7 @@ async def test_a_cancelled_jobs_work_stops_and_its_requests_are_released_unserve
         await read(prompts, service, requests)
         await engine.until_entered(2)  # globex's and acme's first (fair shares)
         assert await service.drop_stopped() == 0  # nothing has ended
-        assert await backend.store.set_job_status(acme.job_id, "cancelled")
+        assert await backend.store.jobs.set_status(acme.job_id, "cancelled")
         assert await service.drop_stopped() == 1
         engine.let_out(requests[0])
         await asyncio.wait_for(all_committable_after(prompts, len(requests)), 10)
@@ -510,7 +510,7 @@ async def test_a_cancelled_jobs_work_stops_and_its_requests_are_released_unserve
         assert len(engine.entered) == 2
         # A completed job is not stopped: its final version is still evaluated (a request of
         # it is served as any other).
-        assert await backend.store.set_job_status(globex.job_id, "completed")
+        assert await backend.store.jobs.set_status(globex.job_id, "completed")
         after_completion = request_for(globex.job_id, 1, 0)
         await prompts.hand(service.on_request, after_completion)
         await engine.until_entered(3)

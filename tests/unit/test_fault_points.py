@@ -71,7 +71,7 @@ async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
 ) -> None:
     spec = await running_job(memory, "crash", issued=0)
     # env_svc issued group 0 (the ledger's `issued` entry).
-    assert await memory.store.try_issue_group(
+    assert await memory.store.flow.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
     )
     crashed = trainer_service(memory, tiny_dir, tmp_path)
@@ -92,14 +92,14 @@ async def test_a_trainer_killed_mid_step_is_finished_by_the_next_owner(
     for record in records:
         await again.hand(owner.on_trajectory, record)
     await owner.train_once()
-    pointer = await memory.store.adapter(spec.job_id)
+    pointer = await memory.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1
     updates = await memory.sent(Topic.ADAPTERS, spec.job_id, expect=1)
     assert {u.version for u in updates} == {1}  # type: ignore[union-attr]
     assert again.committable == 2
     report = audit(
         spec.job_id,
-        await memory.store.ledger(spec.job_id),
+        await memory.store.flow.ledger(spec.job_id),
         status="running",
         groups_per_step=1,
         pointer_version=pointer.version,

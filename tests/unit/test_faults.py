@@ -108,7 +108,7 @@ async def test_a_job_whose_environment_raises_anything_is_rejected_with_the_reas
     await Inbox(Topic.JOBS).hand(env_service(backend, tokenizer).handle, spec)
     (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
     assert rejected.reason == "RuntimeError: chaos: a bug in the environment's constructor"
-    assert await backend.store.job(spec.job_id) is None
+    assert await backend.store.jobs.get(spec.job_id) is None
 
 
 async def test_a_job_that_does_not_decode_but_names_itself_is_rejected_with_the_reason(
@@ -345,19 +345,30 @@ async def test_the_periodic_tasks_end_when_their_service_stops(
 
 
 class FlakyStore:
-    """The backend's store; `method` raises a Redis connection error its first `times` calls."""
+    """The backend's store; `method` (a part's, "adapters.publish") raises a Redis connection
+    error its first `times` calls."""
 
     def __init__(self, store: Any, method: str, times: int) -> None:
-        self._store, self._method, self.left = store, method, times
+        self._store, self.left = store, times
+        self._part, self._method = method.split(".")
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._store, name)
-        if name != self._method:
+        return _FlakyPart(self, real) if name == self._part else real
+
+
+class _FlakyPart:
+    def __init__(self, store: FlakyStore, part: Any) -> None:
+        self._store, self._part = store, part
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._part, name)
+        if name != self._store._method:
             return real
 
         async def flaky(*args: Any, **kwargs: Any) -> Any:
-            if self.left > 0:
-                self.left -= 1
+            if self._store.left > 0:
+                self._store.left -= 1
                 raise RedisConnectionError("Connection closed by server.")
             return await real(*args, **kwargs)
 
@@ -368,7 +379,7 @@ async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
     backend: Backend, tiny_dir: Path, tmp_path: Path
 ) -> None:
     spec = job_spec("blip", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
-    store = FlakyStore(backend.store, "publish_adapter", times=2)
+    store = FlakyStore(backend.store, "adapters.publish", times=2)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store)
     await service.load_model()
     await register_running(backend.store, spec)
@@ -377,9 +388,9 @@ async def test_trainer_publishes_a_trained_step_through_a_redis_blip(
         await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
     assert await service.train_once()
     assert store.left == 0 and inbox.committable == 2
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1
-    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    assert await backend.store.dedup.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     (update,) = await backend.sent(Topic.ADAPTERS, spec.job_id, expect=1)
     assert update.version == 1  # type: ignore[union-attr]
 
@@ -393,25 +404,25 @@ async def test_a_version_another_writer_already_holds_is_never_announced(
     service = trainer_service(backend, tiny_dir, tmp_path)
     await service.load_model()
     await register_running(backend.store, spec)
-    await backend.store.publish_adapter(spec.job_id, 1, "file:///elsewhere/v1", 1)
+    await backend.store.adapters.publish(spec.job_id, 1, "file:///elsewhere/v1", 1)
     inbox = Inbox(Topic.TRAJECTORIES)
     for sample, reward in enumerate((0.0, 1.0)):
         await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, reward, 0))
     await service.train_once()
     assert await backend.sent(Topic.ADAPTERS, spec.job_id, expect=0) == []
     assert spec.job_id not in service.jobs
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.uri == "file:///elsewhere/v1"
 
 
 async def test_the_pointer_and_its_trained_groups_move_in_one_step(backend: Backend) -> None:
     job_id = f"atomic-{new_id()[:8]}"
     store = backend.store
-    assert await store.publish_adapter(job_id, 1, "/a/v1", 1, [f"{job_id}/g0", f"{job_id}/g1"])
-    assert await store.seen(TRAINED, job_id, f"{job_id}/g1")
+    assert await store.adapters.publish(job_id, 1, "/a/v1", 1, [f"{job_id}/g0", f"{job_id}/g1"])
+    assert await store.dedup.seen(TRAINED, job_id, f"{job_id}/g1")
     # A replayed or older publish moves nothing and marks nothing.
-    assert not await store.publish_adapter(job_id, 1, "/a/v1", 1, [f"{job_id}/g9"])
-    assert not await store.seen(TRAINED, job_id, f"{job_id}/g9")
+    assert not await store.adapters.publish(job_id, 1, "/a/v1", 1, [f"{job_id}/g9"])
+    assert not await store.dedup.seen(TRAINED, job_id, f"{job_id}/g9")
 
 
 # --- trainer_svc: bad records, bad steps and finished jobs never wedge a partition --------
@@ -440,10 +451,10 @@ async def quiet_half_group(backend: Backend, service: TrainerService, name: str)
     """A running job whose one group (g0) got 1 of its 2 trajectories, then nothing for
     longer than the 0.5 s `group_timeout_s` these tests give the trainer."""
     spec = await running_job(backend, name, issued=0)
-    await backend.store.try_issue_group(
+    await backend.store.flow.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
     )
-    await backend.store.finish_claim(spec.job_id, 0)
+    await backend.store.flow.finish_claim(spec.job_id, 0)
     await Inbox(Topic.TRAJECTORIES).hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
     await asyncio.sleep(0.6)
     return spec
@@ -463,7 +474,7 @@ async def test_a_job_whose_groups_keep_failing_fails_with_the_reason(
             )
             await inbox.hand(service.on_trajectory, failed)
         assert not await service.train_once()  # dropped, not trained
-    record = await backend.store.job(spec.job_id)
+    record = await backend.store.jobs.get(spec.job_id)
     assert record is not None and record.status == "failed"
     assert "2 groups in a row had no usable rewards" in record.reason
     assert "tool server unreachable" in record.reason
@@ -498,9 +509,9 @@ async def test_groups_that_become_ready_while_a_drop_is_sent_are_trained(
 
     service.roster.drop = drop_while_group_1_completes  # type: ignore[method-assign,assignment]
     assert await service.train_once()
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1
-    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
+    assert await backend.store.dedup.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
     assert inbox.committable == 4
 
 
@@ -517,24 +528,26 @@ async def test_the_lost_groups_of_a_job_without_progress_are_dropped_and_replace
     spec = job_spec("quiet", group_size=2, groups_per_step=2, max_staleness=1, max_steps=3)
     await register_running(backend.store, spec, issued=0)
     for index in range(3):  # issued and sent; g0 half-arrives, g1 and g2 never do
-        await backend.store.try_issue_group(
+        await backend.store.flow.try_issue_group(
             spec.job_id, max_staleness=1, groups_per_step=2, max_groups=6
         )
-        await backend.store.finish_claim(spec.job_id, index)
+        await backend.store.flow.finish_claim(spec.job_id, index)
     inbox = Inbox(Topic.TRAJECTORIES)
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
     await service.sweep_finished()
-    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g{i}" for i in range(3)]
+    assert await backend.store.flow.live_groups(spec.job_id) == [
+        f"{spec.job_id}/g{i}" for i in range(3)
+    ]
     await asyncio.sleep(2.1)
     await service.sweep_finished()
     drops = await backend.sent(Topic.CONTROL, spec.job_id, expect=3)
     assert sorted(d.group_id for d in drops) == [f"{spec.job_id}/g{i}" for i in range(3)]  # type: ignore[union-attr]
     assert any("1 of 2 trajectories after" in d.reason for d in drops)  # type: ignore[union-attr]
-    assert await backend.store.live_groups(spec.job_id) == []
+    assert await backend.store.flow.live_groups(spec.job_id) == []
     assert inbox.committable == 1  # the half group's trajectory is released
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 0.0, 0))  # too late
     assert inbox.committable == 2 and not service.jobs[spec.job_id].filling
-    counted = await backend.store.record_dropped_group(
+    counted = await backend.store.flow.record_dropped_group(
         spec.job_id, f"{spec.job_id}/g0", invalid=False
     )
     assert not counted.counted  # dropped once
@@ -549,11 +562,11 @@ async def test_a_paused_jobs_lost_groups_are_dropped_and_release_their_commits(
     service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.5)
     await service.load_model()
     spec = await quiet_half_group(backend, service, "paused-lost")
-    assert await backend.store.set_job_status(spec.job_id, "paused")
+    assert await backend.store.jobs.set_status(spec.job_id, "paused")
     await service.sweep_finished()
     (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
     assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
-    assert await backend.store.live_groups(spec.job_id) == []
+    assert await backend.store.flow.live_groups(spec.job_id) == []
 
 
 async def test_a_replica_that_lost_the_job_cannot_drop_its_groups(
@@ -564,10 +577,10 @@ async def test_a_replica_that_lost_the_job_cannot_drop_its_groups(
     service = trainer_service(backend, tiny_dir, tmp_path, group_timeout_s=0.5)
     await service.load_model()
     spec = await quiet_half_group(backend, service, "fenced-drop")
-    await backend.store.take_over(spec.job_id)  # another replica's newer epoch
+    await backend.store.adapters.take_over(spec.job_id)  # another replica's newer epoch
     await service.sweep_finished()
     assert await backend.sent(Topic.CONTROL, spec.job_id, expect=0) == []
-    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    assert await backend.store.flow.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
     assert spec.job_id not in service.jobs
 
 
@@ -576,16 +589,18 @@ async def test_a_redis_blip_during_the_lost_group_sweep_waits_for_the_next_sweep
 ) -> None:
     """Chaos run 7: Redis restarted while the sweep read a job's ledger, and the error
     stopped the trainer's step loop, so the replica exited."""
-    store = FlakyStore(backend.store, "last_activity", times=1)
+    store = FlakyStore(backend.store, "flow.last_activity", times=1)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store, group_timeout_s=0.5)
     await service.load_model()
     spec = await quiet_half_group(backend, service, "blip-sweep")
     await service.sweep_finished()  # the blip: nothing dropped, nothing raised
-    assert store.left == 0 and await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    assert store.left == 0 and await backend.store.flow.live_groups(spec.job_id) == [
+        f"{spec.job_id}/g0"
+    ]
     await service.sweep_finished()
     (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)
     assert drop.group_id == f"{spec.job_id}/g0"  # type: ignore[union-attr]
-    assert await backend.store.live_groups(spec.job_id) == []
+    assert await backend.store.flow.live_groups(spec.job_id) == []
 
 
 class CompletingDuringDrop:
@@ -595,15 +610,24 @@ class CompletingDuringDrop:
     def __init__(self, store: Any, arrive: Callable[[], Awaitable[None]]) -> None:
         self._store, self._arrive = store, arrive
         self.arrived = False
+        self.flow = _ArrivingFlow(self, store.flow)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
+
+class _ArrivingFlow:
+    def __init__(self, store: CompletingDuringDrop, flow: Any) -> None:
+        self._store, self._flow = store, flow
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._flow, name)
+
     async def record_dropped_group(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.arrived:
-            self.arrived = True
-            await self._arrive()
-        return await self._store.record_dropped_group(*args, **kwargs)
+        if not self._store.arrived:
+            self._store.arrived = True
+            await self._store._arrive()
+        return await self._flow.record_dropped_group(*args, **kwargs)
 
 
 async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_dropped(
@@ -625,17 +649,17 @@ async def test_a_group_completing_while_lost_groups_are_dropped_is_trained_not_d
     await service.load_model()
     await register_running(backend.store, spec, issued=0)
     for index in range(2):  # issued and sent
-        await backend.store.try_issue_group(
+        await backend.store.flow.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=2, max_groups=4
         )
-        await backend.store.finish_claim(spec.job_id, index)
+        await backend.store.flow.finish_claim(spec.job_id, index)
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))
     await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, 0))
     await asyncio.sleep(0.6)
     await service.sweep_finished()  # drops g0; g1 completes meanwhile
     assert store.arrived
     groups = [f"{spec.job_id}/g{i}" for i in (0, 1)]
-    assert await backend.store.dropped_among(spec.job_id, groups) == {groups[0]}
+    assert await backend.store.dedup.dropped_among(spec.job_id, groups) == {groups[0]}
     assert [g.group_id for g in service.jobs[spec.job_id].ready] == [f"{spec.job_id}/g1"]
 
 
@@ -644,7 +668,7 @@ async def test_a_redis_blip_while_checking_for_dropped_groups_is_waited_out(
 ) -> None:
     """Chaos run 9: the check for groups dropped elsewhere met a Valkey restart and stopped
     the trainer's step loop (the replica exited)."""
-    store = FlakyStore(backend.store, "dropped_among", times=2)
+    store = FlakyStore(backend.store, "dedup.dropped_among", times=2)
     service = trainer_service(backend, tiny_dir, tmp_path, store=store)
     await service.load_model()
     spec = await running_job(backend, "blip-dropped")
@@ -665,12 +689,12 @@ async def test_a_group_another_replica_dropped_is_never_trained_here(
     await service.load_model()
     spec = await running_job(backend, "dropped-elsewhere", issued=0)
     for index in range(2):  # g0 issued and dropped as lost elsewhere, g1 its replacement
-        await backend.store.try_issue_group(
+        await backend.store.flow.try_issue_group(
             spec.job_id, max_staleness=0, groups_per_step=1, max_groups=3
         )
-        await backend.store.finish_claim(spec.job_id, index)
+        await backend.store.flow.finish_claim(spec.job_id, index)
         if index == 0:
-            await backend.store.record_dropped_group(
+            await backend.store.flow.record_dropped_group(
                 spec.job_id, f"{spec.job_id}/g0", invalid=False
             )
     inbox = Inbox(Topic.TRAJECTORIES)
@@ -679,11 +703,11 @@ async def test_a_group_another_replica_dropped_is_never_trained_here(
             await inbox.hand(service.on_trajectory, trajectory(spec, group, sample, sample, 0))
     assert await service.train_once()
     assert inbox.committable == 4  # g0's trajectories released, g1 trained
-    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
-    assert not await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    assert await backend.store.dedup.seen(TRAINED, spec.job_id, f"{spec.job_id}/g1")
+    assert not await backend.store.dedup.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     report = audit(
         spec.job_id,
-        await backend.store.ledger(spec.job_id),
+        await backend.store.flow.ledger(spec.job_id),
         status="running",
         groups_per_step=1,
         pointer_version=1,
@@ -708,7 +732,7 @@ async def test_late_copies_of_a_closed_group_and_a_cancelled_jobs_groups_are_not
 
     await inbox.hand(service.on_trajectory, trajectory(spec, 1, 0, 0.0, 1))  # half a group
     assert inbox.committable == 3
-    await backend.store.set_job_status(spec.job_id, "cancelled")
+    await backend.store.jobs.set_status(spec.job_id, "cancelled")
     await service.sweep_finished()
     assert inbox.committable == 4 and spec.job_id not in service.jobs
 
@@ -737,7 +761,7 @@ async def test_records_that_do_not_fit_their_job_are_never_trained(
     assert f"outside the vocabulary of {vocab}" in dropped.reason  # type: ignore[union-attr]
     assert "5 tokens, 2 mask entries" in dropped.reason  # type: ignore[union-attr]
     assert inbox.committable == 6
-    assert await backend.store.adapter(spec.job_id) is None  # g64 was never trained
+    assert await backend.store.adapters.get(spec.job_id) is None  # g64 was never trained
     assert service.jobs[spec.job_id].filling == {}
 
 
@@ -760,9 +784,9 @@ async def test_a_step_that_raises_costs_only_its_own_job(
         for sample in range(2):
             await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
     assert await service.train_once()  # the shared step fails; each job is tried alone
-    pointer = await backend.store.adapter(good.job_id)
+    pointer = await backend.store.adapters.get(good.job_id)
     assert pointer is not None and pointer.version == 1
-    assert await backend.store.adapter(bad.job_id) is None
+    assert await backend.store.adapters.get(bad.job_id) is None
     (dropped,) = await backend.sent(Topic.CONTROL, bad.job_id, expect=1)
     assert "training failed: RuntimeError: CPU out of memory" in dropped.reason  # type: ignore[union-attr]
     assert inbox.committable == 4
@@ -793,13 +817,13 @@ async def test_a_full_disk_costs_the_job_its_step_not_the_trainer(
             await inbox.hand(service.on_trajectory, trajectory(spec, 0, sample, float(sample), 0))
     before = service.policy.adapter_state(full.job_id)
     assert await service.train_once()
-    pointer = await backend.store.adapter(good.job_id)
+    pointer = await backend.store.adapters.get(good.job_id)
     assert pointer is not None and pointer.version == 1
-    assert await backend.store.adapter(full.job_id) is None
+    assert await backend.store.adapters.get(full.job_id) is None
     for name, tensor in service.policy.adapter_state(full.job_id).items():
         assert torch.equal(tensor, before[name]), name  # back to its saved (fresh) weights
     assert await service.train_once()  # room again: the same groups, trained once
-    pointer = await backend.store.adapter(full.job_id)
+    pointer = await backend.store.adapters.get(full.job_id)
     assert pointer is not None and pointer.version == 1
     assert inbox.committable == 4
 
@@ -807,7 +831,7 @@ async def test_a_full_disk_costs_the_job_its_step_not_the_trainer(
 async def test_env_svc_rejects_a_context_longer_than_the_engine_serves(
     backend: Backend, tokenizer: ChatTokenizer
 ) -> None:
-    await backend.store.put_replica_stats(
+    await backend.store.replicas.put_stats(
         "rollout-1", RolloutReplicaStats(max_model_len=1024.0), ttl_s=60
     )
     spec = job_spec("long", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
@@ -826,7 +850,7 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
     spec = job_spec("orphan", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await register_running(backend.store, spec, issued=0)
     # Another replica claimed group 0, then died before sending its requests.
-    claimed = await backend.store.try_issue_group(
+    claimed = await backend.store.flow.try_issue_group(
         spec.job_id, max_staleness=0, groups_per_step=1, max_groups=2
     )
     assert claimed is not None and claimed.index == 0
@@ -843,7 +867,7 @@ async def test_a_group_claimed_by_a_replica_that_died_is_sent_again(
 
     # The trainer dropped group 0, and the GroupDropped that should have prompted a
     # replacement never arrived: the sweep issues it (its claim finished as it goes).
-    await backend.store.record_dropped_group(spec.job_id, f"{spec.job_id}/g0", invalid=False)
+    await backend.store.flow.record_dropped_group(spec.job_id, f"{spec.job_id}/g0", invalid=False)
     assert await service.sweep_claims() == 0
     requests = await backend.sent(Topic.PROMPTS, spec.job_id, expect=4)
     assert sorted(r.episode_id for r in requests)[2:] == [  # type: ignore[union-attr]
@@ -870,11 +894,11 @@ async def test_a_new_owner_publishes_a_step_that_was_saved_but_never_announced(
     await owner.load_model()
     inbox = Inbox(Topic.TRAJECTORIES)
     await inbox.hand(owner.on_trajectory, trajectory(spec, 0, 0, 1.0, 0))  # redelivered
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1
     (update,) = await backend.sent(Topic.ADAPTERS, spec.job_id, expect=1)
     assert update.version == 1  # type: ignore[union-attr]
-    assert await backend.store.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
+    assert await backend.store.dedup.seen(TRAINED, spec.job_id, f"{spec.job_id}/g0")
     assert inbox.committable == 1  # its group was trained: not held
 
 
@@ -894,7 +918,7 @@ async def test_a_job_whose_checkpoint_cannot_be_loaded_fails_with_the_reason(
     await owner.load_model()
     inbox = Inbox(Topic.TRAJECTORIES)
     await inbox.hand(owner.on_trajectory, trajectory(spec, 1, 0, 1.0, 1))
-    record = await backend.store.job(spec.job_id)
+    record = await backend.store.jobs.get(spec.job_id)
     assert record is not None and record.status == "failed"
     assert record.reason.startswith("its checkpoint could not be loaded")
     (failed,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "failed")
@@ -918,13 +942,13 @@ async def test_a_replica_that_lost_a_job_can_neither_publish_nor_overwrite_it(
 
     assert await old.train_once()  # trained, saved under its own epoch, refused at publish
     assert spec.job_id not in old.jobs
-    assert await backend.store.adapter(spec.job_id) is None
+    assert await backend.store.adapters.get(spec.job_id) is None
     assert old_inbox.committable == 0  # left for the new owner
     assert await backend.sent(Topic.ADAPTERS, spec.job_id, expect=0) == []
 
     await new_inbox.hand(new.on_trajectory, trajectory(spec, 0, 1, 1.0, 0))
     assert await new.train_once()
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1 and pointer.uri.endswith("/v1.e2")
     published = Path(pointer.uri.removeprefix("file://"))
     assert (published.parent / "v1.e1").is_dir()  # the loser's bytes went elsewhere
@@ -969,7 +993,7 @@ async def test_a_revocation_waits_for_the_step_in_progress(
     assert await step
     await asyncio.wait_for(revoke, 10)
     assert spec.job_id not in service.jobs
-    pointer = await backend.store.adapter(spec.job_id)
+    pointer = await backend.store.adapters.get(spec.job_id)
     assert pointer is not None and pointer.version == 1
 
 
@@ -1013,11 +1037,11 @@ async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_hand
             version:
         ]
         await control.hand(env.handle, update)  # widens the window: the next group
-    job = await backend.store.job(spec.job_id)
+    job = await backend.store.jobs.get(spec.job_id)
     assert job is not None and job.status == "completed"
     report = audit(
         spec.job_id,
-        await backend.store.ledger(spec.job_id),
+        await backend.store.flow.ledger(spec.job_id),
         status=job.status,
         groups_per_step=1,
         pointer_version=2,
@@ -1026,7 +1050,7 @@ async def test_the_ledger_accounts_for_every_group_of_a_job_run_through_the_hand
     )
     assert report.ok, report.problems
     assert (report.issued, report.trained_groups, report.versions) == (2, 2, 2)
-    kinds = [entry["kind"] for entry in await backend.store.ledger(spec.job_id)]
+    kinds = [entry["kind"] for entry in await backend.store.flow.ledger(spec.job_id)]
     assert kinds == ["issued", "sent", "trained", "issued", "sent", "trained"]
 
 
@@ -1057,7 +1081,7 @@ async def test_groups_are_not_dropped_as_lost_while_their_trajectories_may_be_un
     spec = await quiet_half_group(backend, service, "backlog")
     await service.sweep_finished()
     assert backlog.asked == [(Topic.TRAJECTORIES.value, service.jobs[spec.job_id].partition)]
-    assert await backend.store.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
+    assert await backend.store.flow.live_groups(spec.job_id) == [f"{spec.job_id}/g0"]
     backlog.behind = False  # read to the end: what has not come is lost
     await service.sweep_finished()
     (drop,) = await backend.sent(Topic.CONTROL, spec.job_id, expect=1)

@@ -77,21 +77,21 @@ async def test_env_svc_issues_exactly_the_groups_the_window_allows(
     assert sorted({r.group_id for r in issued}) == [f"{job_id}/g{i}" for i in range(4)]
     assert {r.min_adapter_version for r in issued} == {0}
     assert len(events(await backend.sent(Topic.EVENTS, job_id, expect=1), "accepted")) == 1
-    record = await backend.store.job(job_id)
+    record = await backend.store.jobs.get(job_id)
     assert record is not None and record.status == "running"
 
     await jobs.hand(service.handle, spec)  # redelivered: nothing new
     assert len(await requests(4 * G)) == 4 * G
 
     # The trainer moved the pointer (the trained version) and announced it: B more groups.
-    await backend.store.publish_adapter(job_id, 1, adapter_uri(job_id, 1), 1)
+    await backend.store.adapters.publish(job_id, 1, adapter_uri(job_id, 1), 1)
     await rollouts.hand(service.handle, adapter_update(job_id, 1))
     issued = await requests(6 * G)
     assert len(issued) == 6 * G
     assert {r.min_adapter_version for r in issued[4 * G :]} == {1}
 
     # A dropped group is counted out of the window and replaced, once.
-    await backend.store.record_dropped_group(job_id, f"{job_id}/g0", invalid=False)
+    await backend.store.flow.record_dropped_group(job_id, f"{job_id}/g0", invalid=False)
     await rollouts.hand(
         service.handle,
         GroupDropped(job_id=job_id, group_id=f"{job_id}/g0", verdict="dropped_stale"),
@@ -100,7 +100,7 @@ async def test_env_svc_issues_exactly_the_groups_the_window_allows(
 
     # Paused: a new version issues nothing until the job is resumed.
     await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="pause"))
-    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
+    await backend.store.adapters.publish(job_id, 2, adapter_uri(job_id, 2), 2)
     await rollouts.hand(service.handle, adapter_update(job_id, 2))
     assert len(await requests(7 * G)) == 7 * G
     await jobs.hand(service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="resume"))
@@ -122,7 +122,7 @@ async def test_env_svc_rejects_a_bad_job_with_its_reason_and_issues_nothing(
     (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
     assert "unknown environment 'no-such-env'" in rejected.reason
     assert await backend.sent(Topic.PROMPTS, spec.job_id, expect=0) == []
-    assert await backend.store.job(spec.job_id) is None
+    assert await backend.store.jobs.get(spec.job_id) is None
 
 
 async def test_env_svc_turns_a_result_into_a_trajectory_once(
@@ -202,11 +202,11 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
     assert base[0].context_token_ids != base[1].context_token_ids  # three distinct tasks
     adapters = Inbox(Topic.ADAPTERS)
     for version in (1, 2, 2, 3):  # v2 redelivered: evaluated once
-        await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
+        await backend.store.adapters.publish(job_id, version, adapter_uri(job_id, version), version)
         await adapters.hand(service.handle, adapter_update(job_id, version))
     found = await evaluations(2 * 3 + 3)
     assert sorted(found) == [f"{job_id}/eval0"]  # v2 and v3 wait for the base's
-    states = await backend.store.evals(job_id)
+    states = await backend.store.evals.versions(job_id)
     assert (states[2], states[3]) == ("waiting", "waiting") and float(states[0]) > 0
     await answer_evaluation(service, tokenizer, base)
     found = await evaluations(2 * 3 + 2 * 3)
@@ -223,7 +223,7 @@ async def test_env_svc_evaluates_the_base_every_k_versions_and_the_final_one_gre
     await answer_evaluation(service, tokenizer, found[f"{job_id}/eval3"])
     steps = [e.step for e in events(await backend.sent(Topic.EVENTS, job_id, expect=4), "eval")]
     assert steps == [0, 2, 3]
-    assert await backend.store.evals(job_id) == {0: "done", 2: "done", 3: "done"}
+    assert await backend.store.evals.versions(job_id) == {0: "done", 2: "done", 3: "done"}
 
 
 async def test_a_job_evaluating_every_version_has_one_evaluation_in_flight(
@@ -246,7 +246,7 @@ async def test_a_job_evaluating_every_version_has_one_evaluation_in_flight(
     await Inbox(Topic.JOBS).hand(service.handle, spec)
     adapters, answered = Inbox(Topic.ADAPTERS), 0
     for version in range(1, 11):
-        await backend.store.publish_adapter(job_id, version, adapter_uri(job_id, version), version)
+        await backend.store.adapters.publish(job_id, version, adapter_uri(job_id, version), version)
         await adapters.hand(service.handle, adapter_update(job_id, version))
     for _ in range(11):
         sent = await backend.sent(Topic.PROMPTS, job_id, expect=10 * 2 + answered + 16)
@@ -306,7 +306,7 @@ async def test_env_svc_tallies_evaluation_episodes_once_and_sends_one_eval_event
     assert event.metrics["eval_episodes"] == 4 and event.metrics["eval_accuracy"] == 0.75
     assert event.metrics["eval_accuracy_stderr"] == pytest.approx((0.75 * 0.25 / 4) ** 0.5)
     assert event.metrics["eval_reward/correct"] == 0.75
-    assert await backend.store.evals(spec.job_id) == {0: "done"}
+    assert await backend.store.evals.versions(spec.job_id) == {0: "done"}
 
 
 async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
@@ -319,12 +319,12 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
     )
     job_id = spec.job_id
     for index in range(2):  # both counted, the event never sent
-        await backend.store.record_eval(
+        await backend.store.evals.record(
             job_id, 0, f"{job_id}/eval0/{index}", reward=1.0, solved=index == 0, components={}
         )
-    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
+    await backend.store.adapters.publish(job_id, 2, adapter_uri(job_id, 2), 2)
     # Reached while the base's evaluation is in flight: v2 waits for it.
-    assert not await backend.store.claim_eval(job_id, 2)
+    assert not await backend.store.evals.claim(job_id, 2)
     await asyncio.sleep(0.3)
     await service.sweep_claims()
     (event,) = events(await backend.sent(Topic.EVENTS, job_id, expect=2), "eval")
@@ -337,12 +337,12 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
         f"{job_id}/eval2/0",
         f"{job_id}/eval2/1",
     ]
-    evals = await backend.store.evals(job_id)
+    evals = await backend.store.evals.versions(job_id)
     assert evals[0] == "done" and evals[2] != "done"
     # One episode of v2 is counted, the other's result never comes (lost mid-episode): its
     # request alone is sent again, twice, then the evaluation ends with the episodes it has,
     # so a watcher waiting for it is not left waiting forever.
-    await backend.store.record_eval(
+    await backend.store.evals.record(
         job_id, 2, f"{job_id}/eval2/0", reward=0.0, solved=False, components={}
     )
     for _ in range(3):
@@ -355,7 +355,7 @@ async def test_env_svc_sweep_finishes_or_resends_an_evaluation_left_behind(
     assert v2[2:] == [f"{job_id}/eval2/1"] * 2
     final = events(await backend.sent(Topic.EVENTS, job_id, expect=3), "eval")[-1]
     assert (final.step, final.metrics["eval_episodes"]) == (2, 1)
-    assert (await backend.store.evals(job_id))[2] == "done"
+    assert (await backend.store.evals.versions(job_id))[2] == "done"
 
 
 async def test_an_evaluation_request_too_large_to_send_is_an_unsolved_episode(
@@ -369,7 +369,7 @@ async def test_an_evaluation_request_too_large_to_send_is_an_unsolved_episode(
     assert not [m for m in sent if isinstance(m, GenerationRequest)]
     (event,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=2), "eval")
     assert (event.metrics["eval_episodes"], event.metrics["eval_accuracy"]) == (2, 0.0)
-    assert await backend.store.evals(spec.job_id) == {0: "done"}
+    assert await backend.store.evals.versions(spec.job_id) == {0: "done"}
     failed = await backend.sent(Topic.TRAJECTORIES, spec.job_id, expect=2)
     assert all("over the 400-byte limit" in t.error for t in failed)  # type: ignore[union-attr]
 
@@ -381,7 +381,7 @@ async def test_a_waiting_evaluation_whose_start_was_lost_is_started_by_the_sweep
     starts it; a cancelled job's waiting evaluations end instead of holding its state."""
     service, spec, first_sent = await evaluated_job(backend, tokenizer, "lost", 2)
     job_id = spec.job_id
-    assert not await backend.store.claim_eval(job_id, 2)  # waits behind the base's
+    assert not await backend.store.evals.claim(job_id, 2)  # waits behind the base's
     await backend.store.client.hset(evals_key(job_id), "0", "done")  # finished, v2 not started
     await service.sweep_claims()
     sent = await backend.sent(Topic.PROMPTS, job_id, expect=len(first_sent) + 2)
@@ -389,12 +389,12 @@ async def test_a_waiting_evaluation_whose_start_was_lost_is_started_by_the_sweep
         f"{job_id}/eval2/0",
         f"{job_id}/eval2/1",
     ]
-    assert not await backend.store.claim_eval(job_id, 3)
+    assert not await backend.store.evals.claim(job_id, 3)
     await Inbox(Topic.JOBS).hand(
         service.handle, JobCommand(command_id=new_id(), job_id=job_id, action="cancel")
     )
     await service.sweep_claims()
-    assert set((await backend.store.evals(job_id)).values()) == {"done"}
+    assert set((await backend.store.evals.versions(job_id)).values()) == {"done"}
 
 
 # --- trainer_svc ------------------------------------------------------------------------
@@ -415,7 +415,7 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     await inbox.hand(service.on_trajectory, trajectory(spec, 0, 1, 1.0, version=0))
     assert await service.train_once()
     assert inbox.committable == 2
-    pointer = await backend.store.adapter(job_id)
+    pointer = await backend.store.adapters.get(job_id)
     assert pointer is not None and pointer.version == 1
 
     # Group 1 was sampled with v0 (stale at S = 0), group 2 with v1.
@@ -433,7 +433,7 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     (dropped,) = await backend.sent(Topic.CONTROL, job_id, expect=1)
     assert isinstance(dropped, GroupDropped)
     assert (dropped.group_id, dropped.verdict) == (f"{job_id}/g1", "dropped_stale")
-    assert (await backend.store.flow(job_id)).dropped_groups == 1
+    assert (await backend.store.flow.state(job_id)).dropped_groups == 1
     sent_events = await backend.sent(Topic.EVENTS, job_id, expect=4)
     assert [e.event for e in sent_events] == [  # type: ignore[union-attr]
         "step",
@@ -444,7 +444,7 @@ async def test_trainer_drops_stale_groups_trains_b_and_publishes_each_version_on
     steps = events(sent_events, "step")
     assert [s.metrics["samples"] for s in steps] == [2.0, 2.0]
     assert all(s.metrics["mean_reward"] == 0.5 for s in steps)
-    record = await backend.store.job(job_id)
+    record = await backend.store.jobs.get(job_id)
     assert record is not None and record.status == "completed"
 
     # A redelivered trajectory of the finished job is neither trained nor held.
@@ -553,7 +553,7 @@ async def test_trainer_resamples_groups_without_signal_up_to_the_jobs_cap(
         (f"{job_id}/g0", "dropped_uniform"),
         (f"{job_id}/g2", "dropped_uniform"),
     ]
-    flow = await backend.store.flow(job_id)
+    flow = await backend.store.flow.state(job_id)
     assert (flow.dropped_groups, flow.failed_in_a_row) == (2, 0)
     sent_events = await backend.sent(Topic.EVENTS, job_id, expect=5)
     assert [e.event for e in sent_events] == [  # type: ignore[union-attr]
@@ -638,7 +638,7 @@ async def test_rollout_releases_a_prompt_only_after_its_result_was_sent(
     service = rollout_service(backend, engine)
     job_id = f"rollout-{new_id()[:8]}"
     # The pointer is at v1 but this replica never saw the broadcast: it reads the store.
-    await backend.store.publish_adapter(job_id, 1, adapter_uri(job_id, 1), 1)
+    await backend.store.adapters.publish(job_id, 1, adapter_uri(job_id, 1), 1)
     prompts = Inbox(Topic.PROMPTS)
     await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
     await prompts.hand(service.on_request, request_for(job_id, 1, min_adapter_version=1))
@@ -665,7 +665,7 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
     service = rollout_service(backend, engine)
     job_id = f"pinned-{new_id()[:8]}"
     for version in (1, 2):
-        await backend.store.publish_adapter(
+        await backend.store.adapters.publish(
             job_id, version, Path(adapter_uri(job_id, version)).as_uri(), version
         )
     await service.on_adapter(adapter_update(job_id, 2))
@@ -694,7 +694,7 @@ async def test_rollout_forgets_a_job_idle_past_its_time_and_reads_it_again(
     engine.gate.set()
     service = rollout_service(backend, engine)
     job_id = f"idle-{new_id()[:8]}"
-    await backend.store.publish_adapter(job_id, 1, Path(adapter_uri(job_id, 1)).as_uri(), 1)
+    await backend.store.adapters.publish(job_id, 1, Path(adapter_uri(job_id, 1)).as_uri(), 1)
     await service.on_adapter(adapter_update(job_id, 1))
     prompts = Inbox(Topic.PROMPTS)
     await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=1))
@@ -718,11 +718,11 @@ async def test_env_svc_says_when_a_version_is_worse_than_the_base_on_held_out_ta
     its `eval` event carries the base's accuracy, a flag and the reason (issue 26)."""
     service, spec, _ = await evaluated_job(backend, tokenizer, "worse", 4, eval_timeout_s=0.2)
     job_id = spec.job_id
-    await backend.store.publish_adapter(job_id, 2, adapter_uri(job_id, 2), 2)
-    await backend.store.claim_eval(job_id, 2)
+    await backend.store.adapters.publish(job_id, 2, adapter_uri(job_id, 2), 2)
+    await backend.store.evals.claim(job_id, 2)
     for version, solved in ((0, 4), (2, 1)):
         for index in range(4):
-            await backend.store.record_eval(
+            await backend.store.evals.record(
                 job_id, version, f"{job_id}/eval{version}/{index}", reward=1.0 * (index < solved),
                 solved=index < solved, components={},
             )  # fmt: skip

@@ -49,9 +49,9 @@ def test_a_record_not_holding_a_spec_is_refused() -> None:
 async def test_a_store_reads_a_job_many_times_and_decodes_its_spec_once() -> None:
     store = memory_store()
     try:
-        await store.register_job(spec("j"), "running")
+        await store.jobs.register(spec("j"), "running")
         before = decodes()
-        records = [await store.job("j") for _ in range(50)]
+        records = [await store.jobs.get("j") for _ in range(50)]
         assert {r.status for r in records if r is not None} == {"running"}
         assert decodes() - before == 1
     finally:

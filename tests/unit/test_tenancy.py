@@ -61,7 +61,7 @@ async def test_a_job_id_stays_with_the_tenant_that_sent_it_first(
     jobs = Inbox(Topic.JOBS)
     spec = job_spec("owned", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await jobs.hand(service.handle, spec)
-    assert await backend.store.owner(spec.job_id) == "acme"
+    assert await backend.store.jobs.owner(spec.job_id) == "acme"
     hijack = msgspec.structs.replace(spec, tenant="mallory")
     broken = msgspec.structs.replace(hijack, env=EnvSettings(name="no-such-env"))
     for attempt in (hijack, broken):
@@ -73,7 +73,7 @@ async def test_a_job_id_stays_with_the_tenant_that_sent_it_first(
     sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=1)
     assert [e.event for e in events(sent, "accepted")] == ["accepted"]
     assert not events(sent, "rejected")
-    record = await backend.store.job(spec.job_id)
+    record = await backend.store.jobs.get(spec.job_id)
     assert record is not None and record.spec.tenant == "acme" and record.status == "running"
 
 
@@ -120,7 +120,7 @@ async def test_rollout_loads_only_the_adapters_the_trainer_published(backend: Ba
     service = rollout_service(backend, engine)
     job = job_spec("adapters", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     other = job_spec("other", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
-    await backend.store.publish_adapter(other.job_id, 1, adapter_uri(other.job_id, 1), 1)
+    await backend.store.adapters.publish(other.job_id, 1, adapter_uri(other.job_id, 1), 1)
     forged = [
         adapter_update(job.job_id, 1),  # never published
         msgspec.structs.replace(  # another job's published adapter, under this job
@@ -131,7 +131,7 @@ async def test_rollout_loads_only_the_adapters_the_trainer_published(backend: Ba
     for update in forged:
         await service.on_adapter(update)
     assert engine.loaded == [] and job.job_id not in service.latest
-    await backend.store.publish_adapter(job.job_id, 1, adapter_uri(job.job_id, 1), 1)
+    await backend.store.adapters.publish(job.job_id, 1, adapter_uri(job.job_id, 1), 1)
     await service.on_adapter(adapter_update(job.job_id, 1))  # the trainer's own
     assert [(a.job_id, a.version) for a in engine.loaded] == [(job.job_id, 1)]
 
@@ -175,7 +175,7 @@ async def test_env_svc_rejects_a_dataset_path_out_of_the_tenants_folder(
     (rejected,) = events(await backend.sent(Topic.EVENTS, spec.job_id, expect=1), "rejected")
     assert rejected.reason.startswith("environment 'dataset': bad param 'path': ")
     assert "s3cr3t" not in rejected.reason and str(tmp_path) not in rejected.reason
-    assert await backend.store.job(spec.job_id) is None
+    assert await backend.store.jobs.get(spec.job_id) is None
     # The id's binding to its tenant ends with the rejection's record: no key left forever.
     assert 0 < await backend.store.client.ttl(owner_key(spec.job_id)) <= REJECTION_TTL_S
 
@@ -204,9 +204,9 @@ async def test_a_spec_sent_again_under_a_running_jobs_id_never_locks_its_tenant_
     assert len(events(sent, "rejected")) == len(events(sent, "accepted")) == 1
     assert await backend.store.client.ttl(owner_key(spec.job_id)) == -1
     # A rejection recorded under the id anyway (an undecodable spec) leaves the binding be.
-    await backend.store.record_rejection(spec.job_id, "late")
+    await backend.store.jobs.record_rejection(spec.job_id, "late")
     assert await backend.store.client.ttl(owner_key(spec.job_id)) == -1
-    record = await backend.store.job(spec.job_id)
+    record = await backend.store.jobs.get(spec.job_id)
     assert record is not None and record.status == "running" and record.spec.rl.max_steps == 2
 
 
@@ -223,7 +223,7 @@ async def test_a_replayed_command_changes_nothing(
     resume = JobCommand(command_id=new_id(), job_id=spec.job_id, action="resume")
     for command in (pause, resume, pause):
         await jobs.hand(service.handle, command)
-    record = await backend.store.job(spec.job_id)
+    record = await backend.store.jobs.get(spec.job_id)
     assert record is not None and record.status == "running"
     sent = await backend.sent(Topic.EVENTS, spec.job_id, expect=3)
     assert [e.event for e in sent if isinstance(e, Event)] == ["accepted", "paused", "resumed"]
@@ -246,9 +246,9 @@ async def test_a_job_record_older_than_its_rejection_is_remembered_is_refused(
     for record in (spec, JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")):
         with pytest.raises(ValueError, match="past the 7 days a job's id and rejection"):
             await service.handle(record, old)
-    assert await backend.store.job(spec.job_id) is None
+    assert await backend.store.jobs.get(spec.job_id) is None
     await jobs.hand(service.handle, spec)  # sent again: a job
-    assert await backend.store.job(spec.job_id) is not None
+    assert await backend.store.jobs.get(spec.job_id) is not None
 
 
 async def test_a_replayed_result_of_a_finished_evaluation_is_not_counted(
@@ -271,7 +271,7 @@ async def test_a_replayed_result_of_a_finished_evaluation_is_not_counted(
     )  # fmt: skip
     results = Inbox(Topic.ROLLOUTS)
     await results.hand(service.handle, result)
-    assert (await backend.store.eval_tally(spec.job_id, 0)).episodes == 1
+    assert (await backend.store.evals.tally(spec.job_id, 0)).episodes == 1
     client = backend.store.client
     await client.delete(eval_tally_key(spec.job_id, 0), dedup_key("results", spec.job_id))
     await results.hand(service.handle, result)  # its evaluation finished: not counted
@@ -301,11 +301,11 @@ async def test_an_ended_jobs_environment_leaves_the_cache(
     client = backend.store.client
     for key in (ledger_key, flow_key, job_key, owner_key):
         assert 0 < await client.ttl(key(spec.job_id)) <= ENDED_TTL_S, key
-    assert spec.job_id not in await backend.store.active_job_ids()  # no sweep visits it
+    assert spec.job_id not in await backend.store.jobs.active_ids()  # no sweep visits it
     await other.sweep_claims()  # nor keeps its environment
     assert spec.job_id not in other.environments.by_job
     # Its audit is kept in the record, for when the ledger has gone.
-    summary = await backend.store.audit_summary(spec.job_id)
+    summary = await backend.store.jobs.audit_summary(spec.job_id)
     assert summary is not None
     kept = Audit.from_json(summary)
     assert (kept.status, kept.issued, kept.ok) == ("cancelled", 1, True)
@@ -327,7 +327,7 @@ async def test_only_a_job_that_trained_stays_for_good(
     )
     for spec in (churned, trained):
         await jobs.hand(service.handle, spec)
-    await store.publish_adapter(trained.job_id, 1, adapter_uri(trained.job_id, 1), 1)
+    await store.adapters.publish(trained.job_id, 1, adapter_uri(trained.job_id, 1), 1)
     for spec in (churned, trained):
         cancel = JobCommand(command_id=new_id(), job_id=spec.job_id, action="cancel")
         await jobs.hand(service.handle, cancel)
@@ -337,14 +337,14 @@ async def test_only_a_job_that_trained_stays_for_good(
     assert await client.ttl(job_key(trained.job_id)) == -1
     assert await client.ttl(owner_key(trained.job_id)) == -1
     listed = {churned.job_id, trained.job_id}
-    assert listed <= set(await store.tenant_job_ids(tenant))  # listed while its record lasts
-    assert await store.drop_expired_listings() == 0  # not due yet
+    assert listed <= set(await store.jobs.of_tenant(tenant))  # listed while its record lasts
+    assert await store.jobs.drop_expired_listings() == 0  # not due yet
     a_week_on = time.time() + ENDED_TTL_S + 1
     await client.delete(job_key(churned.job_id))  # as Redis expires it then
-    assert await store.drop_expired_listings(now=a_week_on) >= 1
-    assert await store.tenant_job_ids(tenant) == [trained.job_id]
-    assert churned.job_id not in await store.job_ids()
-    assert trained.job_id in await store.job_ids()
+    assert await store.jobs.drop_expired_listings(now=a_week_on) >= 1
+    assert await store.jobs.of_tenant(tenant) == [trained.job_id]
+    assert churned.job_id not in await store.jobs.ids()
+    assert trained.job_id in await store.jobs.ids()
 
 
 async def test_a_tenants_quota_is_counted_from_registration_to_its_end(backend: Backend) -> None:
@@ -356,26 +356,26 @@ async def test_a_tenants_quota_is_counted_from_registration_to_its_end(backend: 
     specs = [msgspec.structs.replace(job, job_id=f"{tenant}-{i}", tenant=tenant) for i in range(5)]
     limits = TenantLimits(max_concurrent_jobs=3, max_samples_in_flight=1000)
     for spec in specs[:3]:
-        assert await store.register_job(spec, status="running", limits=limits)
+        assert await store.jobs.register(spec, status="running", limits=limits)
     with pytest.raises(QuotaError, match="has 3 jobs that have not ended"):
-        await store.check_quota(specs[3], limits)
-    assert await store.set_job_status(specs[0].job_id, "completed")
-    assert not await store.set_job_status(specs[0].job_id, "cancelled")  # ended once
-    await store.check_quota(specs[3], limits)
-    assert await store.register_job(specs[3], status="running", limits=limits)
-    assert await store.register_job(specs[4], status="completed")  # ended: no load
+        await store.jobs.check_quota(specs[3], limits)
+    assert await store.jobs.set_status(specs[0].job_id, "completed")
+    assert not await store.jobs.set_status(specs[0].job_id, "cancelled")  # ended once
+    await store.jobs.check_quota(specs[3], limits)
+    assert await store.jobs.register(specs[3], status="running", limits=limits)
+    assert await store.jobs.register(specs[4], status="completed")  # ended: no load
     load = await store.client.hgetall(tenant_load_key(tenant))
     assert texts(load) == {"jobs": "3", "samples": str(3 * 8)}
-    assert set(await store.active_job_ids()) >= {s.job_id for s in specs}
+    assert set(await store.jobs.active_ids()) >= {s.job_id for s in specs}
     # A Redis from before the counters and the active set (every tenant's: the store may be
     # shared with other tests): filled once, from the records.
     loads = [key async for key in store.client.scan_iter(match=tenant_load_key("*"))]
     await store.client.delete(*loads, ACTIVE_JOBS, ACTIVE_SINCE)
-    assert await store.backfill_active() is not None
-    assert await store.backfill_active() is None
+    assert await store.jobs.backfill_active() is not None
+    assert await store.jobs.backfill_active() is None
     load = await store.client.hgetall(tenant_load_key(tenant))
     assert texts(load) == {"jobs": "3", "samples": str(3 * 8)}
-    assert set(await store.active_job_ids()) >= {s.job_id for s in specs}
+    assert set(await store.jobs.active_ids()) >= {s.job_id for s in specs}
 
 
 async def test_no_quota_check_or_sweep_walks_a_tenants_history(
@@ -390,16 +390,16 @@ async def test_no_quota_check_or_sweep_walks_a_tenants_history(
     job = job_spec("old", group_size=2, groups_per_step=1, max_staleness=0, max_steps=1)
     for i in range(200):
         spec = msgspec.structs.replace(job, job_id=f"{tenant}-{i}", tenant=tenant)
-        await store.register_job(spec, status="running")
-        await store.set_job_status(spec.job_id, "completed")
+        await store.jobs.register(spec, status="running")
+        await store.jobs.set_status(spec.job_id, "completed")
     service = env_service(backend, tokenizer)
     await service.sweep_claims()  # retires what has ended (their evaluations are done)
-    assert not {f"{tenant}-{i}" for i in range(200)} & set(await store.active_job_ids())
+    assert not {f"{tenant}-{i}" for i in range(200)} & set(await store.jobs.active_ids())
 
     async def hmget_calls() -> int:
         stats = await store.client.info("commandstats")
         return int(stats.get("cmdstat_hmget", {}).get("calls", 0))
 
     before = await hmget_calls()
-    await store.check_quota(msgspec.structs.replace(job, tenant=tenant), TenantLimits())
+    await store.jobs.check_quota(msgspec.structs.replace(job, tenant=tenant), TenantLimits())
     assert await hmget_calls() - before == 1
