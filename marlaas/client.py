@@ -20,6 +20,7 @@ from common.bus.kafka import Producer
 from common.files.artifacts import latest_checkpoint_version
 from common.runtime.config import SharedSettings
 from common.state.audit import Audit, audit
+from common.state.evals import evaluated
 from common.state.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.state.store import RedisStore
 from common.wire.chat import CHAT
@@ -34,6 +35,9 @@ from marlaas.export import (
     export_adapter,
     local_base_model,
 )
+
+SENT_KEPT = 4096
+"""Submitted ids a client remembers, so that following one needs no record yet."""
 
 
 class JobStateError(ValueError):
@@ -65,6 +69,9 @@ class Client:
         self._store: RedisStore | None = None
         self._producer: Producer | None = None
         self._producer_started = asyncio.Lock()
+        self._sent: dict[str, None] = {}
+        """Ids this client submitted, newest last (at most SENT_KEPT): followed before
+        env_svc has admitted them, their feed carries the accepted or rejected event."""
 
     async def __aenter__(self) -> Self:
         self._store = await RedisStore.connect(
@@ -114,6 +121,10 @@ class Client:
                     "give the file another job_id or leave it out for a fresh one"
                 )
         await self._send(*specs)
+        for spec in specs:
+            self._sent[spec.job_id] = None
+        while len(self._sent) > SENT_KEPT:
+            del self._sent[next(iter(self._sent))]
 
     async def job(self, job: Job) -> JobRecord:
         """The job's record (UnknownJobError: never registered); a record is its own."""
@@ -164,21 +175,38 @@ class Client:
         allowed: Callable[[], Awaitable[bool]] | None = None,
         check_every_s: float = 5.0,
     ) -> AsyncIterator[Event]:
-        """The job's events so far, then each new one until the job has ended; or until
-        `allowed()`, asked every `check_every_s` even while no event comes, says no (the
-        tenant API: the key was revoked)."""
-        if isinstance(job, str) and await self.store.jobs.get(job) is None:
+        """The job's events so far, then each new one until the job has ended, a completed
+        job's final evaluation included (a job this client has just submitted may be
+        followed before it is admitted); or until `allowed()`, asked every `check_every_s`
+        even while no event comes, says no (the tenant API: the key was revoked)."""
+        if (
+            isinstance(job, str)
+            and job not in self._sent
+            and await self.store.jobs.get(job) is None
+        ):
             await self.events(job)  # raises UnknownJobError unless it has events
-        async with self._feed({job_id_of(job)}) as feed:
-            ended, checked = False, time.monotonic()
-            while not (ended and feed.caught_up):
+        job_id = job_id_of(job)
+        async with self._feed({job_id}) as feed:
+            ended, final, evals, checked = False, None, set[int](), time.monotonic()
+            while not (ended and (final is None or final in evals) and feed.caught_up):
                 if allowed is not None and time.monotonic() - checked >= check_every_s:
                     if not await allowed():
                         return
                     checked = time.monotonic()
                 for event in await feed.poll(0.5):
                     yield event
-                    ended = ended or STATE_AFTER.get(event.event) in TERMINAL_STATES
+                    if event.event == "eval":
+                        evals.add(event.step)
+                    elif STATE_AFTER.get(event.event) in TERMINAL_STATES:
+                        ended, final = True, await self._final_eval(job_id, event)
+
+    async def _final_eval(self, job_id: str, ended: Event) -> int | None:
+        """The version whose `eval` event is still to come after the job's end: a completed
+        job's final adapter, when its spec evaluates it."""
+        if STATE_AFTER[ended.event] != "completed":
+            return None
+        record = await self.store.jobs.get(job_id)
+        return ended.step if record is not None and evaluated(record.spec, ended.step) else None
 
     # --- results ----------------------------------------------------------------------
 

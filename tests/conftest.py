@@ -106,9 +106,11 @@ def pipeline_services(
     """
     from common.files.models import tiny_model
     from common.wire.lifecycle import SERVICES
+    from console.stack.children import free_port
     from console.stack.services import start_services, stop_services
 
     state_dir = tmp_path_factory.mktemp("services")
+    chat_port = free_port()  # the first rollout replica serves chat, as `marlaas up` has it
     # Signing on, as `marlaas up` runs them: a test that produces to their topics itself
     # signs with `settings.signer`, and a record without the key is dead-lettered.
     settings = SharedSettings(
@@ -116,6 +118,7 @@ def pipeline_services(
         artifact_dir=state_dir / "artifacts",
         base_model=str(tiny_model()),
         bus_key=SecretStr(f"test-bus-key-{secrets.token_hex(8)}"),
+        chat_url=f"http://127.0.0.1:{chat_port}/v1",
     )
     os.environ.update(ROLLOUT_KV_CACHE_GIB="0.5", ROLLOUT_MAX_MODEL_LEN="512")
     # The README's third-party environment, pip-installed where env_svc finds it, as a user
@@ -133,6 +136,7 @@ def pipeline_services(
         local_stack.kafka_bootstrap,
         redis_urls,
         environ=operator_registrations() | {"MARLAAS_METRICS_TENANT_LABELS": "1"},
+        chat_port=chat_port,
     )
     yield RunningServices(settings, children, site)
     stop_services(children)
