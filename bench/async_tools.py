@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,8 @@ from slow_verifier import phase, use_example_env  # bench/slow_verifier.py
 from common.files.models import tiny_model
 from common.runtime.config import EnvServiceSettings, SharedSettings, load
 from common.wire.lifecycle import SERVICES
-from common.wire.messages import (
-    EnvSettings,
-    EvalSettings,
-    JobSpec,
-    LoraSettings,
-    RLSettings,
-    SamplingSettings,
-)
+from common.wire.messages import EnvSettings, JobSpec
+from console.demo import job_spec
 from console.stack.local import LocalStack
 from marlaas import Client
 
@@ -52,22 +45,16 @@ BENCH = Path(__file__).resolve().parent
 def lookup_job(job_id: str, episodes: int, steps: int, wait_s: float) -> JobSpec:
     """A job whose every step is `episodes` episodes (groups of 8, or one group when fewer)."""
     group_size = min(episodes, 8)
-    return JobSpec(
-        job_id=job_id,
-        tenant="acme",
-        base_model="",
-        env=EnvSettings(name="remote_lookup", params={"wait_s": wait_s}),
-        lora=LoraSettings(rank=8, alpha=16),
-        rl=RLSettings(
-            group_size=group_size,
-            groups_per_step=episodes // group_size,
-            max_steps=steps,
-            max_staleness=0,
-            max_context_tokens=512,
-            sampling=SamplingSettings(max_new_tokens=32),
-        ),
-        eval=EvalSettings(tasks=0),
-        submitted_at=time.time(),
+    return job_spec(
+        job_id,
+        "acme",
+        EnvSettings(name="remote_lookup", params={"wait_s": wait_s}),
+        group_size=group_size,
+        groups_per_step=episodes // group_size,
+        max_steps=steps,
+        max_staleness=0,
+        max_context_tokens=512,
+        max_new_tokens=32,
     )
 
 

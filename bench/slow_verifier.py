@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,14 +44,8 @@ from rich.console import Console
 
 from common.runtime.config import EnvServiceSettings, SharedSettings, load
 from common.wire.lifecycle import SERVICES
-from common.wire.messages import (
-    EnvSettings,
-    EvalSettings,
-    JobSpec,
-    LoraSettings,
-    RLSettings,
-    SamplingSettings,
-)
+from common.wire.messages import EnvSettings, JobSpec
+from console.demo import ARITHMETIC_BUDGETS, job_spec
 from console.stack.local import LocalStack
 from marlaas import Client
 
@@ -65,30 +58,16 @@ def verifier_jobs(
     base_model: str, tag: str, count: int, steps: int, wait_s: float, seed: int
 ) -> list[JobSpec]:
     """`count` jobs of the demo's arithmetic settings on `remote_verifier`, seeds `seed` + i."""
-    rl = RLSettings(
-        group_size=8,
-        groups_per_step=2,
-        max_steps=steps,
-        max_staleness=1,
-        learning_rate=1e-3,
-        std_normalize=True,
-        max_context_tokens=256,
-        sampling=SamplingSettings(max_new_tokens=16),
-    )
     return [
-        JobSpec(
-            job_id=f"{tag}-{index}",
-            tenant=f"tenant{index % 2}",
-            base_model=base_model,
-            env=EnvSettings(
+        job_spec(
+            f"{tag}-{index}",
+            f"tenant{index % 2}",
+            EnvSettings(
                 name="remote_verifier", params={"verify_wait_s": wait_s}, seed=seed + index
             ),
-            lora=LoraSettings(rank=8, alpha=16),
-            rl=msgspec.structs.replace(
-                rl, sampling=msgspec.structs.replace(rl.sampling, seed=seed + index)
-            ),
-            eval=EvalSettings(tasks=0),
-            submitted_at=time.time(),
+            base_model=base_model,
+            sampling_seed=seed + index,
+            **(ARITHMETIC_BUDGETS | {"max_steps": steps}),
         )
         for index in range(count)
     ]

@@ -11,8 +11,8 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-import msgspec
 from rich.console import Console
 from rich.table import Table
 
@@ -43,26 +43,58 @@ standard error of it by chance: at 0.75 against a base of 0.56, 8% of the time
 greedy batches per job."""
 
 
+def job_spec(
+    job_id: str,
+    tenant: str,
+    env: EnvSettings,
+    *,
+    base_model: str = "",
+    max_new_tokens: int,
+    sampling_seed: int | None = None,
+    lora_rank: int = 8,
+    eval_tasks: int = 0,
+    eval_every_steps: int = 0,
+    eval_seed: int = 0,
+    **rl: Any,
+) -> JobSpec:
+    """A job of `tenant` on `env`, submitted now: `rl` are its `RLSettings` fields, sampling
+    at most `max_new_tokens` per turn (seeded with `sampling_seed`); a LoRA of rank
+    `lora_rank` (alpha 16); evaluated on `eval_tasks` held-out tasks (0: not at all) before
+    the first step, after the last and every `eval_every_steps`."""
+    return JobSpec(
+        job_id=job_id,
+        tenant=tenant,
+        base_model=base_model,
+        env=env,
+        lora=LoraSettings(rank=lora_rank),
+        rl=RLSettings(
+            **rl, sampling=SamplingSettings(max_new_tokens=max_new_tokens, seed=sampling_seed)
+        ),
+        eval=EvalSettings(tasks=eval_tasks, every_steps=eval_every_steps, seed=eval_seed),
+        submitted_at=time.time(),
+    )
+
+
+ARITHMETIC_BUDGETS: dict[str, Any] = {
+    "group_size": 8,
+    "groups_per_step": 2,
+    "max_steps": 12,
+    "max_staleness": 1,
+    "learning_rate": 1e-3,
+    "std_normalize": True,
+    "max_context_tokens": 256,
+    "max_new_tokens": 16,
+}
+"""`job_spec` settings of the demo's arithmetic jobs. Measured: at lr 5e-4 with Dr. GRPO
+advantages arithmetic rose 0.09 -> 0.47 in one run but only 0.27 -> 0.41 in another; lr 1e-3
+with std-normalised (GRPO) advantages moves faster from the rare early successes."""
+
+
 def demo_jobs(base_model: str, run_id: str, seed: int = 0) -> list[JobSpec]:
     """Two tenants, each with an arithmetic job and a calculator (tool-use) job. `seed`
     picks other task streams (training and evaluation) for the same jobs."""
-    # Measured: at lr 5e-4 with Dr. GRPO advantages arithmetic rose 0.09 -> 0.47 in one run
-    # but only 0.27 -> 0.41 in another; lr 1e-3 with std-normalised (GRPO) advantages
-    # moves faster from the rare early successes.
-    arithmetic_rl = RLSettings(
-        group_size=8,
-        groups_per_step=2,
-        max_steps=12,
-        max_staleness=1,
-        learning_rate=1e-3,
-        std_normalize=True,
-        max_context_tokens=256,
-        sampling=SamplingSettings(max_new_tokens=16),
-    )
     # The same, with room for a tool call and its result.
-    calculator_rl = msgspec.structs.replace(
-        arithmetic_rl, max_context_tokens=512, sampling=SamplingSettings(max_new_tokens=48)
-    )
+    calculator_budgets = ARITHMETIC_BUDGETS | {"max_context_tokens": 512, "max_new_tokens": 48}
     # Two-digit sums: the base model gets 22% of them right greedily in its head, a tool call
     # always. With one-digit ones it was already right 78-81% of the time, so an evaluation
     # of 32 tasks could not tell a better adapter from noise.
@@ -73,35 +105,33 @@ def demo_jobs(base_model: str, run_id: str, seed: int = 0) -> list[JobSpec]:
         "max_operand": 99,
         "max_turns": 2,
     }
-    lora = LoraSettings(rank=8, alpha=16)
     jobs = [
-        ("acme", "arith", EnvSettings(name="arithmetic", seed=1 + 10 * seed), arithmetic_rl),
+        ("acme", "arith", EnvSettings(name="arithmetic", seed=1 + 10 * seed), ARITHMETIC_BUDGETS),
         (
             "acme",
             "calc",
             EnvSettings(name="calculator", params=calculator_params, seed=2 + 10 * seed),
-            calculator_rl,
+            calculator_budgets,
         ),
-        ("globex", "arith", EnvSettings(name="arithmetic", seed=3 + 10 * seed), arithmetic_rl),
+        ("globex", "arith", EnvSettings(name="arithmetic", seed=3 + 10 * seed), ARITHMETIC_BUDGETS),
         (
             "globex",
             "calc",
             EnvSettings(name="calculator", params=calculator_params, seed=4 + 10 * seed),
-            calculator_rl,
+            calculator_budgets,
         ),
     ]
     return [
-        JobSpec(
-            job_id=f"{tenant}-{name}-{run_id}",
-            tenant=tenant,
+        job_spec(
+            f"{tenant}-{name}-{run_id}",
+            tenant,
+            env,
             base_model=base_model,
-            env=env,
-            lora=lora,
-            rl=rl,
-            eval=EvalSettings(tasks=DEMO_EVAL_TASKS, seed=seed),
-            submitted_at=time.time(),
+            eval_tasks=DEMO_EVAL_TASKS,
+            eval_seed=seed,
+            **budgets,
         )
-        for tenant, name, env, rl in jobs
+        for tenant, name, env, budgets in jobs
     ]
 
 
@@ -189,7 +219,7 @@ async def run_demo(
             jobs = {row.progress.job_id: row.progress for row in snapshot.jobs}
             rollout_stats = {
                 replica: stats.as_map()
-                for replica, stats in (await client.store.replica_stats()).items()
+                for replica, stats in (await client.store.replicas.stats()).items()
             }
             report = await client.report(list(jobs), run_dir / "report")
         machine = stack.hardware.record() | {"precision": stack.dtypes}

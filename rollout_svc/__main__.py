@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
 from common.runtime.config import RolloutSettings
 from common.runtime.cores import pin_to_cores
+from common.runtime.entrypoint import serve
 from common.runtime.imports import load_object
-from common.runtime.service import exit_code, run_service, start_settings
+from common.runtime.service import exit_code, start_settings
 
 
 def main() -> int:
@@ -41,14 +41,7 @@ def main() -> int:
         else load_object(settings.engine)(model)
     )
     service = RolloutService(shared, settings, engine)
-    return asyncio.run(
-        run_service(
-            service,
-            metrics_port=settings.metrics_port,
-            metrics_host=shared.metrics_host,
-            metrics_tenant_labels=shared.metrics_tenant_labels,
-        )
-    )
+    return serve(service, shared, settings.metrics_port)
 
 
 if __name__ == "__main__":  # vLLM spawns an engine process that re-imports the main module

@@ -7,15 +7,16 @@ import sys
 
 from common.runtime.config import TrainerSettings
 from common.runtime.cores import parse_cores, pin_to_cores
+from common.runtime.entrypoint import serve, start_up_check
 from common.runtime.hardware import detect, log_precision, trainer_precision
-from common.runtime.service import exit_code, run_service, start_settings
+from common.runtime.service import exit_code, start_settings
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the service; with `--check`, load the base model and build the service (settings,
     imports, model, device) without connecting, and exit 0: what an image must be able to
     do."""
-    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    check = start_up_check(argv)
     shared, settings = start_settings(TrainerSettings, check=check)
     threads = pin_to_cores(settings.cpu_cores, settings.torch_threads)
     hardware = detect()
@@ -48,14 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{service.policy.device} in {precision.dtype}"
         )
         return 0
-    return asyncio.run(
-        run_service(
-            service,
-            metrics_port=settings.metrics_port,
-            metrics_host=shared.metrics_host,
-            metrics_tenant_labels=shared.metrics_tenant_labels,
-        )
-    )
+    return serve(service, shared, settings.metrics_port)
 
 
 if __name__ == "__main__":

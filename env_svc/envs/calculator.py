@@ -18,22 +18,14 @@ before the tool layer, byte for byte (tests/unit/test_tools.py), so it learns as
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from env_svc.protocol import (
-    ChatMessage,
-    EnvParams,
-    Operand,
-    Reward,
-    Task,
-    Weight,
-)
+from env_svc.envs.number_answer import NumberTask, number_answer_rewards
+from env_svc.protocol import ChatMessage, EnvParams, Operand, Reward, Weight
 from env_svc.safe_eval import SafeEvalError, format_number, safe_eval
 from env_svc.tools import Tool, ToolEnvironment
-from env_svc.tools.rewards import final_number, tool_format, tool_use
 from env_svc.tools.toolbox import ERROR
 
 TOOL_NAME = "calculator"
@@ -95,9 +87,8 @@ class CalculatorParams(EnvParams, frozen=True):
     """Show one worked exchange (a tool call, its result, the answer) before the task."""
 
 
-class CalculatorTask(Task, frozen=True):
+class CalculatorTask(NumberTask, frozen=True):
     expression: str
-    answer: int
 
 
 class CalculatorEnv(ToolEnvironment[CalculatorTask]):
@@ -123,11 +114,7 @@ class CalculatorEnv(ToolEnvironment[CalculatorTask]):
             raise self.bad_param("min_operand", "must not exceed max_operand")
 
     def make_rewards(self) -> list[Reward[CalculatorTask]]:
-        return [
-            Reward("correct", correct, 1.0),
-            Reward("tool_format", tool_format, self.params.tool_format_weight),
-            Reward("tool_use", tool_use, self.params.tool_use_weight),
-        ]
+        return number_answer_rewards(self.params.tool_format_weight, self.params.tool_use_weight)
 
     def sample_task(self, rng: random.Random) -> CalculatorTask:
         p = self.params
@@ -141,8 +128,3 @@ class CalculatorEnv(ToolEnvironment[CalculatorTask]):
 
     def demonstration(self) -> list[ChatMessage]:
         return DEMONSTRATION if self.params.demonstration else []
-
-
-def correct(task: CalculatorTask, completion: Sequence[ChatMessage]) -> float:
-    """1 when the last number of the final turn (tool calls removed) is the answer."""
-    return float(final_number(completion) == task.answer)

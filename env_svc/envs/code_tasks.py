@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta
 
-from env_svc.protocol import ChatMessage, Reward, Task, Weight
+from env_svc.envs.number_answer import NumberTask, number_answer_rewards
+from env_svc.protocol import ChatMessage, Reward, Weight
 from env_svc.sandbox import SandboxLimits, python_tool
 from env_svc.tools import Tool, ToolEnvironment, format_call
 from env_svc.tools.environment import ToolParams
-from env_svc.tools.rewards import final_number, tool_format, tool_use
 
 Kind = Literal["digit_sum", "count_primes", "letter_count"]
 
@@ -55,9 +55,8 @@ class CodeTasksParams(ToolParams, frozen=True):
     """The sandbox's wall-clock limit per call."""
 
 
-class CodeTask(Task, frozen=True):
+class CodeTask(NumberTask, frozen=True):
     kind: Kind
-    answer: int
 
 
 class CodeTasksEnv(ToolEnvironment[CodeTask]):
@@ -82,11 +81,7 @@ class CodeTasksEnv(ToolEnvironment[CodeTask]):
         return [python_tool(limits)]
 
     def make_rewards(self) -> list[Reward[CodeTask]]:
-        return [
-            Reward("correct", correct, 1.0),
-            Reward("tool_format", tool_format, self.params.tool_format_weight),
-            Reward("tool_use", tool_use, self.params.tool_use_weight),
-        ]
+        return number_answer_rewards(self.params.tool_format_weight, self.params.tool_use_weight)
 
     def demonstration(self) -> list[ChatMessage]:
         return DEMONSTRATION
@@ -112,8 +107,3 @@ class CodeTasksEnv(ToolEnvironment[CodeTask]):
 
 def _prime(n: int) -> bool:
     return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
-
-
-def correct(task: CodeTask, completion: Sequence[ChatMessage]) -> float:
-    """1 when the last number of the final turn (tool calls removed) is the answer."""
-    return float(final_number(completion) == task.answer)

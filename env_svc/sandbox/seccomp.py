@@ -42,6 +42,7 @@ NAMESPACE_FLAGS = (
     | 0x40000000  # CLONE_NEWNET
 )
 
+# Calls added since Linux 5.1 have one number on every architecture.
 _COMMON = {"clone3": 435, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
 _COMMON |= {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431}
 _COMMON |= {"fsmount": 432, "fspick": 433, "mount_setattr": 442}
@@ -56,27 +57,28 @@ class Arch:
     """Syscall numbers from here on belong to another ABI of the same arch (x32)."""
 
 
-_X86_64 = {
-    "clone": 56, "unshare": 272, "ptrace": 101, "process_vm_readv": 310,
-    "process_vm_writev": 311, "bpf": 321, "perf_event_open": 298, "keyctl": 250, "add_key": 248,
-    "request_key": 249, "userfaultfd": 323, "mount": 165, "umount2": 166, "pivot_root": 155,
-    "setns": 308, "kexec_load": 246, "kexec_file_load": 320, "init_module": 175,
-    "finit_module": 313, "delete_module": 176, "open_by_handle_at": 304,
-    "name_to_handle_at": 303, "acct": 163, "swapon": 167, "swapoff": 168, "reboot": 169,
-    "syslog": 103, "quotactl": 179, "lookup_dcookie": 212,
-}  # fmt: skip
-_AARCH64 = {
-    "clone": 220, "unshare": 97, "ptrace": 117, "process_vm_readv": 270,
-    "process_vm_writev": 271, "bpf": 280, "perf_event_open": 241, "keyctl": 219, "add_key": 217,
-    "request_key": 218, "userfaultfd": 282, "mount": 40, "umount2": 39, "pivot_root": 41,
-    "setns": 268, "kexec_load": 104, "kexec_file_load": 294, "init_module": 105,
-    "finit_module": 273, "delete_module": 106, "open_by_handle_at": 265,
-    "name_to_handle_at": 264, "acct": 89, "swapon": 224, "swapoff": 225, "reboot": 142,
-    "syslog": 116, "quotactl": 60, "lookup_dcookie": 18,
+# The calls whose numbers differ by architecture: (x86-64, arm64).
+_BY_ARCH = {
+    "clone": (56, 220), "unshare": (272, 97), "ptrace": (101, 117), "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "userfaultfd": (323, 282), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "acct": (163, 89),
+    "swapon": (167, 224), "swapoff": (168, 225), "reboot": (169, 142), "syslog": (103, 116),
+    "quotactl": (179, 60), "lookup_dcookie": (212, 18),
 }  # fmt: skip
 ARCHES = {
-    "x86_64": Arch(audit=0xC000003E, numbers=_COMMON | _X86_64, other_abi_from=0x40000000),
-    "aarch64": Arch(audit=0xC00000B7, numbers=_COMMON | _AARCH64),
+    "x86_64": Arch(
+        audit=0xC000003E,
+        numbers=_COMMON | {name: x86_64 for name, (x86_64, _) in _BY_ARCH.items()},
+        other_abi_from=0x40000000,
+    ),
+    "aarch64": Arch(
+        audit=0xC00000B7,
+        numbers=_COMMON | {name: arm64 for name, (_, arm64) in _BY_ARCH.items()},
+    ),
 }
 
 _LD_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS

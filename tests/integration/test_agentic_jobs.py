@@ -23,18 +23,8 @@ from common.files.models import tiny_model
 from common.runtime.config import SharedSettings
 from common.wire.codec import decode
 from common.wire.lifecycle import SERVICES
-from common.wire.messages import (
-    EnvSettings,
-    EvalSettings,
-    Event,
-    JobSpec,
-    LoraSettings,
-    RLSettings,
-    SamplingSettings,
-    Topic,
-    Trajectory,
-    new_id,
-)
+from common.wire.messages import EnvSettings, Event, JobSpec, Topic, Trajectory, new_id
+from console.demo import job_spec
 from console.stack.children import free_port
 from console.stack.local import LocalStack
 from console.stack.services import start_services, stop_services
@@ -51,20 +41,19 @@ EVAL_TASKS = 2
 
 
 def agentic_job(name: str, env: EnvSettings) -> JobSpec:
-    return JobSpec(
-        job_id=f"{name}-{new_id()[:8]}",
-        tenant="tenant-agent",
-        env=env,
-        rl=RLSettings(
-            group_size=G,
-            groups_per_step=B,
-            max_steps=STEPS,
-            max_staleness=1,
-            max_context_tokens=512,
-            sampling=SamplingSettings(max_new_tokens=48),
-        ),
-        lora=LoraSettings(rank=4),
-        eval=EvalSettings(tasks=EVAL_TASKS, every_steps=STEPS),
+    return job_spec(
+        f"{name}-{new_id()[:8]}",
+        "tenant-agent",
+        env,
+        lora_rank=4,
+        eval_tasks=EVAL_TASKS,
+        eval_every_steps=STEPS,
+        group_size=G,
+        groups_per_step=B,
+        max_steps=STEPS,
+        max_staleness=1,
+        max_context_tokens=512,
+        max_new_tokens=48,
     )
 
 

@@ -22,17 +22,8 @@ from common.runtime.metrics import ENDED_JOB
 from common.security.signing import RecordSigner
 from common.state.store import RedisStore
 from common.wire.codec import decode
-from common.wire.messages import (
-    EnvSettings,
-    EvalSettings,
-    Event,
-    JobSpec,
-    RLSettings,
-    SamplingSettings,
-    Topic,
-    Trajectory,
-    new_id,
-)
+from common.wire.messages import EnvSettings, Event, JobSpec, Topic, Trajectory, new_id
+from console.demo import job_spec
 from console.stack.local import LocalStack
 from marlaas.jobwatch import JobProgress, submit_jobs, watch_jobs
 from tests.conftest import RunningServices
@@ -44,21 +35,20 @@ EVAL_TASKS = 4
 
 
 def job(base_model: str, name: str, *, max_staleness: int, max_steps: int) -> JobSpec:
-    return JobSpec(
-        job_id=f"{name}-{new_id()[:8]}",
-        tenant=f"tenant-{name}",
+    return job_spec(
+        f"{name}-{new_id()[:8]}",
+        f"tenant-{name}",
+        EnvSettings(name="arithmetic", seed=len(name)),
         base_model=base_model,
-        env=EnvSettings(name="arithmetic", seed=len(name)),
-        rl=RLSettings(
-            group_size=G,
-            groups_per_step=B,
-            max_steps=max_steps,
-            max_staleness=max_staleness,
-            learning_rate=1e-3,
-            max_context_tokens=128,
-            sampling=SamplingSettings(max_new_tokens=8),
-        ),
-        eval=EvalSettings(tasks=EVAL_TASKS, every_steps=2),
+        eval_tasks=EVAL_TASKS,
+        eval_every_steps=2,
+        group_size=G,
+        groups_per_step=B,
+        max_steps=max_steps,
+        max_staleness=max_staleness,
+        learning_rate=1e-3,
+        max_context_tokens=128,
+        max_new_tokens=8,
     )
 
 
@@ -128,26 +118,24 @@ async def test_concurrent_jobs_run_to_max_steps(
     # A tool environment whose tool an MCP server serves (tests/agentic.py registers both):
     # the tiny model's calls, well-formed or not, are answered and counted; no judge (the
     # tiny model rarely writes a score: tests/integration/test_chat_api.py asks it once).
-    agentic = JobSpec(
-        job_id=f"units-{new_id()[:8]}",
-        tenant="tenant-agent",
+    agentic = job_spec(
+        f"units-{new_id()[:8]}",
+        "tenant-agent",
+        EnvSettings(name="unit_conversion", params={"judge_weight": 0}),
         base_model=base,
-        env=EnvSettings(name="unit_conversion", params={"judge_weight": 0}),
-        rl=RLSettings(
-            group_size=G,
-            groups_per_step=1,
-            max_steps=2,
-            max_context_tokens=448,
-            sampling=SamplingSettings(max_new_tokens=16),
-        ),
-        eval=EvalSettings(tasks=0),
+        group_size=G,
+        groups_per_step=1,
+        max_steps=2,
+        max_context_tokens=448,
+        max_new_tokens=16,
     )
-    too_long = JobSpec(
-        job_id=f"long-{new_id()[:8]}",
-        tenant="tenant-bad",
+    too_long = job_spec(
+        f"long-{new_id()[:8]}",
+        "tenant-bad",
+        EnvSettings(name="arithmetic"),
         base_model=base,
-        env=EnvSettings(name="arithmetic"),
-        rl=RLSettings(max_context_tokens=24, sampling=SamplingSettings(max_new_tokens=8)),
+        max_context_tokens=24,
+        max_new_tokens=8,
     )
     specs = [lagging, on_policy, duplicated, agentic, rejected, too_long]
     progress = {spec.job_id: JobProgress.of(spec) for spec in specs}
@@ -186,10 +174,10 @@ async def test_concurrent_jobs_run_to_max_steps(
             for event in steps:
                 assert event.metrics["staleness_max"] <= spec.rl.max_staleness
                 assert event.metrics["samples"] == G * B  # no trajectory trained twice
-            pointer = await registry.adapter(spec.job_id)
+            pointer = await registry.adapters.get(spec.job_id)
             assert pointer is not None and pointer.version == spec.rl.max_steps
             assert (Path(pointer.uri.removeprefix("file://")) / "adapter_config.json").is_file()
-            record = await registry.job(spec.job_id)
+            record = await registry.jobs.get(spec.job_id)
             assert record is not None and record.status == "completed"
             # Evaluated greedily: the base model, every 2nd version and the final one, each
             # once, over every held-out task; none of it trained (samples above).
@@ -199,7 +187,7 @@ async def test_concurrent_jobs_run_to_max_steps(
             )
             assert {m["eval_episodes"] for m in evaluated.values()} == {EVAL_TASKS}
             assert all(0 <= m["eval_accuracy"] <= 1 for m in evaluated.values())
-        registered = len(await registry.job_ids())
+        registered = len(await registry.jobs.ids())
     finally:
         await registry.close()
 

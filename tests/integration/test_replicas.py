@@ -21,15 +21,8 @@ import pytest
 from common.files.models import tiny_model
 from common.runtime.config import SharedSettings
 from common.wire.lifecycle import SERVICES, TERMINAL_STATES
-from common.wire.messages import (
-    EnvSettings,
-    EvalSettings,
-    JobSpec,
-    LoraSettings,
-    RLSettings,
-    SamplingSettings,
-    new_id,
-)
+from common.wire.messages import EnvSettings, JobSpec, new_id
+from console.demo import job_spec
 from console.stack.local import LocalStack
 from console.stack.services import replicated
 from marlaas import Client
@@ -42,20 +35,17 @@ STEPS = 6
 
 def jobs(n: int) -> list[JobSpec]:
     return [
-        JobSpec(
-            job_id=f"replica-{i}-{new_id()[:6]}",
-            tenant=f"tenant-{i % 2}",
-            env=EnvSettings(name="arithmetic", seed=i),
-            rl=RLSettings(
-                group_size=2,
-                groups_per_step=1,
-                max_steps=STEPS,
-                max_staleness=1,
-                max_context_tokens=128,
-                sampling=SamplingSettings(max_new_tokens=8),
-            ),
-            lora=LoraSettings(rank=4),
-            eval=EvalSettings(tasks=0),
+        job_spec(
+            f"replica-{i}-{new_id()[:6]}",
+            f"tenant-{i % 2}",
+            EnvSettings(name="arithmetic", seed=i),
+            lora_rank=4,
+            group_size=2,
+            groups_per_step=1,
+            max_steps=STEPS,
+            max_staleness=1,
+            max_context_tokens=128,
+            max_new_tokens=8,
         )
         for i in range(n)
     ]
@@ -85,7 +75,7 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
             sizes_at_kill = [0, 0]
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
-                records = [await client.store.job(s.job_id) for s in specs]
+                records = [await client.store.jobs.get(s.job_id) for s in specs]
                 if all(r is not None and r.status in TERMINAL_STATES for r in records):
                     break
                 for index, trainer in enumerate(trainers):
@@ -94,7 +84,7 @@ async def test_two_replicas_of_each_service_split_the_work_and_survive_a_trainer
                         killed = index
                         sizes_at_kill = [len(log_of(tmp_path, f"trainer_svc-{i}")) for i in (0, 1)]
                 await asyncio.sleep(1)
-            records = [await client.store.job(s.job_id) for s in specs]
+            records = [await client.store.jobs.get(s.job_id) for s in specs]
             statuses = {
                 s.job_id: r.status if r else "missing" for s, r in zip(specs, records, strict=True)
             }
