@@ -6,7 +6,7 @@ EXTRAS := local,api,env,verifiers,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools chaos
+.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools bench-agentic chaos
 
 venv: $(STAMP)
 
@@ -109,6 +109,11 @@ bench-slow-verifier: venv
 
 bench-async-tools: venv
 	$(BIN)/python bench/async_tools.py
+
+# Agentic jobs whose tools take time (an HTTP service with a set latency, the code sandbox),
+# alone and at once; AGENTIC_ARGS e.g. --jobs 32 --latency-s 3. Tens of minutes on 2 cores.
+bench-agentic: venv sandbox-deps
+	$(BIN)/python bench/agentic.py $(AGENTIC_ARGS)
 
 # The kill -9 chaos run (tests/chaos/driver.py); minutes, not part of `make test`.
 chaos: venv

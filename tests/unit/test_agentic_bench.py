@@ -1,0 +1,123 @@
+"""bench/agentic.py: its jobs, the sequential phase put together from alone runs, the ratios and
+accuracy checks; and its HTTP tool (examples/envs/http_lookup.py) against the real service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path += [str(ROOT / "bench"), str(ROOT / "examples" / "envs")]  # after the packages
+
+from agentic import ENVS, TENANTS, agentic_jobs, alone_plan, job_key, lookup_service  # noqa: E402
+from agentic_figures import Accuracy, Work, accuracy_checks, ratios, sequential_work  # noqa: E402
+from http_lookup import URL_VAR, HttpLookupEnv, stock_of  # noqa: E402
+
+from env_svc.tools import format_call  # noqa: E402
+
+
+def jobs(count: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        jobs=count, steps=3, eval_tasks=8, seed_base=100, base_model="m", latency_s=1.0
+    )
+
+
+def test_every_tenant_gets_both_environments_from_eight_jobs() -> None:
+    specs = agentic_jobs(jobs(8), ENVS, "conc-x")
+    pairs = {(spec.tenant, spec.env.name) for spec in specs}
+    assert pairs == {(tenant, env) for tenant in TENANTS for env in ENVS}
+    assert [spec.env.seed for spec in specs] == list(range(100, 108))
+    assert [job_key(spec.job_id) for spec in specs][:2] == ["0-http_lookup", "1-code_tasks"]
+    assert {spec.rl.max_steps for spec in specs} == {3}
+
+
+def test_alone_runs_are_every_job_or_the_first_of_each_environment() -> None:
+    specs = agentic_jobs(jobs(32), ENVS, "alone-x")
+    assert alone_plan(specs, 0) == specs
+    picked = [job_key(spec.job_id) for spec in alone_plan(specs, 2)]
+    assert picked == ["0-http_lookup", "1-code_tasks", "2-http_lookup", "3-code_tasks"]
+
+
+def test_a_job_not_run_alone_counts_its_specs_mean_alone_run() -> None:
+    alone = {
+        "0-a": Work(wall_s=10, rollout_busy_s=4, rollout_uptime_s=10, trainer_busy_s=2, steps=3),
+        "1-a": Work(wall_s=20, rollout_busy_s=8, rollout_uptime_s=20, trainer_busy_s=6, steps=3),
+        "2-b": Work(wall_s=5, rollout_busy_s=5, rollout_uptime_s=5, trainer_busy_s=1, steps=3),
+    }
+    spec_of = {"0-a": "a", "1-a": "a", "2-b": "b", "3-a": "a", "4-b": "b"}
+    total = sequential_work(spec_of, alone)
+    assert total.wall_s == 10 + 20 + 5 + 15 + 5
+    assert total.steps == 15
+    figures = total.figures()
+    assert figures["rollout_busy_share"] == round((4 + 8 + 5 + 6 + 5) / 55, 4)
+    assert figures["trainer_busy_share"] == round((2 + 6 + 1 + 4 + 1) / 55, 4)
+
+
+def test_ratios_are_concurrent_over_sequential() -> None:
+    sequential = Work(wall_s=100, rollout_busy_s=40, rollout_uptime_s=100, trainer_busy_s=20)
+    concurrent = Work(wall_s=50, rollout_busy_s=40, rollout_uptime_s=50, trainer_busy_s=20)
+    found = ratios(sequential.figures(), concurrent.figures())
+    assert found == {"time_ratio": 0.5, "util_ratio": round(0.6 / 0.3, 4)}
+
+
+def test_accuracy_is_checked_against_the_jobs_own_alone_run_else_its_specs() -> None:
+    spec_of = {"0-a": "a", "1-a": "a", "2-b": "b"}
+    alone = {"0-a": Accuracy(0.8, 0.05), "2-b": Accuracy(0.5, 0.1)}
+    shared = {"0-a": Accuracy(0.75, 0.08), "1-a": Accuracy(0.85, 0.05), "2-b": Accuracy(0.75, 0.1)}
+    rows = {row["job"]: row for row in accuracy_checks(spec_of, alone, shared)}
+    assert rows["0-a"]["within_one_se"] is True  # 0.05 apart, the larger SE 0.08
+    assert rows["1-a"]["alone"] == {"value": 0.8, "stderr": 0.05}  # not run alone: its spec's
+    assert rows["1-a"]["within_one_se"] is True
+    assert rows["2-b"]["within_one_se"] is False  # 0.25 apart, SE 0.1
+
+
+def test_the_final_accuracy_is_the_last_evaluated_versions() -> None:
+    summary = {
+        "evals": {
+            "0": {"eval_accuracy": 0.25, "eval_accuracy_stderr": 0.1},
+            "4": {"eval_accuracy": 0.75, "eval_accuracy_stderr": 0.08},
+        }
+    }
+    assert Accuracy.final(summary) == Accuracy(0.75, 0.08)
+    assert Accuracy.final({"evals": {"0": {"eval_accuracy": 0.5}}}) is None
+
+
+@pytest.fixture
+def lookup_latency_s(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
+    """The inventory service on the loopback as the bench starts it, answering after 0.3 s."""
+    monkeypatch.setenv(URL_VAR, "")  # undone after the test; lookup_service sets it
+    with lookup_service(0.3):
+        yield 0.3
+
+
+def test_the_lookup_tool_asks_the_service_and_a_right_answer_scores(
+    lookup_latency_s: float,
+) -> None:
+    env = HttpLookupEnv()
+    task = env.sample_task(random.Random(3))
+
+    async def episode() -> tuple[float, list[str], float | None]:
+        state, _ = await env.areset(task)
+        started = time.monotonic()
+        called = await env.astep(state, format_call("lookup", {"key": task.key}))
+        waited = time.monotonic() - started
+        answered = await env.astep(called.state, str(task.answer))
+        assert answered.reward is not None
+        return (
+            waited,
+            [m["content"] for m in called.messages],
+            answered.reward.components["correct"],
+        )
+
+    waited, replies, correct = asyncio.run(episode())
+    assert replies == [str(stock_of(task.key))]
+    assert task.answer == stock_of(task.key)
+    assert waited >= lookup_latency_s
+    assert correct == 1.0
