@@ -6,7 +6,7 @@ EXTRAS := local,api,env,verifiers,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools bench-agentic chaos
+.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools bench-agentic bench-decode chaos
 
 venv: $(STAMP)
 
@@ -86,6 +86,11 @@ bench-learning: venv $(TRL_STAMP)
 
 bench-multilora: venv
 	$(BIN)/python bench/multilora.py
+
+# Decode tok/s at batch 1, 8, 32, 64 against the CPU's measured matmul and bandwidth bound
+# (bench/decode_bound.py); DECODE_ARGS e.g. --in-process. Minutes on 2 cores.
+bench-decode: venv
+	$(BIN)/python bench/decode_bound.py $(DECODE_ARGS)
 
 bench-trainer: venv
 	$(BIN)/python bench/trainer.py
