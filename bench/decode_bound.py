@@ -323,6 +323,7 @@ def engine_run(config: dict[str, Any]) -> dict[str, Any]:
             max_lora_rank=RANK,
             lora_target_modules=ATTENTION_TARGETS,
             max_num_seqs=max(batches),
+            enforce_eager=config.get("eager", True),
         )
     )
     adapter = None
@@ -396,6 +397,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-words", type=int, default=40)
     parser.add_argument("--cores", default="0", help="the engine's cores, e.g. 0 or 0-1")
     parser.add_argument("--in-process", action="store_true", help="also with vLLM's MP off")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also compiled (torch.compile), not eager"
+    )
     parser.add_argument("--bandwidth-mib", type=int, default=512)
     parser.add_argument("--child-timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=None)
@@ -422,10 +426,18 @@ def main() -> None:
     kernels = {"before": measure()}
     common = dict(model_dir=str(model_dir), batches=batches, new_tokens=args.new_tokens)
     common["prompt_words"] = args.prompt_words
-    modes = {"": {}, "-in-process": IN_PROCESS} if args.in_process else {"": {}}
+    modes: dict[str, tuple[dict[str, str], bool]] = {"": ({}, True)}
+    if args.in_process:
+        modes["-in-process"] = (IN_PROCESS, True)
+    if args.compiled:
+        modes["-compiled"] = ({}, False)
     engines = [
-        run_engine(common | dict(name=name + mode, lora=name == "lora"), env, args.child_timeout_s)
-        for mode, env in modes.items()
+        run_engine(
+            common | dict(name=name + mode, lora=name == "lora", eager=eager),
+            env,
+            args.child_timeout_s,
+        )
+        for mode, (env, eager) in modes.items()
         for name in ("base", "lora")
     ]
     kernels["after"] = measure()
