@@ -66,9 +66,10 @@ Tenant = Annotated[str, Depends(_tenant_of)]
 
 async def owned(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord | None:
     """The tenant's job (None: bound to it but not registered yet); 404 otherwise."""
-    if await client.store.jobs.owner(job_id) != tenant:
+    claim = await client.store.jobs.claim_id(job_id, None)  # one round trip: binds nothing
+    if claim.owner != tenant:
         raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
-    record = await client.store.jobs.get(job_id)
+    record = claim.record
     if record is not None and record.spec.tenant != tenant:  # registered by the operator
         raise HTTPException(404, f"no job {job_id!r} of tenant {tenant!r}")
     return record

@@ -95,10 +95,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from multilora import prompts, write_adapter  # bench/multilora.py
 
     from common.files.models import resolve_base_model
+    from common.wire.adapters import AdapterRef
     from common.wire.messages import GenerationRequest, SamplingSettings
     from rollout_svc.engine import RolloutEngine
     from rollout_svc.engine_settings import EngineSettings
-    from rollout_svc.loras import AdapterRef
 
     model_dir = resolve_base_model(args.model)
     work = Path(tempfile.mkdtemp(prefix="marlaas-cores-"))

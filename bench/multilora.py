@@ -94,10 +94,10 @@ def prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 async def measure_one(config: dict[str, Any]) -> dict[str, Any]:
     """In the child: start one engine, time `requests` concurrent requests, probe greedy."""
+    from common.wire.adapters import AdapterRef
     from common.wire.messages import GenerationRequest, SamplingSettings
     from rollout_svc.engine import RolloutEngine
     from rollout_svc.engine_settings import EngineSettings
-    from rollout_svc.loras import AdapterRef
 
     model_dir = Path(config["model_dir"])
     n_adapters = config["adapters"]

@@ -153,7 +153,7 @@ class EnvService(Service):
         if (record := await store.jobs.get(update.job_id)) is None:
             return
         await self.issuer.issue_groups(record)
-        if (untrusted := await unpublished(store.adapters, update)) is not None:
+        if (untrusted := await unpublished(store.adapters, update.ref)) is not None:
             raise ValueError(f"adapter update not evaluated: {untrusted}")
         await self.evaluations.evaluate(record, update.version)
 

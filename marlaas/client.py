@@ -202,8 +202,9 @@ class Client:
 
     async def _final_eval(self, job_id: str, ended: Event) -> int | None:
         """The version whose `eval` event is still to come after the job's end: a completed
-        job's final adapter, when its spec evaluates it."""
-        if STATE_AFTER[ended.event] != "completed":
+        job's final adapter (the version its `completed` event names), when its spec evaluates
+        it."""
+        if STATE_AFTER[ended.event] != "completed" or ended.step < 1:
             return None
         record = await self.store.jobs.get(job_id)
         return ended.step if record is not None and evaluated(record.spec, ended.step) else None

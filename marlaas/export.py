@@ -22,10 +22,11 @@ from pathlib import Path
 
 import msgspec
 
-from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, atomic_dir
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_dir
 from common.files.models import public_model_id, resolve_base_model
 from common.state.registry import Job, JobRecord, job_id_of
 from common.state.store import RedisStore
+from common.wire.adapters import AdapterRef
 from common.wire.messages import Event
 
 EXPORT_INFO = "marlaas_export.json"
@@ -142,8 +143,8 @@ async def export_adapter(
     record = job if isinstance(job, JobRecord) else await store.jobs.get(job_id)
     if record is None:
         raise ExportError(f"unknown job {job_id!r}")
-    source, wanted, latest = await _adapter_source(store, record, job_id, version)
-    config = check_adapter_dir(source)
+    source, latest = await _adapter_source(store, record, job_id, version)
+    config = check_adapter_dir(source.path)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir} exists and is not an empty directory")
@@ -152,18 +153,18 @@ async def export_adapter(
     # The trainer's copy is a path on its machine: loads nowhere else, and is none of the
     # reader's business.
     config["base_model_name_or_path"] = hub_id or base_model_path or record.spec.base_model
-    info = _export_info(record, job_id, wanted, latest, hub_id)
-    _write_atomically(out_dir, source, config, info)
+    info = _export_info(record, job_id, source.version, latest, hub_id)
+    _write_atomically(out_dir, source.path, config, info)
     return ExportedAdapter(
-        job_id, record.spec.tenant, wanted, out_dir, str(config["base_model_name_or_path"])
+        job_id, record.spec.tenant, source.version, out_dir, str(config["base_model_name_or_path"])
     )
 
 
 async def _adapter_source(
     store: RedisStore, record: JobRecord, job_id: str, version: int | None
-) -> tuple[Path, int, int]:
-    """The artifact-store directory of the job's adapter `version` (None: the latest), that
-    version, and the latest one."""
+) -> tuple[AdapterRef, int]:
+    """The job's adapter `version` (None: the latest), found in this machine's artifact
+    store, and the latest version."""
     pointer = await store.adapters.get(job_id)
     if pointer is None or pointer.version < 1:
         raise ExportError(
@@ -179,13 +180,13 @@ async def _adapter_source(
         else await store.adapters.published_uri(job_id, wanted)
     )
     # Versions published before their URIs were recorded sit beside the latest as v<n>.
-    source = adapter_path(uri) if uri else adapter_path(pointer.uri).parent / f"v{wanted}"
-    if not source.is_dir():
+    source = AdapterRef(job_id, wanted, uri or str(pointer.ref.path.parent / f"v{wanted}"))
+    if not source.path.is_dir():
         raise ExportError(
             f"adapter v{wanted} of job {job_id!r} is not in this machine's artifact store: run "
             "export where the artifact store (MARLAAS_ARTIFACT_DIR) is mounted"
         )
-    return source, wanted, pointer.version
+    return source, pointer.version
 
 
 def _export_info(

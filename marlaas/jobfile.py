@@ -9,14 +9,14 @@ A file holds the fields of `JobSpec` (common/wire/messages.py) as TOML tables:
     group_size = 8
 
 `job_id` may be omitted: each submission then gets a fresh id `<tenant>-<file stem>-<hex>`.
-`base_model` defaults to the deployment's. Checks beyond types are `common.wire.jobspec`'s, and
-`check_env`'s when given (the CLI's: the environment's own for its params when the environment
-is installed on the machine that submits); env_svc checks them all again where it accepts a job.
+`base_model` defaults to the deployment's. The spec comes through the one door every spec
+does, `common.wire.jobspec.admit` (defaults and every rule), then `check_env` when given (the
+CLI's: the environment's own for its params when the environment is installed on the machine
+that submits); env_svc admits it again where it accepts a job.
 """
 
 from __future__ import annotations
 
-import re
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -26,14 +26,13 @@ from typing import Any
 import msgspec
 
 from common.wire.codec import unknown_fields
-from common.wire.jobspec import NAME_CHARS, NAME_MAX_LEN, JobSpecError, bound_problems, validate_job
+from common.wire.jobspec import Deployment, JobSpecError, admit, bound_problems
 from common.wire.messages import (
     EnvSettings,
     EvalSettings,
     JobSpec,
     LoraSettings,
     RLSettings,
-    new_id,
 )
 
 
@@ -49,7 +48,6 @@ _TABLES: dict[str, type[msgspec.Struct]] = {
     "eval": EvalSettings,
 }
 _REQUIRED = ("tenant", "env")
-_NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")
 
 
 def load_job_file(
@@ -62,8 +60,13 @@ def load_job_file(
 ) -> JobSpec:
     """Read, type-check and validate one job file; raises JobFileError('<file>: <field>: ...').
     `check_env` raises JobFileError for environment params it refuses."""
+    deployment = Deployment(
+        base_model=base_model,
+        max_lora_rank=max_lora_rank,
+        lora_target_modules=None if lora_target_modules is None else tuple(lora_target_modules),
+    )
     try:
-        spec = _spec_of(_read_toml(path), path.stem, base_model, max_lora_rank, lora_target_modules)
+        spec = admit(_spec_of(_read_toml(path)), deployment=deployment, label=path.stem).spec
         if check_env is not None:
             check_env(spec)
     except (JobFileError, JobSpecError) as exc:
@@ -86,21 +89,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise JobFileError(f"invalid TOML: {exc}") from None
 
 
-def _fresh_job_id(tenant: str, stem: str) -> str:
-    """`<tenant>-<file stem>-<hex>`, the stem cut to the characters a job id may hold and the
-    whole to the 128 allowed."""
-    suffix = f"-{new_id()[:6]}"
-    prefix = f"{tenant}-{_NOT_IN_NAME.sub('-', stem).strip('-')}"
-    return prefix[: NAME_MAX_LEN - len(suffix)] + suffix
-
-
-def _spec_of(
-    data: dict[str, Any],
-    stem: str,
-    base_model: str,
-    max_lora_rank: int | None,
-    lora_target_modules: Sequence[str] | None,
-) -> JobSpec:
+def _spec_of(data: dict[str, Any]) -> JobSpec:
+    """The file's spec as written (no job id or base model: empty, for `admit` to fill)."""
     unknown = sorted(set(data) - set(_TOP_LEVEL) - set(_TABLES))
     if unknown:
         allowed = ", ".join([*_TOP_LEVEL, *_TABLES])
@@ -120,24 +110,16 @@ def _spec_of(
     ]:
         raise JobFileError("; ".join(problems))
     parts = {name: _table(name, data[name], kind) for name, kind in _TABLES.items() if name in data}
-    tenant = data["tenant"]
-    spec = msgspec.structs.replace(
+    return msgspec.structs.replace(
         JobSpec(
-            job_id=data.get("job_id") or _fresh_job_id(tenant, stem),
-            tenant=tenant,
-            base_model=data.get("base_model", base_model),
+            job_id=data.get("job_id", ""),
+            tenant=data["tenant"],
+            base_model=data.get("base_model", ""),
             env=parts.pop("env"),  # type: ignore[arg-type]
             submitted_at=time.time(),
         ),
         **parts,
     )
-    validate_job(
-        spec,
-        base_model=base_model,
-        max_lora_rank=max_lora_rank,
-        lora_target_modules=lora_target_modules,
-    )
-    return spec
 
 
 def _table(name: str, value: Any, kind: type[msgspec.Struct]) -> msgspec.Struct:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.files.artifacts import adapter_path, unpublished
+from common.files.artifacts import unpublished
 from common.runtime.service import Connections
+from common.wire.adapters import AdapterRef
 from common.wire.messages import AdapterUpdate, GenerationRequest, GenerationResult
 from rollout_svc.engine_protocol import GenerationEngine
 from rollout_svc.jobs import JobsSeen
-from rollout_svc.loras import AdapterRef
 
 
 class JobAdapters:
@@ -36,27 +36,28 @@ class JobAdapters:
     async def read_pointers(self) -> int:
         """Take every job's newest version from Redis (start-up); returns how many."""
         for job_id, pointer in (await self._io.require_store().adapters.all()).items():
-            self.latest[job_id] = AdapterRef(
-                job_id, pointer.version, str(adapter_path(pointer.uri))
-            )
+            self.latest[job_id] = pointer.ref
             self._jobs.touch(job_id)
         return len(self.latest)
 
     async def on_adapter(self, update: AdapterUpdate) -> None:
-        current = self.latest.get(update.job_id)
-        if current is not None and current.version >= update.version:
+        await self.take(update.ref)
+
+    async def take(self, new: AdapterRef) -> None:
+        """Sample the job with `new` from now on, if it is newer and the trainer's."""
+        current = self.latest.get(new.job_id)
+        if current is not None and current.version >= new.version:
             return
         store = self._io.require_store()
-        if untrusted := await unpublished(store.adapters, update, artifacts=self._artifacts):
-            (await self._jobs.job_log(update.job_id)).error("adapter update ignored: %s", untrusted)
+        if untrusted := await unpublished(store.adapters, new, artifacts=self._artifacts):
+            (await self._jobs.job_log(new.job_id)).error("adapter update ignored: %s", untrusted)
             return
-        new = AdapterRef(update.job_id, update.version, str(adapter_path(update.uri)))
-        self.latest[update.job_id] = new
-        self._jobs.touch(update.job_id)
+        self.latest[new.job_id] = new
+        self._jobs.touch(new.job_id)
         await self._engine.load(new)  # loaded before its first request needs it
         if current is not None:
             await self._engine.retire(current.job_id, current.version)
-        (await self._jobs.job_log(update.job_id)).info("job now samples with v%d", update.version)
+        (await self._jobs.job_log(new.job_id)).info("job now samples with v%d", new.version)
 
     async def adapter_for(self, request: GenerationRequest) -> AdapterRef | None:
         """The version `request` is sampled with: its pinned one, else its job's newest."""
@@ -67,14 +68,7 @@ class JobAdapters:
             # The broadcast has not reached this replica yet; Redis already has the pointer.
             pointer = await self._io.require_store().adapters.get(request.job_id)
             if pointer is not None:
-                await self.on_adapter(
-                    AdapterUpdate(
-                        job_id=pointer.job_id,
-                        version=pointer.version,
-                        uri=pointer.uri,
-                        step=pointer.step,
-                    )
-                )
+                await self.take(pointer.ref)
         return self.latest.get(request.job_id)
 
     async def pinned(self, job_id: str, version: int) -> AdapterRef | None:
@@ -85,7 +79,7 @@ class JobAdapters:
         uri = await self._io.require_store().adapters.published_uri(job_id, version)
         if uri is None:
             raise ValueError(f"adapter v{version} of job {job_id} was never published")
-        return AdapterRef(job_id, version, str(adapter_path(uri)))
+        return AdapterRef(job_id, version, uri, step=version)
 
     async def generate_with(
         self, request: GenerationRequest, adapter: AdapterRef | None

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 
 from common.runtime.service import Connections
+from common.wire.adapters import AdapterRef
 from common.wire.messages import GenerationRequest, GenerationResult
 from rollout_svc.adapters import JobAdapters
 from rollout_svc.jobs import JobsSeen
-from rollout_svc.loras import AdapterRef
 from rollout_svc.slots import EngineSlots
 from rollout_svc.stopped import StoppedJobs
 
@@ -52,7 +52,7 @@ class ChatSampling:
     async def _adapter(self, job_id: str, version: int | None) -> AdapterRef | None:
         """The job's adapter `version` (None: its pointer's); LookupError when there is none."""
         store = self._io.require_store()
-        if await store.jobs.get(job_id) is None:
+        if await self._jobs.job(job_id) is None:  # known here, or found so lately: no read
             raise LookupError(f"unknown job {job_id!r}")
         if version is None:  # the pointer: newer than a broadcast this replica awaits
             pointer = await store.adapters.get(job_id)

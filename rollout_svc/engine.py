@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.runtime.hardware import Hardware, Precision, detect, engine_precision, log_precision
+from common.wire.adapters import AdapterRef
 from common.wire.messages import ContextTooLongError, GenerationRequest, GenerationResult
 from rollout_svc import cpu_lora
 from rollout_svc.engine_settings import EngineSettings, engine_args
-from rollout_svc.loras import NULL_ADAPTER_NAME, AdapterRef, LoraSlots, write_null_adapter
+from rollout_svc.loras import NULL_ADAPTER_NAME, LoraSlots, write_null_adapter
 from rollout_svc.sampling import result_of, sampling_params, turn_seed
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from common.wire.adapters import AdapterRef
 from common.wire.messages import GenerationRequest, GenerationResult
-from rollout_svc.loras import AdapterRef
 
 
 class GenerationEngine(Protocol):

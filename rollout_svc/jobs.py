@@ -1,13 +1,16 @@
-"""The jobs a rollout replica has seen: each one's tenant and when it was last used here."""
+"""The jobs a rollout replica has seen: each one's tenant and when it was last used here, and
+the ids found unregistered lately."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from common.runtime.logs import job_logger
 from common.state.store import RedisStore
+from common.wire.jobspec import AdmittedJob
 from common.wire.messages import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -16,6 +19,11 @@ IDLE_JOB_S = 600.0
 """A job with no request here for this long (and none waiting) is forgotten: its newest
 adapter leaves the engine and its entries go, which would otherwise pile up with every job
 ever served. A later request of it reads its pointer again (`JobAdapters.adapter_for`)."""
+UNKNOWN_JOB_S = 5.0
+"""How long an id found unregistered is taken as such without asking the registry again (a
+job submitted meanwhile is found after it)."""
+MAX_UNKNOWN_JOBS = 1024
+"""Ids remembered as unregistered at most: the oldest leave first."""
 
 
 class JobsSeen:
@@ -27,7 +35,10 @@ class JobsSeen:
         self.tenants: dict[str, str] = {}
         """Tenant of each job this replica logged about or admitted, read once."""
         self.used_at: dict[str, float] = {}
-        """When each job with an adapter or a tenant here last had a request or an update."""
+        """When each job with an adapter or a tenant here, or read as registered, last had a
+        request or an update."""
+        self._unknown: OrderedDict[str, float] = OrderedDict()
+        """When each id lately found unregistered was (monotonic)."""
 
     def touch(self, job_id: str) -> None:
         self.used_at[job_id] = time.monotonic()
@@ -38,22 +49,37 @@ class JobsSeen:
         if request.tenant:  # schema 4 on: carried, no registry read
             self.tenants.setdefault(request.job_id, request.tenant)
 
+    async def job(self, job_id: str) -> AdmittedJob | None:
+        """The registered job as admitted (read once per process, `store.admitted`); None for
+        an id not registered, which is asked again only after `UNKNOWN_JOB_S`, or while not
+        connected."""
+        store, now = self._store(), time.monotonic()
+        if store is None or now - self._unknown.get(job_id, -UNKNOWN_JOB_S) < UNKNOWN_JOB_S:
+            return None
+        if (job := await store.admitted.job(job_id)) is not None:
+            self._unknown.pop(job_id, None)
+            self.used_at.setdefault(job_id, now)  # forgotten, with what it knows, once idle
+            return job
+        self._unknown[job_id] = now
+        self._unknown.move_to_end(job_id)
+        while len(self._unknown) > MAX_UNKNOWN_JOBS:
+            self._unknown.popitem(last=False)
+        return None
+
     async def tenant_of(self, job_id: str) -> str:
-        """The job's tenant: the one its requests carry, else from the registry (one read per
-        job, ever, for requests of writers before schema 4); "" while unknown.
+        """The job's tenant: the one its requests carry, else from the registry (`job`: one
+        read per job, for requests of writers before schema 4); "" while unknown.
 
         "" is a tenant of its own for admission. An unregistered job, or a registry that
-        does not answer, is asked again next time: neither logging nor admission fails on it."""
-        store = self._store()
-        if job_id not in self.tenants and store is not None:
+        does not answer, is asked again later: neither logging nor admission fails on it."""
+        if job_id not in self.tenants:
             try:
-                record = await store.jobs.get(job_id)
+                job = await self.job(job_id)
             except Exception as exc:
                 log.debug("no tenant for job %s: %r", job_id, exc)
-                record = None
-            if record is not None:
-                self.tenants[job_id] = record.spec.tenant
-                self.used_at.setdefault(job_id, time.monotonic())
+                job = None
+            if job is not None:
+                self.tenants[job_id] = job.tenant
         return self.tenants.get(job_id, "")
 
     async def job_log(self, job_id: str) -> logging.LoggerAdapter[logging.Logger]:
@@ -64,7 +90,10 @@ class JobsSeen:
         """Forget the jobs idle for `IDLE_JOB_S` (monotonic `now`) with nothing `waiting`;
         returns them."""
         idle = [j for j, at in self.used_at.items() if now - at > IDLE_JOB_S and j not in waiting]
+        store = self._store()
         for job_id in idle:
             del self.used_at[job_id]
             self.tenants.pop(job_id, None)
+            if store is not None:
+                store.admitted.forget(job_id)  # read afresh should it come back
         return idle

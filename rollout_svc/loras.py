@@ -1,8 +1,8 @@
-"""Adapters in vLLM's engine: the adapter reference type and the LoRA bookkeeping.
+"""Adapters in vLLM's engine: the LoRA bookkeeping.
 
-An `AdapterRef` names one published version of one job's adapter (a PEFT directory on local
-disk). `LoraSlots` gives each version the engine serves a LoRA id, loads it once before a
-request needs it, and removes a retired version when its last request in flight finishes.
+`LoraSlots` gives each adapter version the engine serves (an `AdapterRef`,
+common/wire/adapters.py) a LoRA id, loads it once before a request needs it, and removes a
+retired version when its last request in flight finishes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.wire.adapters import AdapterRef
+
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -26,20 +28,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """`max_lora_rank` values vLLM accepts; an adapter's rank must not exceed the chosen one."""
 
 NULL_ADAPTER_NAME = "marlaas-base@v0"
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """One published version of one job's adapter: a PEFT directory on local disk."""
-
-    job_id: str
-    version: int
-    """1, 2, ...; version 0 is the bare base model and needs no directory."""
-    path: str
-
-    @property
-    def lora_name(self) -> str:
-        return f"{self.job_id}@v{self.version}"
 
 
 def write_null_adapter(model_dir: Path, out_dir: Path) -> Path:
@@ -132,11 +120,10 @@ class LoraSlots:
             return self.null_lora
         if not self._enabled:
             raise ValueError(f"adapter {adapter.lora_name} requested from an engine without LoRA")
-        key = (adapter.job_id, adapter.version)
-        entry = self._adapters.get(key)
+        entry = self._adapters.get(adapter.key)
         if entry is None:
             entry = _LoadedAdapter(adapter, self.next_id())
-            self._adapters[key] = entry
+            self._adapters[adapter.key] = entry
         elif entry.ref.path != adapter.path:
             raise ValueError(
                 f"adapter {adapter.lora_name} is already registered from {entry.ref.path}, "
@@ -144,13 +131,13 @@ class LoraSlots:
             )
         entry.in_flight += 1
         return LoRARequest(
-            lora_name=adapter.lora_name, lora_int_id=entry.lora_int_id, lora_path=adapter.path
+            lora_name=adapter.lora_name, lora_int_id=entry.lora_int_id, lora_path=str(adapter.path)
         )
 
     async def release(self, adapter: AdapterRef | None) -> None:
         if adapter is None or adapter.version == 0:
             return
-        entry = self._adapters.get((adapter.job_id, adapter.version))
+        entry = self._adapters.get(adapter.key)
         if entry is None:
             return
         entry.in_flight -= 1
@@ -160,13 +147,13 @@ class LoraSlots:
     async def ensure_loaded(self, adapter: AdapterRef | None, lora: LoRARequest | None) -> None:
         """Have the engine load an adapter version once, before any request uses it; raise
         AdapterUnavailableError when it cannot (and try again with the next request)."""
-        entry = self._adapters.get((adapter.job_id, adapter.version)) if adapter else None
+        entry = self._adapters.get(adapter.key) if adapter else None
         if adapter is None or lora is None or entry is None or entry.loaded:
             return
         async with entry.loading:
             if entry.loaded:
                 return
-            if not (Path(adapter.path) / "adapter_config.json").is_file():
+            if not (adapter.path / "adapter_config.json").is_file():
                 raise AdapterUnavailableError(
                     f"adapter {adapter.lora_name}: no adapter_config.json in {adapter.path}"
                 )
@@ -196,7 +183,7 @@ class LoraSlots:
 
     async def _remove(self, entry: _LoadedAdapter) -> None:
         # Forget it before awaiting: a request arriving meanwhile gets a fresh LoRA id.
-        del self._adapters[(entry.ref.job_id, entry.ref.version)]
+        del self._adapters[entry.ref.key]
         if (engine := self._engine()) is not None:
             removed = await engine.remove_lora(entry.lora_int_id)
             log.info("retired adapter %s (removed from engine: %s)", entry.ref.lora_name, removed)

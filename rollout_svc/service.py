@@ -35,6 +35,7 @@ from common.runtime.metrics import (
 )
 from common.runtime.service import Connections, Service, announce_runtime, runtime_fields, wait_any
 from common.state.store import RedisStore
+from common.wire.adapters import AdapterRef
 from common.wire.chat import CHAT
 from common.wire.messages import AdapterUpdate, GenerationRequest, GenerationResult, Topic
 from rollout_svc.adapters import JobAdapters
@@ -43,7 +44,6 @@ from rollout_svc.chat_sampling import ChatSampling
 from rollout_svc.engine_protocol import GenerationEngine
 from rollout_svc.intake import SERVICE, Intake
 from rollout_svc.jobs import JobsSeen
-from rollout_svc.loras import AdapterRef
 from rollout_svc.slots import EngineSlots
 from rollout_svc.stats import StatsReport
 from rollout_svc.stopped import StoppedJobs

@@ -18,6 +18,7 @@ from common.runtime.config import (
 from common.state.flow import ISSUED_GROUPS
 from common.state.keyspace import flow_key
 from common.state.store import RedisStore
+from common.wire.adapters import AdapterRef
 from common.wire.messages import (
     AdapterUpdate,
     EnvSettings,
@@ -35,7 +36,6 @@ from common.wire.messages import (
 from env_svc.chat_template import ChatTokenizer
 from env_svc.service import EnvService
 from rollout_svc.engine_protocol import GenerationEngine
-from rollout_svc.loras import AdapterRef
 from rollout_svc.service import RolloutService
 from tests.fakes import Backend
 from trainer_svc.policy import MultiAdapterPolicy

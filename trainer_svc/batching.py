@@ -121,24 +121,27 @@ class Batching:
     async def sweep_finished(self) -> None:
         """Let go of jobs that ended elsewhere (cancelled, failed): their groups' commits
         would otherwise be held forever, stopping commits of the whole partition. Drop the
-        lost groups of running jobs that stopped moving."""
-        for job in list(self.roster.jobs.values()):
-            try:
-                await self._sweep(job)
-            except Exception as exc:  # Redis down: the loop goes on training what it has
-                if not is_transient(exc):
-                    raise
-                log.warning("sweep stopped (%r); the next sweep retries", exc)
-                return
+        lost groups of running jobs that stopped moving. The jobs' statuses are read in one
+        round trip."""
+        jobs = list(self.roster.jobs.values())
+        try:
+            statuses = await self.roster.io.require_store().jobs.statuses(
+                [job.spec.job_id for job in jobs]
+            )
+            for job in jobs:
+                await self._sweep(job, statuses[job.spec.job_id])
+        except Exception as exc:  # Redis down: the loop goes on training what it has
+            if not is_transient(exc):
+                raise
+            log.warning("sweep stopped (%r); the next sweep retries", exc)
 
-    async def _sweep(self, job: OwnedJob) -> None:
+    async def _sweep(self, job: OwnedJob, status: str | None) -> None:
         job_id = job.spec.job_id
-        record = await self.roster.io.require_store().jobs.get(job_id)
-        if record is None or record.status in TERMINAL_STATES:
+        if status is None or status in TERMINAL_STATES:
             async with self.roster.stepping:  # an adapter is not removed under a resume
                 await self.roster.ended(job)
             job_logger(log, job_id, job.spec.tenant).info(
-                "job %s: its held groups released", record.status if record else "gone"
+                "job %s: its held groups released", status or "gone"
             )
         else:  # running, or paused: a paused job's lost groups must not pin the partition
             async with self.roster.stepping:

@@ -44,6 +44,7 @@ from common.files.artifacts import (
     version_dir_name,
 )
 from common.runtime.faults import fault_point
+from common.wire.adapters import AdapterRef
 from common.wire.jobspec import is_name
 from trainer_svc.adapter_files import TRAINER_STATE
 from trainer_svc.policy import MultiAdapterPolicy
@@ -89,10 +90,10 @@ class CheckpointStore:
         group_ids: Sequence[str],
         epoch: int = 0,
         step_metrics: Mapping[str, float] | None = None,
-    ) -> str:
+    ) -> AdapterRef:
         """Publishable adapter + checkpoint of `version`, trained on `group_ids` by the owner
         of `epoch`; then `latest` moves to it (unless a newer epoch's checkpoint is there)
-        and older checkpoints are pruned. Returns the adapter's `file://` URI."""
+        and older checkpoints are pruned. Returns the adapter, at its `file://` URI."""
         adapter_dir = policy.save_adapter(job_id, self.adapter_dir(job_id, version, epoch))
         policy.save_checkpoint(
             job_id,
@@ -110,12 +111,12 @@ class CheckpointStore:
             atomic_write_text(self._root(job_id) / LATEST, version_dir_name(version, epoch))
             self._prune(job_id, version)
         fault_point("trainer.after_latest")
-        return adapter_dir.resolve().as_uri()
+        return _published(job_id, version, adapter_dir)
 
-    def adapter_uri(self, checkpoint: Checkpoint, job_id: str) -> str:
+    def adapter_ref(self, checkpoint: Checkpoint, job_id: str) -> AdapterRef:
         """The published adapter that was saved with `checkpoint`."""
         path = self.adapter_dir(job_id, checkpoint.version, checkpoint.epoch)
-        return path.resolve().as_uri()
+        return _published(job_id, checkpoint.version, path)
 
     def _latest_name(self, job_id: str) -> str | None:
         try:
@@ -187,6 +188,11 @@ class CheckpointStore:
 
     def _root(self, job_id: str) -> Path:
         return self.artifacts / "checkpoints" / _checked(job_id)
+
+
+def _published(job_id: str, version: int, adapter_dir: Path) -> AdapterRef:
+    # The trainer publishes version n at step n, at the directory's resolved file:// URI.
+    return AdapterRef(job_id, version, adapter_dir.resolve().as_uri(), step=version)
 
 
 def _checked(job_id: str) -> str:

@@ -49,10 +49,12 @@ class Intake:
         if (foreign := not_of_job(trajectory, job.spec)) is not None:
             job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", foreign)
             return
-        if group_id in job.closed or await store.dedup.seen(TRAINED, job_id, group_id):
-            return  # redelivered after its group was trained: never train it twice
-        if await store.dedup.seen(DROPPED, job_id, group_id):
-            return  # its group was dropped and replaced
+        # Redelivered after its group was trained (never train it twice), or of a group
+        # dropped and replaced.
+        if group_id in job.closed or await store.dedup.seen_in_any(
+            (TRAINED, DROPPED), job_id, group_id
+        ):
+            return
         if group_id not in job.filling and (unissued := await self._unissued(job, group_id)):
             job_logger(log, job_id, job.spec.tenant).warning("trajectory ignored: %s", unissued)
             return

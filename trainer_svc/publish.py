@@ -13,6 +13,7 @@ from common.runtime.faults import fault_point
 from common.runtime.logs import job_logger
 from common.runtime.metrics import TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_TOKENS_PER_SECOND
 from common.state.pointers import FencedError
+from common.wire.adapters import AdapterRef
 from common.wire.lifecycle import StepMetrics
 from common.wire.messages import AdapterUpdate, job_event
 from trainer_svc.checkpoints import Checkpoint, CheckpointStore
@@ -32,49 +33,41 @@ class Publisher:
         self.checkpoints = checkpoints
 
     async def publish(
-        self, job: OwnedJob, version: int, uri: str, groups: list[Group], metrics: StepMetrics
+        self, job: OwnedJob, adapter: AdapterRef, groups: list[Group], metrics: StepMetrics
     ) -> bool:
         """Move the pointer (the job's trained version) and mark the groups trained in one
         atomic step, announce the version to rollout_svc and env_svc, release the commits."""
-        job_id = job.spec.job_id
-        if not await self.publish_pointer(job, version, uri, [g.group_id for g in groups]):
+        if not await self.publish_pointer(job, adapter, [g.group_id for g in groups]):
             return False
         fault_point("trainer.after_pointer")
-        job.version = version
+        job.version = adapter.version
         fault_point("trainer.before_update")
-        await self.announce(job_id, version, uri, metrics)
+        await self.announce(adapter, metrics)
         fault_point("trainer.after_update")
         for group in groups:
             group.release()
         return True
 
-    async def announce(
-        self, job_id: str, version: int, uri: str, metrics: StepMetrics | None = None
-    ) -> None:
-        """Tell rollout_svc and env_svc that `version` is published (with the step's
+    async def announce(self, adapter: AdapterRef, metrics: StepMetrics | None = None) -> None:
+        """Tell rollout_svc and env_svc that `adapter` is published (with the step's
         metrics; none when a restart announces it again)."""
         await self.io.send(
-            AdapterUpdate(
-                job_id=job_id,
-                version=version,
-                uri=uri,
-                step=version,
-                metrics=metrics.as_map() if metrics else {},
-                published_at=time.time(),
+            AdapterUpdate.of(
+                adapter, metrics=metrics.as_map() if metrics else {}, published_at=time.time()
             )
         )
 
     async def publish_pointer(
-        self, job: OwnedJob, version: int, uri: str, group_ids: Sequence[str]
+        self, job: OwnedJob, adapter: AdapterRef, group_ids: Sequence[str]
     ) -> bool:
         """Move the pointer with this replica's epoch; False (the job given up, its groups
         left to the new owner) when another replica took the job over meanwhile."""
-        store, job_id = self.io.require_store(), job.spec.job_id
+        store, job_id, version = self.io.require_store(), adapter.job_id, adapter.version
         try:
             moved = await retry_through_outages(
                 f"publishing {job_id} v{version}",
                 lambda: store.adapters.publish(
-                    job_id, version, uri, version, group_ids, epoch=job.epoch
+                    job_id, version, adapter.uri, adapter.step, group_ids, epoch=job.epoch
                 ),
             )
         except FencedError as exc:
@@ -88,7 +81,7 @@ class Publisher:
         pointer = await retry_through_outages(
             f"reading {job_id}'s pointer", partial(store.adapters.get, job_id)
         )
-        if pointer is not None and (pointer.version, pointer.uri) == (version, uri):
+        if pointer is not None and (pointer.version, pointer.uri) == (version, adapter.uri):
             return True
         job_logger(log, job_id, job.spec.tenant).warning(
             "v%d not published: the pointer holds v%d from another writer; job given up",
@@ -152,7 +145,7 @@ class Publisher:
         the pointer (with its groups) if it is behind, announce the version again (readers
         ignore versions they have), and complete a job whose last step was saved."""
         store, job_id, version = self.io.require_store(), job.spec.job_id, job.version
-        uri = self.checkpoints.adapter_uri(checkpoint, job_id)
+        adapter = self.checkpoints.adapter_ref(checkpoint, job_id)
         pointer = await retry_through_outages(
             f"reading {job_id}'s pointer", partial(store.adapters.get, job_id)
         )
@@ -160,10 +153,10 @@ class Publisher:
             job_logger(log, job_id, job.spec.tenant).warning(
                 "v%d was saved but not published; publishing it", version
             )
-            if not await self.publish_pointer(job, version, uri, checkpoint.group_ids):
+            if not await self.publish_pointer(job, adapter, checkpoint.group_ids):
                 return
         if pointer is None or pointer.version <= version:
-            await self.announce(job_id, version, uri)
+            await self.announce(adapter)
             if version > 0 and (pointer is None or pointer.announced < version):
                 # Published, its step event not sent (the crash came between): sent now,
                 # with the metrics saved with it, so the job's history has every step.

@@ -74,17 +74,26 @@ class Roster:
         return job.spec.job_id in self.jobs
 
     def disown(self, job_id: str) -> None:
-        """Forget a job and remove its adapter; callers hold `stepping`."""
+        """Hand a job over (its partition moved, another replica fenced it off): let go of
+        it, and forget it as known here (`store.admitted`); callers hold `stepping`."""
+        self._let_go(job_id)
+        if (store := self.io.store) is not None:
+            store.admitted.forget(job_id)  # taken on again, it is read afresh
+
+    def _let_go(self, job_id: str) -> None:
+        """Drop a job and its adapter."""
         self.jobs.pop(job_id, None)
         if job_id in self.policy.jobs:
             self.policy.remove_job(job_id)
         forget_job(job_id)  # its series, which would otherwise pile up with every job
 
     async def ended(self, job: OwnedJob) -> None:
-        """The job has ended: let go of it, and its working state here expires in a week."""
+        """The job has ended: let go of it, and its working state here expires in a week. It
+        stays known here as ended (`store.admitted`): a late trajectory of it costs a status
+        read, not a decode; a reused id is told by its record's `created_at`."""
         job_id = job.spec.job_id
         job.release_all()
-        self.disown(job_id)
+        self._let_go(job_id)
         await retry_through_outages(
             f"expiring {job_id}'s state",
             lambda: self.io.require_store().jobs.expire_after_end(working_state_keys(job_id)),

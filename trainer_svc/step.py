@@ -54,7 +54,7 @@ class Stepper:
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
             try:
-                uri = await self.compute.run(
+                adapter = await self.compute.run(
                     self.checkpoints.save,
                     policy,
                     job_id,
@@ -67,19 +67,21 @@ class Stepper:
                 await self._unsaved(job, groups, exc)
                 continue
             metrics[job_id].wall_step_s = time.monotonic() - started
-            if await self.publisher.publish(job, version, uri, groups, metrics[job_id]):
+            if await self.publisher.publish(job, adapter, groups, metrics[job_id]):
                 await self.publisher.report(job, metrics[job_id], [g.group_id for g in groups])
 
     async def _live(self, jobs: list[OwnedJob]) -> list[OwnedJob]:
-        """The jobs still running; the others (ended elsewhere) are let go."""
+        """The jobs still running, their statuses read in one round trip; the others (ended
+        elsewhere) are let go."""
         live: list[OwnedJob] = []
         store = self.roster.io.require_store()
+        statuses = await retry_through_outages(
+            "reading the jobs' statuses",
+            partial(store.jobs.statuses, [job.spec.job_id for job in jobs]),
+        )
         for job in jobs:
-            job_id = job.spec.job_id
-            record = await retry_through_outages(
-                f"reading job {job_id}", partial(store.jobs.get, job_id)
-            )
-            if record is None or record.status in TERMINAL_STATES:
+            status = statuses[job.spec.job_id]
+            if status is None or status in TERMINAL_STATES:
                 await self.roster.ended(job)
             else:
                 live.append(job)

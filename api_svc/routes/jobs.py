@@ -13,8 +13,8 @@ from api_svc.access import Client, Settings, Tenant, conflict_on, owned, registe
 from api_svc.views import CommandDone, JobView, Submitted
 from common.state.tenants import QuotaError
 from common.wire.codec import decode
-from common.wire.jobspec import JobSpecError, validate_job
-from common.wire.messages import JobAction, JobSpec, MessageDecodeError, Topic, new_id
+from common.wire.jobspec import JobSpecError, admit, fresh_job_id
+from common.wire.messages import JobAction, JobSpec, MessageDecodeError, Topic
 
 log = logging.getLogger(__name__)
 
@@ -26,28 +26,20 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
     spec = await _spec_of(request, tenant)
     limits = await client.store.tenants.limits(tenant)
     try:
-        validate_job(
-            spec,
-            base_model=settings.base_model,
-            max_lora_rank=settings.max_lora_rank,
-            lora_target_modules=settings.lora_target_modules,
-            limits=limits,
-        )
+        job = admit(spec, tenant=tenant, deployment=settings.deployment(), limits=limits)
     except JobSpecError as exc:
         raise HTTPException(422, str(exc)) from None
     if limits is not None:
         try:
-            await client.store.jobs.check_quota(spec, limits)
+            await client.store.jobs.check_quota(job.spec, limits)
         except QuotaError as exc:
             raise HTTPException(429, str(exc)) from None
     # Taken: bound to anyone already, this tenant included (a resubmitted id).
-    if await client.store.jobs.owner(spec.job_id) is not None or (
-        await client.store.jobs.bind_owner(spec.job_id, tenant) != tenant
-    ):
-        raise HTTPException(409, f"job id {spec.job_id!r} is taken; leave job_id out")
-    await client.submit([spec])
-    log.info("tenant %s submitted job %s", tenant, spec.job_id)
-    return Submitted(job_id=spec.job_id, tenant=tenant)
+    if not (await client.store.jobs.claim_id(job.job_id, tenant)).bound_now:
+        raise HTTPException(409, f"job id {job.job_id!r} is taken; leave job_id out")
+    await client.submit([job.spec])
+    log.info("tenant %s submitted job %s", tenant, job.job_id)
+    return Submitted(job_id=job.job_id, tenant=tenant)
 
 
 @router.get("", response_model=list[JobView])
@@ -91,7 +83,7 @@ async def _spec_of(request: Request, tenant: str) -> JobSpec:
         **body,
         "kind": "job_spec",
         "tenant": tenant,
-        "job_id": body.get("job_id") or f"{tenant}-{new_id()[:12]}",
+        "job_id": body.get("job_id") or fresh_job_id(tenant),
         "submitted_at": time.time(),
     }
     try:

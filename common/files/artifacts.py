@@ -19,12 +19,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-from urllib.parse import urlparse
-from urllib.request import url2pathname
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from common.wire.messages import AdapterUpdate
+from common.wire.adapters import AdapterRef, adapter_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -43,17 +40,6 @@ model cache, Redis' and the broker's data, logs) is theirs alone too."""
 
 STAGING_INFIX = ".staging-"
 """Marks a directory or file still being written (`.<name>.staging-<random>`)."""
-
-
-def adapter_path(uri: str) -> Path:
-    """Local path of an artifact URI (`file:///...`, percent-encoded as `Path.as_uri` writes
-    it, or a plain path)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        return Path(uri)
-    if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"artifact URI {uri!r} names host {parsed.netloc!r}; only local files")
-    return Path(url2pathname(parsed.path))
 
 
 def adapter_dir(artifacts: Path, job_id: str) -> Path:
@@ -80,22 +66,22 @@ class PublishedVersions(Protocol):
 
 
 async def unpublished(
-    pointers: PublishedVersions, update: AdapterUpdate, *, artifacts: Path | None = None
+    pointers: PublishedVersions, adapter: AdapterRef, *, artifacts: Path | None = None
 ) -> str | None:
-    """Why an adapter update is not to be acted on (None: it is the trainer's): its URI must
-    be the one the trainer published for that version in Redis, which only the trainer's
-    credentials can write (common/security/access.py), and, for a reader that loads it (`artifacts`
-    given), lie under the job's own adapter directory."""
+    """Why an announced adapter version is not to be acted on (None: it is the trainer's): its
+    URI must be the one the trainer published for that version in Redis, which only the
+    trainer's credentials can write (common/security/access.py), and, for a reader that loads
+    it (`artifacts` given), lie under the job's own adapter directory."""
     if (
         artifacts is not None
-        and (foreign := foreign_adapter_uri(artifacts, update.job_id, update.uri)) is not None
+        and (foreign := foreign_adapter_uri(artifacts, adapter.job_id, adapter.uri)) is not None
     ):
         return foreign
-    published = await pointers.published_uri(update.job_id, update.version)
-    if published is None or adapter_path(published) != adapter_path(update.uri):
+    published = await pointers.published_uri(adapter.job_id, adapter.version)
+    if published is None or adapter_path(published) != adapter.path:
         return (
-            f"v{update.version} of job {update.job_id!r} was published as {published!r}, "
-            f"not {update.uri!r}"
+            f"v{adapter.version} of job {adapter.job_id!r} was published as {published!r}, "
+            f"not {adapter.uri!r}"
         )
     return None
 

@@ -22,6 +22,7 @@ from common.runtime.cores import parse_cores
 from common.runtime.hardware import EngineDtype, TrainerDtype
 from common.runtime.logs import LogFormat
 from common.security.signing import RecordSigner, signer
+from common.wire.jobspec import Deployment
 
 
 def _core_list(value: str) -> str:
@@ -129,6 +130,16 @@ class SharedSettings(BaseSettings):
     @property
     def artifacts(self) -> Path:
         return self.artifact_dir or self.state_dir / "artifacts"
+
+    def deployment(self, max_model_len: int | None = None) -> Deployment:
+        """What this deployment serves, which every job must fit; `max_model_len`: the
+        rollout engine's longest context, where known (env_svc reads it off the replicas)."""
+        return Deployment(
+            base_model=self.base_model,
+            max_lora_rank=self.max_lora_rank,
+            lora_target_modules=tuple(self.lora_target_modules),
+            max_model_len=max_model_len,
+        )
 
     @property
     def signer(self) -> RecordSigner | None:

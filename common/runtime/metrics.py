@@ -41,7 +41,7 @@ MESSAGES_FAILED = Counter(
 JOB_SPEC_DECODES = Counter(
     "marlaas_job_spec_decodes_total",
     "Job specs decoded from their registered bytes: once per job per process "
-    "(common/state/specs.py).",
+    "(common/state/admitted.py).",
 )
 HANDLER_SECONDS = Histogram(
     "marlaas_handler_seconds",

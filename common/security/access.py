@@ -83,7 +83,7 @@ class Grant:
 GRANTS: Mapping[Principal, Grant] = {
     "env_svc": Grant(
         # register_job (job, jobs, tenant-jobs, the tenant's load, active jobs),
-        # set_job_status (and the tenant's load, undeclared), the active jobs' backfill, bind_owner,
+        # set_job_status (and the tenant's load, undeclared), the active jobs' backfill, claim_id,
         # the unkept jobs' expiry and their listings' trim;
         # the issue and claim scripts; the evaluation claims, re-sends and tallies; its de-dup
         # of generation results and commands.

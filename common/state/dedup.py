@@ -26,6 +26,13 @@ class DedupSets(RedisPart):
     async def seen(self, scope: str, job_id: str, item_id: str) -> bool:
         return bool(await self._redis.sismember(dedup_key(scope, job_id), item_id))
 
+    async def seen_in_any(self, scopes: Sequence[str], job_id: str, item_id: str) -> bool:
+        """Whether `item_id` was handled in any of `scopes`, in one round trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for scope in scopes:
+                pipe.sismember(dedup_key(scope, job_id), item_id)
+            return any(await pipe.execute())
+
     async def forget_seen(self, scope: str, job_id: str, item_id: str) -> None:
         """Undo `mark_seen` when the work it guarded failed before becoming durable."""
         await self._redis.srem(dedup_key(scope, job_id), item_id)

@@ -22,6 +22,7 @@ from common.state.keyspace import (
     versions_key,
 )
 from common.state.redis_part import Lua, RedisPart, text, texts
+from common.wire.adapters import AdapterRef
 
 # KEYS[1] adapter key, KEYS[2] the job's trained-groups set, KEYS[3] flow key, KEYS[4] fence
 # key, KEYS[5] the job's published versions (version -> uri), KEYS[6] the job's ledger; ARGV
@@ -82,6 +83,11 @@ class AdapterPointer:
     announced: int = 0
     """The newest version whose step event went out (0: none, or a pointer older than the
     field): a trainer resuming the job sends the step events of versions after it."""
+
+    @property
+    def ref(self) -> AdapterRef:
+        """The adapter version the pointer names."""
+        return AdapterRef(self.job_id, self.version, self.uri, self.step)
 
     @classmethod
     def of(cls, job_id: str, fields: Mapping[Any, Any]) -> AdapterPointer:

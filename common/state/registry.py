@@ -1,5 +1,7 @@
 """The job registry: each job's record (spec, tenant, status), the set of all jobs, why a
 job was rejected, job-id owners, and the tenant's count limits checked where jobs register.
+Records are read through the jobs this process knows (`admitted`): a spec is decoded once per
+process.
 
 The count limits (a tenant's live jobs and their samples in flight) are one rule, in Lua:
 `_QUOTA_RULE` is part of the script that registers a job (checked and registered in one step,
@@ -15,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.state.admitted import RECORD_FIELDS, AdmittedJobs, JobRecord
 from common.state.keyspace import (
     ACTIVE_JOBS,
     ACTIVE_SINCE,
@@ -27,10 +30,10 @@ from common.state.keyspace import (
     tenant_load_key,
 )
 from common.state.redis_part import Lua, RedisPart, text
-from common.state.specs import DecodedSpecs
 from common.state.tenants import QuotaError, TenantLimits, quota_problem, samples_in_flight
 from common.wire.codec import encode
-from common.wire.lifecycle import JOB_STATES, TERMINAL_STATES, JobState
+from common.wire.jobspec import AdmittedJob
+from common.wire.lifecycle import TERMINAL_STATES, JobState
 from common.wire.messages import JobSpec, clipped
 
 if TYPE_CHECKING:
@@ -103,12 +106,18 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 """
 
-# KEYS[1] owner key; ARGV tenant -> the tenant the job id is bound to (this one if unbound)
-_BIND_OWNER = """
-local owner = redis.call('GET', KEYS[1])
-if owner then return owner end
-redis.call('SET', KEYS[1], ARGV[1])
-return ARGV[1]
+# KEYS[1] owner key; ARGV tenant ('' binds nothing), the job key (read, undeclared) -> {the
+# tenant the id is bound to ('' unbound), 1 if bound by this call, the record's
+# RECORD_FIELDS (nil: no record)}
+_RECORD_FIELDS = ", ".join(f"'{field}'" for field in RECORD_FIELDS)
+_CLAIM_ID = f"""
+local owner, bound = redis.call('GET', KEYS[1]), 0
+if not owner and ARGV[1] ~= '' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  owner, bound = ARGV[1], 1
+end
+local record = redis.call('HMGET', ARGV[2], {_RECORD_FIELDS})
+return {{owner or '', bound, record[1], record[2], record[3], record[4]}}
 """
 
 # KEYS[1] job key; ARGV status, reason, now, terminal statuses... -> {changed 0/1, status
@@ -168,12 +177,15 @@ class UnknownJobError(KeyError):
 
 
 @dataclass(frozen=True)
-class JobRecord:
-    spec: JobSpec
-    status: JobState
-    reason: str
-    created_at: float
-    updated_at: float
+class IdClaim:
+    """Who a job id is bound to, and the job registered under it."""
+
+    owner: str | None
+    """The tenant the id is bound to (None: unbound)."""
+    bound_now: bool
+    """Whether this claim bound it."""
+    record: JobRecord | None
+    """The job registered under the id (None: none)."""
 
 
 Job = str | JobRecord
@@ -187,27 +199,31 @@ def job_id_of(job: Job) -> str:
 class JobRegistry(RedisPart):
     _register_job = Lua(_REGISTER_JOB)
     _check_quota = Lua(_CHECK_QUOTA)
-    _bind_owner = Lua(_BIND_OWNER)
+    _claim_id = Lua(_CLAIM_ID)
     _record_rejection = Lua(_RECORD_REJECTION)
     _set_status = Lua(_SET_STATUS)
     _backfill_active = Lua(_BACKFILL_ACTIVE)
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, admitted: AdmittedJobs | None = None) -> None:
         super().__init__(client)
-        self.specs = DecodedSpecs()
-        """The registered specs this process has read, decoded once each."""
+        self.admitted = admitted or AdmittedJobs(client)
+        """The registered jobs this process has read, each decoded once."""
 
     async def register(
         self,
-        spec: JobSpec,
+        job: AdmittedJob | JobSpec,
         status: JobState = "pending",
         *,
         limits: TenantLimits | None = None,
     ) -> bool:
-        """Record a job once; returns False when the id was already registered.
+        """Record an admitted job once (a bare spec, as tests and repairs register, as it
+        stands); returns False when the id was already registered.
 
         With `limits`, raises QuotaError (naming the limit) instead of registering a job that
         would take its tenant past `max_concurrent_jobs` or `max_samples_in_flight`."""
+        if isinstance(job, JobSpec):
+            job = AdmittedJob(job, created_at=time.time())
+        spec = job.spec
         code, jobs, busy = await self._register_job(
             keys=[
                 job_key(spec.job_id),
@@ -222,12 +238,14 @@ class JobRegistry(RedisPart):
                 encode(spec),
                 spec.tenant,
                 status,
-                time.time(),
+                job.created_at,
                 *_quota_args(spec, limits),
                 *_TERMINAL,
             ],
         )
         _raise_over_quota(int(code), spec, limits, int(jobs), int(busy))
+        if int(code) == 1:
+            self.admitted.keep(job)
         return bool(code)
 
     async def check_quota(self, spec: JobSpec, limits: TenantLimits) -> None:
@@ -256,14 +274,18 @@ class JobRegistry(RedisPart):
         raw = await self._redis.hget(job_key(job_id), "audit")
         return None if raw is None else dict(json.loads(raw))
 
-    async def bind_owner(self, job_id: str, tenant: str) -> str:
-        """Bind the job id to `tenant` unless it is bound already; returns its tenant."""
-        return text(await self._bind_owner(keys=[owner_key(job_id)], args=[tenant]))
-
-    async def owner(self, job_id: str) -> str | None:
-        """The tenant the job id is bound to (None: not bound yet)."""
-        owner = await self._redis.get(owner_key(job_id))
-        return None if owner is None else text(owner)
+    async def claim_id(self, job_id: str, tenant: str | None) -> IdClaim:
+        """Bind the job id to `tenant` unless it is bound already (None: bind nothing), and
+        say who it is bound to and which job is registered under it: one round trip while
+        that job is known here."""
+        owner, bound, *fields = await self._claim_id(
+            keys=[owner_key(job_id)], args=[tenant or "", job_key(job_id)]
+        )
+        return IdClaim(
+            owner=text(owner) or None,
+            bound_now=bool(bound),
+            record=await self.admitted.record_of(job_id, fields),
+        )
 
     async def record_rejection(self, job_id: str, reason: str) -> None:
         """Why a job was rejected (it is never registered), kept a week for its sender; the
@@ -282,28 +304,13 @@ class JobRegistry(RedisPart):
         return sorted(text(m) for m in await self._redis.smembers(tenant_jobs_key(tenant)))
 
     async def get(self, job_id: str) -> JobRecord | None:
-        fields = {text(k): v for k, v in (await self._redis.hgetall(job_key(job_id))).items()}
-        if not fields:
-            return None
-        return JobRecord(
-            spec=self.specs.spec(job_id, fields["spec"]),
-            status=_status(fields["status"]),
-            reason=text(fields["reason"]),
-            created_at=float(fields["created_at"]),
-            updated_at=float(fields["updated_at"]),
-        )
+        """The job's record: its status read, its spec decoded once per process."""
+        return await self.admitted.get(job_id)
 
     async def statuses(self, job_ids: Collection[str]) -> dict[str, str | None]:
         """Each job's status alone, in one round trip (None: no record): for a hot path
-        that needs no spec."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hget(job_key(job_id), "status")
-            answers = await pipe.execute()
-        return {
-            job_id: None if answer is None else text(answer)
-            for job_id, answer in zip(job_ids, answers, strict=True)
-        }
+        that has the spec at hand (`AdmittedJobs.statuses`)."""
+        return await self.admitted.statuses(job_ids)
 
     async def ids(self) -> list[str]:
         """Every job ever registered (listings: the status board, reports)."""
@@ -381,10 +388,3 @@ def _raise_over_quota(
 ) -> None:
     if code < 0 and limits is not None:
         raise QuotaError(quota_problem(code, spec, limits, jobs, busy))
-
-
-def _status(raw: bytes | str) -> JobState:
-    status = text(raw)
-    if status not in JOB_STATES:
-        raise ValueError(f"corrupt job status {status!r}")
-    return status  # type: ignore[return-value]

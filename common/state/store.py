@@ -1,9 +1,11 @@
 """The Redis store: one client, and one part per concern reached as an attribute.
 
-`store.jobs` is the job registry (`registry`), `store.adapters` the adapter version pointers
-(`pointers`), `store.flow` each job's flow window and audit ledger (`flow`), `store.evals`
-evaluation tallies (`evals`), `store.dedup` de-dup sets (`dedup`), `store.replicas` what
-replicas report (`replicas`) and `store.tenants` tenants and API keys (`tenants`). Each part
+`store.jobs` is the job registry (`registry`), `store.admitted` the registered jobs this
+process knows, each decoded once (`admitted`; the registry reads records through it),
+`store.adapters` the adapter version pointers (`pointers`), `store.flow` each job's flow window
+and audit ledger (`flow`), `store.evals` evaluation tallies (`evals`), `store.dedup` de-dup
+sets (`dedup`), `store.replicas` what replicas report (`replicas`) and `store.tenants` tenants
+and API keys (`tenants`). Each part
 lives with its concern and its Lua scripts in common/state/; every key is named in
 `keyspace`. Every read-modify-write is one Lua script, so concurrent replicas cannot
 interleave.
@@ -21,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.runtime.backoff import connect_with_backoff
 from common.security.access import redacted
+from common.state.admitted import AdmittedJobs
 from common.state.dedup import DedupSets
 from common.state.evals import EvalTallies
 from common.state.flow import FlowWindow
@@ -41,7 +44,8 @@ class RedisStore:
     def __init__(self, client: aioredis.Redis, url: str) -> None:
         self._redis = client
         self.url = url
-        self.jobs = JobRegistry(client)
+        self.admitted = AdmittedJobs(client)
+        self.jobs = JobRegistry(client, self.admitted)
         self.adapters = AdapterPointers(client)
         self.flow = FlowWindow(client)
         self.evals = EvalTallies(client)

@@ -1,24 +1,31 @@
-"""Checks on a `JobSpec` beyond its types, with located messages ("rl.group_size: must be >= 2").
+"""Checks on a `JobSpec` beyond its types, with located messages ("rl.group_size: must be >= 2"),
+and the one door a spec comes through: `admit` stamps its tenant, fills its defaults (a fresh
+job id, the deployment's base model), runs every rule and returns the `AdmittedJob` that every
+later reader takes as it is.
 
-Used by the CLI before anything is sent and by env_svc before a job is accepted.
+The CLI and the tenant API admit a spec before anything is sent; env_svc admits it again where
+it registers the job (operators may produce to Kafka directly), and what it admits is stored.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from msgspec import inspect
 
-from common.state.tenants import TenantLimits, job_limit_problems
+from common.state.tenants import TenantLimits, job_limit_problems, samples_in_flight
 from common.wire.messages import (
     MAX_PARAMS_BYTES,
     MAX_PARAMS_DEPTH,
     NAME_MAX_LEN,
     JobSpec,
     clipped,
+    new_id,
 )
 
 # Job ids name directories, Redis keys, metric labels and vLLM adapters (`<job>@v<n>`):
@@ -60,6 +67,96 @@ def validate_job(
         problems += job_limit_problems(spec, limits)
     if problems:
         raise JobSpecError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What the deployment serves, which a job must fit; each None: not checked (a door that
+    does not know it)."""
+
+    base_model: str | None = None
+    """The base model it serves (a spec's empty `base_model` means this one)."""
+    max_lora_rank: int | None = None
+    """The rollout engine's LoRA slots' rank."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """The modules the rollout engine has LoRA slots on."""
+    max_model_len: int | None = None
+    """The rollout engine's longest context (its live replicas' shortest)."""
+
+
+@dataclass(frozen=True)
+class AdmittedJob:
+    """A job spec admitted (`admit`): its tenant stamped, its defaults filled and every rule
+    passed; with what its readers derive from it, computed once. env_svc registers it, and
+    every reader of the job record takes it as it is (common/state/admitted.py)."""
+
+    spec: JobSpec
+    created_at: float
+    """When it was admitted; env_svc registers it with this `created_at`, which tells a
+    reused id's new record from the old one's."""
+    samples_in_flight: int = field(init=False)
+    """G x B x (S + 1) + eval.tasks: what it counts against its tenant's quota."""
+    max_groups: int = field(init=False)
+    """`rl.max_steps` x `rl.groups_per_step`: the groups it is ever issued."""
+
+    def __post_init__(self) -> None:
+        rl = self.spec.rl
+        object.__setattr__(self, "samples_in_flight", samples_in_flight(self.spec))
+        object.__setattr__(self, "max_groups", rl.max_steps * rl.groups_per_step)
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def tenant(self) -> str:
+        return self.spec.tenant
+
+
+def admit(
+    spec: JobSpec,
+    *,
+    deployment: Deployment | None = None,
+    limits: TenantLimits | None = None,
+    tenant: str | None = None,
+    label: str = "",
+) -> AdmittedJob:
+    """The one door of a job spec: `tenant` (the submitter's, when known) stamped on it, an
+    empty job id replaced by a fresh one (`fresh_job_id` with `label`), an empty base model
+    by the deployment's, then every rule checked (`validate_job`). Raises JobSpecError naming
+    every problem. No `deployment`: nothing of it checked."""
+    deployment = deployment or Deployment()
+    tenant = spec.tenant if tenant is None else tenant
+    filled = msgspec.structs.replace(
+        spec,
+        tenant=tenant,
+        job_id=spec.job_id or fresh_job_id(tenant, label),
+        base_model=spec.base_model or deployment.base_model or "",
+    )
+    validate_job(
+        filled,
+        base_model=deployment.base_model,
+        max_lora_rank=deployment.max_lora_rank,
+        lora_target_modules=deployment.lora_target_modules,
+        max_model_len=deployment.max_model_len,
+        limits=limits,
+    )
+    return AdmittedJob(filled, created_at=time.time())
+
+
+_NOT_IN_NAME = re.compile(f"[^{NAME_CHARS}]+")
+JOB_ID_HEX_DIGITS = 12
+"""Of a fresh job id's random part: a tenant's ids do not collide (a collision is a 409)."""
+
+
+def fresh_job_id(tenant: str, label: str = "") -> str:
+    """A new job id, `<tenant>-<label>-<hex>` (the CLI's label is the job file's stem) or
+    `<tenant>-<hex>`: the label cut to the characters a job id may hold, the whole to the
+    128 allowed."""
+    suffix = f"-{new_id()[:JOB_ID_HEX_DIGITS]}"
+    cut = _NOT_IN_NAME.sub("-", label).strip("-")
+    prefix = f"{tenant}-{cut}" if cut else tenant
+    return prefix[: NAME_MAX_LEN - len(suffix)] + suffix
 
 
 _Check = tuple[str, bool, str]

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from common.wire.adapters import AdapterRef
 from common.wire.envelope import (
     MAX_REASON_CHARS,
     SCHEMA_VERSION,
@@ -270,7 +271,8 @@ class Trajectory(_Wire, tag="trajectory"):
 class AdapterUpdate(_Wire, tag="adapter_update"):
     """trainer_svc -> rollout_svc, env_svc: a new adapter version is durable.
 
-    De-duplicated on job@version.
+    De-duplicated on job@version. Its first four fields are an `AdapterRef`'s
+    (common/wire/adapters.py), flat on the wire: `ref` and `of` convert.
     """
 
     job_id: str
@@ -286,6 +288,29 @@ class AdapterUpdate(_Wire, tag="adapter_update"):
     @property
     def dedup_id(self) -> str:  # a version is published once per job
         return f"{self.job_id}@v{self.version}"
+
+    @property
+    def ref(self) -> AdapterRef:
+        """The adapter version this update announces."""
+        return AdapterRef(self.job_id, self.version, self.uri, self.step)
+
+    @classmethod
+    def of(
+        cls,
+        ref: AdapterRef,
+        *,
+        metrics: dict[str, float] | None = None,
+        published_at: float = 0.0,
+    ) -> AdapterUpdate:
+        """The announcement of `ref`, with its step's metrics."""
+        return cls(
+            job_id=ref.job_id,
+            version=ref.version,
+            uri=ref.uri,
+            step=ref.step,
+            metrics=metrics or {},
+            published_at=published_at,
+        )
 
 
 # --- marlaas.control -----------------------------------------------------------------

@@ -9,8 +9,6 @@ import logging
 from functools import partial
 from typing import Any
 
-import msgspec
-
 from common.runtime.backoff import is_transient
 from common.runtime.config import SharedSettings
 from common.runtime.logs import job_logger
@@ -18,7 +16,7 @@ from common.runtime.service import Connections
 from common.state.registry import JobRecord
 from common.state.tenants import TenantLimits
 from common.wire.codec import job_named_in
-from common.wire.jobspec import validate_job
+from common.wire.jobspec import AdmittedJob, admit
 from common.wire.lifecycle import STATE_AFTER
 from common.wire.messages import JobSpec, MessageDecodeError, Topic, job_event
 from env_svc.episodes import start_episode
@@ -59,37 +57,39 @@ class Admission(EpisodePart):
         # A job id is bound to the tenant that first sent it, for good: a spec of another
         # tenant under it is dead-lettered with no event, since a `rejected` event would end
         # the owner's view of its job (docs/architecture.md, "Tenants").
-        if (owner := await store.jobs.bind_owner(spec.job_id, spec.tenant)) != spec.tenant:
+        claim = await store.jobs.claim_id(spec.job_id, spec.tenant)
+        if claim.owner != spec.tenant:
             raise ForeignJobError(
-                f"job id {spec.job_id!r} belongs to tenant {owner!r}; "
+                f"job id {spec.job_id!r} belongs to tenant {claim.owner!r}; "
                 f"a spec for it from tenant {spec.tenant!r} is refused"
             )
-        if (known := await store.jobs.get(spec.job_id)) is not None:
+        if claim.record is not None:
             # Redelivered, or sent again under its id: the registered spec stands, checked when
-            # it came. Checked again, it could be `rejected` (its tenant's limits lowered since,
-            # an environment gone) while it runs, ending its owner's view of it.
+            # it came, in its status as registered (a paused job stays paused). Checked again,
+            # it could be `rejected` (its tenant's limits lowered since, an environment gone)
+            # while it runs, ending its owner's view of it.
             job_logger(log, spec.job_id, spec.tenant).info(
                 "job already registered; its registered spec stands"
             )
-            await self._start(known)
+            await self._start(claim.record)
             return
-        if not spec.base_model:  # "the one this deployment serves"
-            spec = msgspec.structs.replace(spec, base_model=self.shared.base_model)
         limits = await store.tenants.limits(spec.tenant)
         try:
-            probed, registered = await self._admit(spec, limits)
+            job, probed, registered = await self._admit(spec, limits)
         except Exception as exc:  # whatever the spec or its environment raised: rejected
             if is_transient(exc):
                 raise
             await self._reject(spec.job_id, spec.tenant, reason(exc))
             return
-        if registered:
-            self.environments.keep(spec.job_id, probed)  # the registered spec's environment
-            job_logger(log, spec.job_id, spec.tenant).info("job accepted: env %s", spec.env.name)
-            await self.io.send(job_event(spec.job_id, "accepted", SERVICE, tenant=spec.tenant))
-        # Its status as registered (a redelivered spec of a paused job stays paused).
-        if (record := await store.jobs.get(spec.job_id)) is not None:
-            await self._start(record)
+        if not registered:  # another replica registered it meanwhile: as it stands there
+            if (record := await store.jobs.get(spec.job_id)) is not None:
+                await self._start(record)
+            return
+        self.environments.keep(job.job_id, probed)  # the registered spec's environment
+        job_logger(log, job.job_id, job.tenant).info("job accepted: env %s", job.spec.env.name)
+        await self.io.send(job_event(job.job_id, "accepted", SERVICE, tenant=job.tenant))
+        status = STATE_AFTER["accepted"]
+        await self._start(JobRecord(job, status, reason="", updated_at=job.created_at))
 
     async def on_undecodable(
         self, topic: str, raw: bytes | None, error: MessageDecodeError
@@ -100,11 +100,8 @@ class Admission(EpisodePart):
         if topic != Topic.JOBS or (named := job_named_in(raw)) is None:
             return
         job_id, tenant = named
-        store = self.io.require_store()
-        if await store.jobs.get(job_id) is not None or await store.jobs.owner(job_id) not in (
-            None,
-            tenant,
-        ):
+        claim = await self.io.require_store().jobs.claim_id(job_id, None)
+        if claim.record is not None or claim.owner not in (None, tenant):
             # Not this sender's job to reject: a `rejected` event would end the owner's view
             # of a job that runs (`logs --follow`). The dead letter says what came.
             job_logger(log, job_id, tenant).warning("undecodable spec for a taken job id")
@@ -119,23 +116,18 @@ class Admission(EpisodePart):
 
     async def _admit(
         self, spec: JobSpec, limits: TenantLimits | None
-    ) -> tuple[Environment[Any], bool]:
-        """The spec checked, its environment proven, and the job registered: the environment
-        and whether this call registered it (False: another replica did)."""
-        validate_job(
-            spec,
-            base_model=self.shared.base_model,
-            max_lora_rank=self.shared.max_lora_rank,
-            lora_target_modules=self.shared.lora_target_modules,
-            max_model_len=await self._engine_context(),
-            limits=limits,
-        )
+    ) -> tuple[AdmittedJob, Environment[Any], bool]:
+        """The spec admitted (common/wire/jobspec.py), its environment proven, and the job
+        registered: the job, its environment and whether this call registered it (False:
+        another replica did)."""
+        deployment = self.shared.deployment(max_model_len=await self._engine_context())
+        job = admit(spec, deployment=deployment, limits=limits)
         # A first episode proves the environment, its params and the prompt length.
-        probed = await self._probe(spec)
+        probed = await self._probe(job.spec)
         registered = await self.io.require_store().jobs.register(
-            spec, status=STATE_AFTER["accepted"], limits=limits
+            job, status=STATE_AFTER["accepted"], limits=limits
         )
-        return probed, registered
+        return job, probed, registered
 
     async def _reject(self, job_id: str, tenant: str, why: str) -> None:
         job_logger(log, job_id, tenant).warning("job rejected: %s", why)

@@ -26,14 +26,16 @@ class LifecycleCommands:
 
     async def on_command(self, command: JobCommand) -> None:
         store = self.io.require_store()
-        record = await store.jobs.get(command.job_id)
+        seen, record = await store.admitted.get_unless_seen(
+            COMMANDS, command.job_id, command.command_id
+        )
+        if seen:
+            return  # applied before: a redelivered or replayed command changes nothing
         if record is None:
             job_logger(log, command.job_id).warning(
                 "command %s for an unknown job ignored", command.action
             )
             return
-        if await store.dedup.seen(COMMANDS, command.job_id, command.command_id):
-            return  # applied before: a redelivered or replayed command changes nothing
         kind = COMMAND_EVENT[command.action]
         changed = await store.jobs.set_status(command.job_id, STATE_AFTER[kind])
         # Marked once applied: a crash before this applies it again, which changes nothing.

@@ -50,7 +50,7 @@ class GroupIssuer(EpisodePart):
                 job_id,
                 max_staleness=rl.max_staleness,
                 groups_per_step=rl.groups_per_step,
-                max_groups=rl.max_steps * rl.groups_per_step,
+                max_groups=record.job.max_groups,
             )
         ) is not None:
             fault_point("env.after_claim")

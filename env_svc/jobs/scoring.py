@@ -37,13 +37,19 @@ class ResultScorer(EpisodePart):
         self.evaluations = evaluations
 
     async def on_result(self, result: GenerationResult) -> None:
+        """One round trip (de-dup and status) before the turn, one after it; none for a
+        result of a job known here to have ended (a terminal status sticks)."""
         store = self.io.require_store()
-        if await store.dedup.seen(RESULTS, result.job_id, result.request_id):
-            return  # redelivered: its successor was already sent
-        record = await store.jobs.get(result.job_id)
         version = eval_version_of(result.job_id, result.group_id)
         # A completed job's final version is evaluated after its last step.
         ended = NOT_EVALUATED if version is not None else TERMINAL_STATES
+        if store.admitted.ended(result.job_id) in ended:
+            return
+        seen, record = await store.admitted.get_unless_seen(
+            RESULTS, result.job_id, result.request_id
+        )
+        if seen:
+            return  # redelivered: its successor was already sent
         if record is None or record.status in ended:
             return
         try:

@@ -39,8 +39,10 @@ class Sweep:
         await store.jobs.drop_expired_listings()
         active = await store.jobs.active_ids()
         self.environments.keep_only(active)  # retired, maybe by another replica
+        store.admitted.keep_only(active)  # and known no more: a retired id may be reused
+        records = await store.admitted.records(active)  # one round trip
         for job_id in active:
-            record = await store.jobs.get(job_id)
+            record = records.get(job_id)
             if record is None:
                 await store.jobs.retire(job_id)
                 continue

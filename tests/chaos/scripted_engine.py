@@ -13,8 +13,8 @@ import hashlib
 import time
 from pathlib import Path
 
+from common.wire.adapters import AdapterRef
 from common.wire.messages import GenerationRequest, GenerationResult, result_for
-from rollout_svc.loras import AdapterRef
 
 
 class ScriptedEngine:

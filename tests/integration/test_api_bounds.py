@@ -94,7 +94,7 @@ async def tenant_with_job(settings: SharedSettings, *, events: int = 0) -> tuple
 
     async def setup(store: RedisStore) -> str:
         await store.tenants.add(tenant, TenantLimits())
-        await store.jobs.bind_owner(job_id, tenant)
+        await store.jobs.claim_id(job_id, tenant)
         await store.jobs.register(spec, status="completed")
         return str((await store.tenants.issue_key(tenant)).token)
 

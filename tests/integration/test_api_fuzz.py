@@ -74,7 +74,7 @@ def fuzzed(local_stack: LocalStack) -> Iterator[Fuzzed]:
         for tenant in (fuzzer, victim):
             await store.tenants.add(tenant, TenantLimits())
         spec = JobSpec(job_id=victim_job, tenant=victim, env=EnvSettings(name="arithmetic"))
-        await store.jobs.bind_owner(victim_job, victim)
+        await store.jobs.claim_id(victim_job, victim)
         await store.jobs.register(spec, status="running")
         return (await store.tenants.issue_key(fuzzer)).token
 

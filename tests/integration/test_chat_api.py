@@ -45,7 +45,7 @@ async def served(
         JobSpec(
             job_id=job_id, tenant="acme", base_model=str(base), env=EnvSettings(name="arithmetic")
         ),
-        status="running",
+        status="paused",  # served for chat; no env_svc the session started issues its work
     )
     adapter = make_adapter(base, tmp_path_factory.mktemp("adapters") / "v1", seed=3)
     await store.adapters.publish(job_id, 1, adapter.resolve().as_uri(), 1)

@@ -151,8 +151,9 @@ async def test_env_svc_runs_its_store_operations(acl_valkey: AclValkey) -> None:
     async with store_as(acl_valkey, "env_svc") as env:
         limits = await env.tenants.limits(tenant)
         assert limits == TenantLimits()
-        assert await env.jobs.bind_owner(job_id, tenant) == tenant
-        assert await env.jobs.owner(job_id) == tenant
+        claim = await env.jobs.claim_id(job_id, tenant)
+        assert claim.owner == tenant and claim.bound_now and claim.record is None
+        assert (await env.jobs.claim_id(job_id, None)).owner == tenant
         # The quota script reads the tenant's other job (`first`) without declaring it.
         assert await env.jobs.register(spec(job_id, tenant), limits=limits)
         assert {first, job_id} <= set(await env.jobs.ids())
@@ -237,8 +238,10 @@ async def test_api_runs_its_store_operations(acl_valkey: AclValkey) -> None:
         assert await api.tenants.limits(tenant) == TenantLimits()
         assert await api.jobs.of_tenant(tenant) == [job_id]
         new_job = f"acl-{new_id()}"
-        assert await api.jobs.owner(new_job) is None
-        assert await api.jobs.bind_owner(new_job, tenant) == tenant
+        assert (await api.jobs.claim_id(new_job, None)).owner is None
+        assert (await api.jobs.claim_id(new_job, tenant)).bound_now
+        claim = await api.jobs.claim_id(job_id, None)  # reads the record, undeclared
+        assert claim.owner is None and claim.record is not None
         assert job_id in await api.jobs.ids()
         record_of_job = await api.jobs.get(job_id)
         assert record_of_job is not None
@@ -291,7 +294,7 @@ DENIED: dict[str, tuple[tuple[Principal, ...], Attempt]] = {
     ),
     "bind a job's owner": (
         ("rollout_svc", "trainer_svc"),
-        lambda store, _, job: store.jobs.bind_owner(job, "acme"),
+        lambda store, _, job: store.jobs.claim_id(job, "acme"),
     ),
     "count a restart": (
         SERVICE_USERS,

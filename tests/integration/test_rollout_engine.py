@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 
 from common.files.models import tiny_model
+from common.wire.adapters import AdapterRef
 from common.wire.messages import (
     ContextTooLongError,
     GenerationRequest,
@@ -24,7 +25,7 @@ from common.wire.messages import (
 )
 from rollout_svc.engine import RolloutEngine
 from rollout_svc.engine_settings import CPU_BLOCK_SIZE, EngineSettings
-from rollout_svc.loras import AdapterRef, AdapterUnavailableError
+from rollout_svc.loras import AdapterUnavailableError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import trainer_svc.checkpoints
-from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_path, staging_leftovers
+from common.files.artifacts import ADAPTER_CONFIG, ADAPTER_WEIGHTS, staging_leftovers
 from common.files.models import tiny_model
+from common.wire.adapters import AdapterRef
 from tests.unit.test_policy import LORA, RL, _assert_same_state, _batch
 from trainer_svc.adapter_files import OPTIMIZER_STATE, TRAINER_STATE
 from trainer_svc.checkpoints import GROUPS_FILE, STEP_FILE, Checkpoint, CheckpointStore
@@ -40,7 +41,7 @@ def _policy(base_dir: Path, seed: int = 0) -> MultiAdapterPolicy:
     return policy
 
 
-def _train_and_save(store: CheckpointStore, policy: MultiAdapterPolicy, version: int) -> str:
+def _train_and_save(store: CheckpointStore, policy: MultiAdapterPolicy, version: int) -> AdapterRef:
     policy.train_step("a", _batch(), ADVANTAGES)
     return store.save(policy, "a", version, [f"g{version}-0", f"g{version}-1"])
 
@@ -63,13 +64,15 @@ def test_saves_publish_every_adapter_and_keep_the_newest_two_checkpoints(
     assert store.latest("a") is None
 
     for version in (1, 2):
-        uri = _train_and_save(store, policy, version)
-        assert adapter_path(uri) == (adapters / f"v{version}").resolve()
+        adapter = _train_and_save(store, policy, version)
+        assert adapter.path == (adapters / f"v{version}").resolve()
+        assert adapter.key == ("a", version) and adapter.step == version
     assert _names(checkpoints) == ["latest", "v1", "v2"]
     assert (checkpoints / "latest").read_text() == "v2"
 
-    uri = _train_and_save(store, policy, 3)
-    assert adapter_path(uri) == store.adapter_dir("a", 3).resolve()
+    adapter = _train_and_save(store, policy, 3)
+    assert adapter.path == store.adapter_dir("a", 3).resolve()
+    assert adapter.uri == adapter.path.as_uri()
     assert _names(adapters) == ["v1", "v2", "v3"]
     assert _names(checkpoints) == ["latest", "v2", "v3"]
     assert (checkpoints / "latest").read_text() == "v3"

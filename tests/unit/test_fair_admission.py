@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from common.runtime.config import RolloutSettings, SharedSettings
+from common.wire.adapters import AdapterRef
 from common.wire.messages import GenerationRequest, GenerationResult, JobSpec, Topic, result_for
 from rollout_svc.admission import FairQueue, water_fill
 from rollout_svc.intake import READ_AHEAD_PER_SLOT
-from rollout_svc.loras import AdapterRef
 from rollout_svc.service import RolloutService
 from tests.fakes import Inbox, MemoryBackend, memory_backend
 from tests.handler_kit import GatedEngine, job_spec, request_for

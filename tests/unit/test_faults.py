@@ -31,6 +31,7 @@ from common.state.audit import audit
 from common.state.dedup import DROPPED, TRAINED
 from common.state.keyspace import dedup_key
 from common.state.registry import ENDED_TTL_S
+from common.wire.adapters import AdapterRef
 from common.wire.codec import decode
 from common.wire.lifecycle import RolloutReplicaStats
 from common.wire.messages import (
@@ -188,17 +189,20 @@ async def test_a_group_whose_episodes_cannot_start_still_completes(
 
 
 class BrokenSends:
-    """The backend's producer, refusing to send `kind` messages while `error` is set."""
+    """The backend's producer, refusing to send `kind` messages while `error` is set (at
+    most `refusals` times, when set)."""
 
     def __init__(self, producer: Any, kind: type[Message]) -> None:
         self._producer = producer
         self._kind = kind
         self.error: Exception | None = None
+        self.refusals: int | None = None
         self.refused = 0
         self._refusal = asyncio.Event()
 
     async def send(self, message: Message) -> None:
-        if isinstance(message, self._kind) and self.error is not None:
+        refusing = self.refusals is None or self.refused < self.refusals
+        if isinstance(message, self._kind) and self.error is not None and refusing:
             self.refused += 1
             self._refusal.set()
             raise self.error
@@ -243,11 +247,10 @@ async def test_rollout_dead_letters_a_result_the_broker_refuses_and_ends_the_epi
     )
     job_id = f"rollout-{new_id()[:8]}"
     prompts = Inbox(Topic.PROMPTS)
-    sends.error = MessageSizeTooLargeError("too large")
+    sends.error, sends.refusals = MessageSizeTooLargeError("too large"), 1
     await prompts.hand(service.on_request, request_for(job_id, 0, min_adapter_version=0))
     engine.gate.set()
-    await sends.until_refused(1)
-    sends.error = None  # the small "abort" result goes through
+    await sends.until_refused(1)  # the small "abort" result goes through
     await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
     assert prompts.committable == 1
     (result,) = await backend.sent(Topic.ROLLOUTS, job_id, expect=1)
@@ -804,7 +807,7 @@ async def test_a_full_disk_costs_the_job_its_step_not_the_trainer(
     save = service.checkpoints.save
     failures = [OSError(errno.ENOSPC, "No space left on device")]
 
-    def saving(policy: Any, job_id: str, *args: Any) -> str:
+    def saving(policy: Any, job_id: str, *args: Any) -> AdapterRef:
         if job_id == full.job_id and failures:
             raise failures.pop()
         return save(policy, job_id, *args)

@@ -675,8 +675,8 @@ async def test_rollout_samples_an_evaluation_with_exactly_its_pinned_version(
         request = msgspec.structs.replace(request, pinned_adapter_version=pinned)
         await prompts.hand(service.on_request, request)
     await asyncio.wait_for(asyncio.gather(*service.slots.generations), 10)
-    used = sorted((a.version, a.path) if a else (0, "base") for a in engine.used)
-    latest = service.latest[job_id].path  # v2 as its broadcast named it
+    used = sorted((a.version, str(a.path)) if a else (0, "base") for a in engine.used)
+    latest = str(service.latest[job_id].path)  # v2 as its broadcast named it
     assert used == [(0, "base"), (1, adapter_uri(job_id, 1)), (2, latest)]
     assert engine.retired == [(job_id, 1)]  # an older version leaves after its request
     results = {r.request_id: r for r in await backend.sent(Topic.ROLLOUTS, job_id, expect=4)}  # type: ignore[union-attr]

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import pytest
 
 from common.state.tenants import TenantLimits
 from common.wire.codec import decode, job_named_in, json_schema
-from common.wire.jobspec import JobSpecError, bound_problems, validate_job
+from common.wire.jobspec import (
+    Deployment,
+    JobSpecError,
+    admit,
+    bound_problems,
+    fresh_job_id,
+    validate_job,
+)
 from common.wire.messages import (
     MAX_REASON_CHARS,
     EnvSettings,
@@ -34,6 +43,38 @@ def spec(**changes: object) -> JobSpec:
 
 def test_a_good_spec_passes() -> None:
     validate_job(spec(), base_model="smollm2-135m-instruct", max_lora_rank=16)
+
+
+def test_admitting_stamps_the_tenant_and_fills_the_defaults_once() -> None:
+    deployment = Deployment(base_model="smollm2-135m-instruct", max_lora_rank=16)
+    bare = spec(job_id="", base_model="", tenant="whoever")
+    job = admit(bare, deployment=deployment, tenant="acme", label="my first (try)")
+    assert job.tenant == "acme" and job.spec.base_model == "smollm2-135m-instruct"
+    assert re.fullmatch(r"acme-my-first-try-[0-9a-f]{12}", job.job_id)
+    assert job.samples_in_flight == 8 * 4 * 2 + 32 and job.max_groups == 20 * 4
+    named = admit(spec(), deployment=deployment)
+    assert named.job_id == "j1" and named.spec == spec()
+
+
+def test_the_cli_and_the_api_name_fresh_jobs_alike() -> None:
+    assert re.fullmatch(r"acme-[0-9a-f]{12}", fresh_job_id("acme"))
+    assert re.fullmatch(r"acme-run-[0-9a-f]{12}", fresh_job_id("acme", "run"))
+    assert len(fresh_job_id("acme", "x" * 200)) == 128
+
+
+def test_admitting_runs_every_rule_of_the_deployment_and_the_tenant() -> None:
+    deployment = Deployment(base_model="other", max_lora_rank=4, max_model_len=256)
+    with pytest.raises(JobSpecError) as info:
+        admit(spec(), deployment=deployment, limits=TenantLimits(max_steps=5))
+    assert str(info.value) == "; ".join(
+        [
+            "lora.rank: 8 exceeds the rollout engine's max_lora_rank 4",
+            "rl.max_context_tokens: 512 exceeds the rollout engine's max_model_len 256 "
+            "(ROLLOUT_MAX_MODEL_LEN): no episode could finish",
+            "base_model: this deployment serves 'other', not 'smollm2-135m-instruct'",
+            "quota max_steps: rl.max_steps 20 exceeds the limit 5 of tenant 'acme'",
+        ]
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from common.wire.adapters import AdapterRef
 from rollout_svc.engine_settings import EngineSettings
 from rollout_svc.jobs import IDLE_JOB_S, JobsSeen
-from rollout_svc.loras import AdapterRef
 from rollout_svc.sampling import finish_reason, queue_seconds, result_of
 from rollout_svc.slots import EngineSlots
 from rollout_svc.stats import StatsReport

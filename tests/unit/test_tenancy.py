@@ -61,7 +61,7 @@ async def test_a_job_id_stays_with_the_tenant_that_sent_it_first(
     jobs = Inbox(Topic.JOBS)
     spec = job_spec("owned", group_size=2, groups_per_step=1, max_staleness=0, max_steps=2)
     await jobs.hand(service.handle, spec)
-    assert await backend.store.jobs.owner(spec.job_id) == "acme"
+    assert (await backend.store.jobs.claim_id(spec.job_id, None)).owner == "acme"
     hijack = msgspec.structs.replace(spec, tenant="mallory")
     broken = msgspec.structs.replace(hijack, env=EnvSettings(name="no-such-env"))
     for attempt in (hijack, broken):
