@@ -140,6 +140,9 @@ async def rollout_totals(client: Client) -> dict[str, float]:
         for name, value in stats.as_map().items():
             if name in REPLICA_COUNTERS:
                 totals[name] = totals.get(name, 0.0) + value
+        if stats.uptime_s is not None and stats.compute_slots is not None:
+            # the cores' time the engine could have computed: its compute share's whole
+            totals["core_s"] = totals.get("core_s", 0.0) + stats.uptime_s * stats.compute_slots
     return totals
 
 

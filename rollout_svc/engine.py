@@ -66,6 +66,8 @@ class RolloutEngine:
         self._in_flight = 0
         self._busy_seconds = 0.0
         self._busy_since = 0.0
+        self._request_seconds = 0.0
+        self._changed_at = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -260,13 +262,26 @@ class RolloutEngine:
             return self._busy_seconds + time.monotonic() - self._busy_since
         return self._busy_seconds
 
+    @property
+    def request_seconds(self) -> float:
+        """Requests in the engine integrated over wall time: over `busy_seconds`, the mean
+        number of requests it held while busy (its batch, as long as none waits)."""
+        return self._request_seconds + self._in_flight * (time.monotonic() - self._changed_at)
+
+    def _count_requests(self) -> None:
+        now = time.monotonic()
+        self._request_seconds += self._in_flight * (now - self._changed_at)
+        self._changed_at = now
+
     def _enter(self) -> None:
+        self._count_requests()
         if self._in_flight == 0:
             self._busy_since = time.monotonic()
             self._idle.clear()
         self._in_flight += 1
 
     def _leave(self) -> None:
+        self._count_requests()
         self._in_flight -= 1
         if self._in_flight == 0:
             self._busy_seconds += time.monotonic() - self._busy_since

@@ -25,6 +25,9 @@ class GenerationEngine(Protocol):
     def busy_seconds(self) -> float: ...
 
     @property
+    def request_seconds(self) -> float: ...
+
+    @property
     def generated_tokens(self) -> int: ...
 
     @property

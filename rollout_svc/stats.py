@@ -6,11 +6,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from common.runtime.backoff import is_transient
-from common.runtime.metrics import ROLLOUT_BUSY_FRACTION, ROLLOUT_TOKENS_PER_SECOND
+from common.runtime.metrics import (
+    ROLLOUT_BUSY_FRACTION,
+    ROLLOUT_COMPUTE_FRACTION,
+    ROLLOUT_MEAN_BATCH,
+    ROLLOUT_TOKENS_PER_SECOND,
+)
 from common.state.store import RedisStore
 from common.wire.lifecycle import RolloutReplicaStats
+from rollout_svc.compute import EngineCompute
 from rollout_svc.engine_protocol import GenerationEngine
 
 log = logging.getLogger(__name__)
@@ -28,33 +35,59 @@ class StatsReport:
         replica: str,
         max_model_len: int,
         started_at: Callable[[], float],
+        compute: EngineCompute | None = None,
     ) -> None:
         self._engine = engine
         self._replica = replica
         self._max_model_len = max_model_len
         self._started_at = started_at
-        self._last_at = time.monotonic()
-        self._last_busy_s = 0.0
-        self._last_tokens = 0
+        self._compute = compute or EngineCompute()
+        self._compute_at_start = self._compute.seconds()
+        self._last = self._counters(time.monotonic())
+
+    def _counters(self, now: float) -> _Counters:
+        compute_s = self._compute.seconds()
+        if compute_s is not None and self._compute_at_start is not None:
+            compute_s -= self._compute_at_start  # since the replica started, as uptime
+        engine = self._engine
+        return _Counters(
+            now, engine.busy_seconds, engine.request_seconds, engine.generated_tokens, compute_s
+        )
 
     def sample(self, now: float) -> RolloutReplicaStats:
         """The numbers at monotonic `now`; the gauges follow the last interval's rates."""
-        engine = self._engine
+        engine, last = self._engine, self._last
+        counters = self._counters(now)
         # Over the last interval, not since start: the dashboards' "now".
-        busy_s, tokens = engine.busy_seconds, engine.generated_tokens
-        interval = now - self._last_at
-        recent_busy = (busy_s - self._last_busy_s) / interval if interval > 0 else 0.0
-        recent_tokens_per_s = (tokens - self._last_tokens) / interval if interval > 0 else 0.0
+        interval = now - last.at
+        slots = self._compute.slots
+        recent_busy = _per(counters.busy_s - last.busy_s, interval) or 0.0
+        recent_tokens_per_s = _per(counters.tokens - last.tokens, interval) or 0.0
+        recent_compute = None
+        if counters.compute_s is not None and last.compute_s is not None:
+            recent_compute = _per(counters.compute_s - last.compute_s, interval * slots)
         ROLLOUT_BUSY_FRACTION.set(recent_busy)
         ROLLOUT_TOKENS_PER_SECOND.set(recent_tokens_per_s)
-        self._last_at, self._last_busy_s, self._last_tokens = now, busy_s, tokens
+        mean_batch = _per(counters.request_s - last.request_s, counters.busy_s - last.busy_s)
+        if recent_compute is not None:
+            ROLLOUT_COMPUTE_FRACTION.set(recent_compute)
+        ROLLOUT_MEAN_BATCH.set(mean_batch or 0.0)
+        self._last = counters
         uptime = now - self._started_at()
         return RolloutReplicaStats(
-            busy_s=busy_s,
+            busy_s=counters.busy_s,
+            compute_s=counters.compute_s,
+            compute_slots=float(slots),
+            request_s=counters.request_s,
             uptime_s=uptime,
-            utilisation=busy_s / uptime if uptime > 0 else 0.0,
+            utilisation=_per(counters.busy_s, uptime) or 0.0,
             recent_utilisation=recent_busy,
-            generated_tokens=float(tokens),
+            compute_utilisation=(
+                None if counters.compute_s is None else _per(counters.compute_s, uptime * slots)
+            ),
+            recent_compute_utilisation=recent_compute,
+            mean_batch=mean_batch,
+            generated_tokens=float(counters.tokens),
             prompt_tokens=float(engine.prompt_tokens),
             cached_prompt_tokens=float(engine.cached_prompt_tokens),
             preemptions=float(engine.preemptions),
@@ -70,9 +103,7 @@ class StatsReport:
         after_each: Callable[[float], Awaitable[None]],
     ) -> None:
         """Report until `stopping`; `after_each(now)` runs after every report."""
-        self._last_at = time.monotonic()
-        self._last_busy_s = self._engine.busy_seconds
-        self._last_tokens = self._engine.generated_tokens
+        self._last = self._counters(time.monotonic())
         while not stopping.is_set():
             now = time.monotonic()
             stats = self.sample(now)
@@ -89,3 +120,19 @@ class StatsReport:
                 await asyncio.wait_for(stopping.wait(), STATS_INTERVAL_S)
             except TimeoutError:
                 pass
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """The engine's counters at one instant (monotonic `at`)."""
+
+    at: float
+    busy_s: float
+    request_s: float
+    tokens: int
+    compute_s: float | None
+
+
+def _per(amount: float, over: float) -> float | None:
+    """`amount / over`, or None over nothing."""
+    return amount / over if over > 0 else None

@@ -156,6 +156,7 @@ class GatedEngine:
     ready = True
     loaded_adapters = 0
     busy_seconds = 0.0
+    request_seconds = 0.0
     prompt_tokens = 0
     cached_prompt_tokens = 0
     preemptions = 0

@@ -11,7 +11,12 @@ from functools import partial
 
 from common.runtime.faults import fault_point
 from common.runtime.logs import job_logger
-from common.runtime.metrics import TRAINER_STEP_SECONDS, TRAINER_STEPS, TRAINER_TOKENS_PER_SECOND
+from common.runtime.metrics import (
+    TRAINER_BUSY_SECONDS,
+    TRAINER_STEP_SECONDS,
+    TRAINER_STEPS,
+    TRAINER_TOKENS_PER_SECOND,
+)
 from common.state.pointers import FencedError
 from common.wire.adapters import AdapterRef
 from common.wire.lifecycle import StepMetrics
@@ -97,6 +102,7 @@ class Publisher:
         await self.step_event(job, version, metrics, group_ids)
         TRAINER_STEPS.labels(spec.job_id, spec.tenant).inc()
         TRAINER_STEP_SECONDS.observe(metrics.wall_step_s or 0.0)
+        TRAINER_BUSY_SECONDS.inc(metrics.step_s or 0.0)
         if (tokens_per_s := metrics.trainer_tokens_per_s) is not None:
             TRAINER_TOKENS_PER_SECOND.labels(spec.job_id).set(tokens_per_s)
         job_logger(log, spec.job_id, spec.tenant).info(

@@ -95,6 +95,16 @@ ROLLOUT_BUSY_FRACTION = Gauge(
     "Share of the last stats interval with at least one request in the engine.",
     registry=None,
 )
+ROLLOUT_COMPUTE_FRACTION = Gauge(
+    "marlaas_rollout_engine_compute_fraction",
+    "Share of its cores' time the engine computed over the last stats interval (CPU engines).",
+    registry=None,
+)
+ROLLOUT_MEAN_BATCH = Gauge(
+    "marlaas_rollout_engine_mean_batch",
+    "Requests the engine held on average while busy over the last stats interval.",
+    registry=None,
+)
 ROLLOUT_TOKENS_PER_SECOND = Gauge(
     "marlaas_rollout_tokens_per_second",
     "Completion tokens generated per second over the last stats interval.",
@@ -118,6 +128,12 @@ ROLLOUT_ADAPTERS_LOADED = Gauge(
 
 # --- trainer_svc (likewise) -------------------------------------------------------------
 
+TRAINER_BUSY_SECONDS = Counter(
+    "marlaas_trainer_busy_seconds",
+    "Seconds the trainer computed steps (each job's share of a pass over several jobs, so "
+    "a pass counts once): its rate is the trainer's busy share.",
+    registry=None,
+)
 TRAINER_STEP_SECONDS = Histogram(
     "marlaas_trainer_step_seconds",
     "Wall time of one training step: forward and backward passes, checkpoint, publishing "
@@ -168,12 +184,15 @@ def forget_job(job_id: str) -> None:
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     "rollout_svc": (
         ROLLOUT_BUSY_FRACTION,
+        ROLLOUT_COMPUTE_FRACTION,
+        ROLLOUT_MEAN_BATCH,
         ROLLOUT_TOKENS_PER_SECOND,
         ROLLOUT_GENERATED_TOKENS,
         ROLLOUT_REQUESTS_IN_FLIGHT,
         ROLLOUT_ADAPTERS_LOADED,
     ),
     "trainer_svc": (
+        TRAINER_BUSY_SECONDS,
         TRAINER_STEP_SECONDS,
         TRAINER_TOKENS_PER_SECOND,
         TRAINER_STEPS,

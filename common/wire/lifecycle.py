@@ -183,6 +183,13 @@ class RolloutReplicaStats(_Numbers):
 
     busy_s: float | None = None
     """Seconds the engine had at least one request, since the replica started."""
+    compute_s: float | None = None
+    """CPU seconds the engine computed since the replica started (rollout_svc/compute.py;
+    None on a GPU)."""
+    compute_slots: float | None = None
+    """Cores the engine may compute on: `compute_s` over uptime x this is its compute share."""
+    request_s: float | None = None
+    """Requests in the engine integrated over time: over `busy_s`, its mean batch."""
     uptime_s: float | None = None
     generated_tokens: float | None = None
     """Tokens generated since the replica started."""
@@ -193,9 +200,16 @@ class RolloutReplicaStats(_Numbers):
     preemptions: float | None = None
     """Times finished requests were preempted (KV cache full: freed, recomputed later)."""
     utilisation: float | None = None
-    """busy_s / uptime_s."""
+    """busy_s / uptime_s: the share of time with a request in the engine."""
     recent_utilisation: float | None = None
     """Busy share over the last report interval."""
+    compute_utilisation: float | None = None
+    """compute_s / (uptime_s x compute_slots): the share of its cores' time the engine
+    computed, since the replica started."""
+    recent_compute_utilisation: float | None = None
+    """The compute share over the last report interval."""
+    mean_batch: float | None = None
+    """Requests the engine held on average while busy, over the last report interval."""
     tokens_per_s: float | None = None
     """Generated tokens per second over the last report interval."""
     in_flight: float | None = None
@@ -208,6 +222,8 @@ class RolloutReplicaStats(_Numbers):
 
 REPLICA_COUNTERS = (
     "busy_s",
+    "compute_s",
+    "request_s",
     "uptime_s",
     "generated_tokens",
     "prompt_tokens",

@@ -19,6 +19,7 @@ from common.state.store import RedisStore
 from common.wire.lifecycle import CONSUMED_TOPICS
 from common.wire.messages import Event, JobSpec
 from console.stack.topics import group_lag
+from console.status.load import TrainerBusy, TrainerLoad
 from marlaas.eventfeed import EventFeed
 from marlaas.jobwatch import JobProgress
 
@@ -74,6 +75,13 @@ class ReplicaRow:
     """Share of its uptime the engine had at least one request running."""
     recent_utilisation: float | None
     """The same over the replica's last report interval (5 s); None from older replicas."""
+    compute_utilisation: float | None
+    """Share of its cores' time the engine computed since the replica started (None: not
+    reported, or a GPU)."""
+    recent_compute_utilisation: float | None
+    """The same over the replica's last report interval."""
+    mean_batch: float | None
+    """Requests the engine held on average while busy, over the last report interval."""
     tokens_per_s: float | None
     """Generated tokens per second over the last report interval."""
     in_flight: int
@@ -89,6 +97,8 @@ class StatusSnapshot:
     """Restarts of each service by the embedded stack's supervisor."""
     runtimes: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     """What each live replica computes on and in, by (service, replica)."""
+    trainer: TrainerBusy = field(default_factory=lambda: TrainerBusy(None, None, 0))
+    """The trainer's busy share, from its step events."""
 
     def computes_in(self, service: str) -> str:
         """`service`'s precision and hardware (each distinct one of its replicas'), or ""."""
@@ -105,6 +115,7 @@ class StatusSnapshot:
             "jobs": [row.to_json(self.taken_at) for row in self.jobs],
             "services": [lag.__dict__ for lag in self.lags],
             "rollout_replicas": [replica.__dict__ for replica in self.replicas],
+            "trainer": self.trainer.__dict__,
             "restarts": self.restarts,
             "runtimes": [
                 {"service": service, "replica": replica, **fields}
@@ -134,6 +145,7 @@ class StatusBoard:
         self._feed = EventFeed(bootstrap, self.job_ids, connect_timeout_s=timeout_s)
         self._progress: dict[str, JobProgress] = {}
         self._events: dict[str, deque[Event]] = {}
+        self._trainer = TrainerLoad()
 
     async def start(self) -> None:
         await self._feed.start()
@@ -172,6 +184,7 @@ class StatusBoard:
             taken_at=time.time(),
             restarts=restarts,
             runtimes=runtimes,
+            trainer=self._trainer.busy(time.time()),
         )
 
     def expect(self, specs: Collection[JobSpec]) -> None:
@@ -187,6 +200,7 @@ class StatusBoard:
                 progress.submitted_at = event.at
                 self._progress[event.job_id] = progress
             progress.apply(event)
+            self._trainer.add(event)
             self._events.setdefault(event.job_id, deque(maxlen=RECENT_EVENTS)).append(event)
 
     async def _row(self, job_id: str) -> JobRow | None:
@@ -228,6 +242,9 @@ class StatusBoard:
                 name,
                 utilisation=stats.utilisation or 0.0,
                 recent_utilisation=stats.recent_utilisation,
+                compute_utilisation=stats.compute_utilisation,
+                recent_compute_utilisation=stats.recent_compute_utilisation,
+                mean_batch=stats.mean_batch,
                 tokens_per_s=stats.tokens_per_s,
                 in_flight=int(stats.in_flight or 0),
             )

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from common.wire.messages import Event
 from console.status.board import JobRow, ReplicaRow, StatusSnapshot
+from console.status.load import TrainerBusy
 from marlaas.jobwatch import JobProgress
 
 STATE_STYLES = {
@@ -97,7 +98,8 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
         "consumer group",
         "lag",
         "restarts",
-        "engine busy",
+        "computing (busy)",
+        "batch",
         "tokens/s",
         "in engine",
         "computes in",
@@ -109,7 +111,10 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
         restarts = str(snapshot.restarts.get(lag.service, 0))
         computes_in = snapshot.computes_in(lag.service)
         if not replicas:
-            table.add_row(lag.service, lag.group, str(lag.lag), restarts, "", "", "", computes_in)
+            computing = _trainer_busy(snapshot.trainer) if lag.service == "trainer_svc" else ""
+            table.add_row(
+                lag.service, lag.group, str(lag.lag), restarts, computing, "", "", "", computes_in
+            )
         for index, replica in enumerate(replicas):
             first = index == 0
             table.add_row(
@@ -118,7 +123,8 @@ def _services_table(snapshot: StatusSnapshot) -> Table:
                 str(lag.lag) if first else "",
                 restarts if first else "",
                 _busy(replica),
-                "-" if replica.tokens_per_s is None else f"{replica.tokens_per_s:.1f}",
+                _number(replica.mean_batch, ".1f"),
+                _number(replica.tokens_per_s, ".1f"),
                 str(replica.in_flight),
                 computes_in if first else "",
             )
@@ -159,8 +165,24 @@ def event_cells(event: Event, *, brief: bool = False) -> tuple[str, str, str, st
 
 
 def _busy(replica: ReplicaRow) -> str:
-    now = "" if replica.recent_utilisation is None else f"{replica.recent_utilisation:.0%} now, "
-    return f"{now}{replica.utilisation:.0%} since start ({replica.name})"
+    """The engine's compute share now and since start, and (in brackets) its share of time
+    with a request in it: computing little while busy is serving requests one at a time."""
+    computing = _shares(replica.recent_compute_utilisation, replica.compute_utilisation)
+    busy = _shares(replica.recent_utilisation, replica.utilisation)
+    return f"{computing} ({busy}) {replica.name}"
+
+
+def _trainer_busy(busy: TrainerBusy) -> str:
+    return "-" if busy.steps == 0 else _shares(busy.recent, busy.since_first_step)
+
+
+def _shares(now: float | None, overall: float | None) -> str:
+    """ "<now> now / <overall>", each a percentage or "-"."""
+    return f"{_number(now, '.0%')} now / {_number(overall, '.0%')}"
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _reward(value: float | None) -> str:

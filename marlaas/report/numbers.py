@@ -113,7 +113,13 @@ class UtilisationRow:
     elapsed_s: float
     """Since the report's start (its earliest event or sample)."""
     utilisation: float | None
-    """Busy share of the interval: Δbusy_s / Δuptime_s, within [0, 1]."""
+    """Busy share of the interval: Δbusy_s / Δuptime_s, within [0, 1]: time with a request in
+    the engine, computing much or little."""
+    compute_utilisation: float | None
+    """Compute share of the interval: Δcompute_s / (Δuptime_s x compute_slots), within
+    [0, 1]: the engine's cores' time it computed (None: not reported, or a GPU)."""
+    mean_batch: float | None
+    """Δrequest_s / Δbusy_s: requests the engine held on average while busy."""
     tokens_per_s: float | None
     """Δgenerated_tokens / Δat over the interval."""
     in_flight: float | None
@@ -130,6 +136,22 @@ class Report:
     steps: list[StepRow] = field(default_factory=list)
     evals: list[EvalRow] = field(default_factory=list)
     utilisation: list[UtilisationRow] = field(default_factory=list)
+    trainer_busy: list[TrainerBusyRow] = field(default_factory=list)
+
+
+@dataclass
+class TrainerBusyRow:
+    """The trainer's busy share over one `TRAINER_BUCKET_S` of the report."""
+
+    elapsed_s: float
+    """End of the bucket, since the report's start."""
+    busy: float
+    """Σ step_s of the steps that ended in the bucket over its length: the trainer's compute
+    time per second (each job's `step_s` is its share of a pass over several jobs; several
+    trainer replicas can pass 1)."""
+
+
+TRAINER_BUCKET_S = 60.0
 
 
 def build_report(
@@ -166,6 +188,7 @@ def build_report(
         report.evals += _eval_rows(tenant, job_events)
     for replica, samples in histories.items():
         report.utilisation += _utilisation_rows(replica, samples, report.started_at or 0.0)
+    report.trainer_busy = _trainer_busy_rows(report.steps, report.started_at or 0.0)
     return report
 
 
@@ -338,16 +361,42 @@ def _interval_row(
     after: Mapping[str, float],
     origin: float,
 ) -> UtilisationRow:
-    busy_share = _ratio(_change(before, after, "busy_s"), _change(before, after, "uptime_s"))
+    uptime = _change(before, after, "uptime_s")
+    busy = _change(before, after, "busy_s")
+    slots = after.get("compute_slots")
+    core_s = None if uptime is None or slots is None else uptime * slots
     return UtilisationRow(
         replica=replica,
         segment=segment,
         at=after["at"],
         elapsed_s=after["at"] - origin,
-        utilisation=None if busy_share is None else min(max(busy_share, 0.0), 1.0),
+        utilisation=_share(_ratio(busy, uptime)),
+        compute_utilisation=_share(_ratio(_change(before, after, "compute_s"), core_s)),
+        mean_batch=_ratio(_change(before, after, "request_s"), busy),
         tokens_per_s=_ratio(_change(before, after, "generated_tokens"), after["at"] - before["at"]),
         in_flight=after.get("in_flight"),
     )
+
+
+def _share(value: float | None) -> float | None:
+    return None if value is None else min(max(value, 0.0), 1.0)
+
+
+def _trainer_busy_rows(steps: Sequence[StepRow], origin: float) -> list[TrainerBusyRow]:
+    """Σ step_s per `TRAINER_BUCKET_S` of the report, from its first bucket with a step to its
+    last (an idle bucket between them reads 0)."""
+    by_bucket: dict[int, float] = {}
+    for row in steps:
+        if row.step_s is not None and math.isfinite(row.step_s):
+            bucket = int((row.at - origin) // TRAINER_BUCKET_S)
+            by_bucket[bucket] = by_bucket.get(bucket, 0.0) + row.step_s
+    if not by_bucket:
+        return []
+    buckets = range(min(by_bucket), max(by_bucket) + 1)
+    return [
+        TrainerBusyRow((b + 1) * TRAINER_BUCKET_S, by_bucket.get(b, 0.0) / TRAINER_BUCKET_S)
+        for b in buckets
+    ]
 
 
 def _change(before: Mapping[str, float], after: Mapping[str, float], name: str) -> float | None:

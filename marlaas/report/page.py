@@ -139,17 +139,34 @@ def _charts(report: Report) -> list[str]:
         _held_out_chart(report.evals),
         *per_step,
         _throughput_chart(steps_by_job, util_by_replica, report.started_at or 0.0),
-        line_chart(
-            "utilisation",
-            "Rollout engine busy share over time",
-            "seconds since report start",
-            "busy share",
-            [
-                Series(name, name, _segments(rows, "utilisation"))
-                for name, rows in util_by_replica.items()
-            ],
-        ),
+        _busy_chart(report, util_by_replica),
     ]
+
+
+def _busy_chart(report: Report, util_by_replica: dict[str, list[UtilisationRow]]) -> str:
+    """What computed how much of the time: each engine's compute share (its cores' time),
+    its share of time with a request in it, and the trainer's step seconds per second."""
+    rollout = [
+        Series(f"{name} {what}", f"rollout {name}: {label}", _segments(rows, what), "rollout")
+        for name, rows in util_by_replica.items()
+        for what, label in (
+            ("compute_utilisation", "computing"),
+            ("utilisation", "a request in the engine"),
+        )
+    ]
+    trainer = Series(
+        "trainer",
+        "trainer: step seconds per second",
+        [plottable((r.elapsed_s, r.busy) for r in report.trainer_busy)],
+        "trainer",
+    )
+    return line_chart(
+        "utilisation",
+        "Busy share over time: the engine computing, a request in the engine, the trainer",
+        "seconds since report start",
+        "busy share",
+        [*rollout, trainer] if report.trainer_busy else rollout,
+    )
 
 
 def _held_out_chart(evals: Sequence[EvalRow]) -> str:

@@ -37,6 +37,7 @@ class ScriptedEngine:
         self.cached_prompt_tokens = 0  # no prefix cache
         self.preemptions = 0
         self.busy_seconds = 0.0
+        self.request_seconds = 0.0
         self.loaded: dict[str, int] = {}
 
     @property
@@ -62,6 +63,7 @@ class ScriptedEngine:
         self.generated_tokens += len(completion)
         self.prompt_tokens += len(request.context_token_ids)
         self.busy_seconds += time.monotonic() - started
+        self.request_seconds += time.monotonic() - started
         return result_for(
             request,
             completion_token_ids=completion,

@@ -248,6 +248,9 @@ def test_status_shows_each_rollout_replica_as_it_reported(
         "uptime_s": 50.0,
         "utilisation": 0.8,
         "recent_utilisation": 0.5,
+        "compute_utilisation": 0.25,
+        "recent_compute_utilisation": 0.125,
+        "mean_batch": 6.5,
         "generated_tokens": 3000.0,
         "tokens_per_s": 72.5,
         "in_flight": 12.0,
@@ -263,12 +266,16 @@ def test_status_shows_each_rollout_replica_as_it_reported(
         "name": replica,
         "utilisation": 0.8,
         "recent_utilisation": 0.5,
+        "compute_utilisation": 0.25,
+        "recent_compute_utilisation": 0.125,
+        "mean_batch": 6.5,
         "tokens_per_s": 72.5,
         "in_flight": 12,
     }
     code, out, _ = invoke(cli, "status", "--once")
     line = next(ln for ln in out.splitlines() if replica in ln)
-    assert "50% now, 80% since start" in line and "72.5" in line
+    # computing now / since start, (a request in the engine now / since start), batch, tok/s
+    assert "12% now / 25% (50% now / 80%)" in line and "6.5" in line and "72.5" in line
 
 
 def test_status_shows_what_each_service_computes_in_and_on(cli: CliRunner, redis_url: str) -> None:
@@ -442,6 +449,7 @@ def test_report_plots_the_rewards_of_the_events(
     assert [x for x, _ in charts.series[("reward", job.job_id)]] == [1, 2, 3]
     # Every replica numbered, none by its own name (a host name, for a tenant's eyes).
     replicas = [name for chart, name in charts.series if chart == "utilisation"]
+    replicas.remove("trainer")  # its step seconds per second, from the events
     assert replicas and all(name.startswith("replica ") for name in replicas), replicas
     assert f"cli-test-{job.job_id}" not in html
     assert (tmp_path / "report" / "steps.csv").read_text().count(job.job_id) == len(REWARDS)

@@ -23,6 +23,7 @@ from common.wire.messages import (
     SamplingSettings,
     new_id,
 )
+from rollout_svc.compute import EngineCompute
 from rollout_svc.engine import RolloutEngine
 from rollout_svc.engine_settings import CPU_BLOCK_SIZE, EngineSettings
 from rollout_svc.loras import AdapterUnavailableError
@@ -271,6 +272,9 @@ async def test_retire_waits_for_in_flight_requests(
 
 async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, AdapterRef]) -> None:
     tokens_before, busy_before = engine.generated_tokens, engine.busy_seconds
+    requests_before = engine.request_seconds
+    compute = EngineCompute(on_gpu=False)  # vLLM's engine core: a child of this process
+    compute_before = compute.seconds() or 0.0
     loop = asyncio.get_running_loop()
     started = loop.time()
     results: list[GenerationResult] = await asyncio.gather(
@@ -286,6 +290,9 @@ async def test_utilisation_counters(engine: RolloutEngine, adapters: dict[str, A
     )
     busy = engine.busy_seconds - busy_before
     assert 0 < busy <= wall + 1e-3
+    # four requests at once: the engine held between one and four while busy
+    assert busy - 1e-3 <= engine.request_seconds - requests_before <= 4 * busy + 1e-3
+    assert (compute.seconds() or 0.0) - compute_before > 0  # the engine core computed
     assert all(r.queue_s >= 0 and r.generate_s > 0 for r in results)
     assert all(r.queue_s + r.generate_s <= wall + 1e-3 for r in results)
 

@@ -47,9 +47,9 @@ def test_alone_runs_are_every_job_or_the_first_of_each_environment() -> None:
 
 def test_a_job_not_run_alone_counts_its_specs_mean_alone_run() -> None:
     alone = {
-        "0-a": Work(wall_s=10, rollout_busy_s=4, rollout_uptime_s=10, trainer_busy_s=2, steps=3),
-        "1-a": Work(wall_s=20, rollout_busy_s=8, rollout_uptime_s=20, trainer_busy_s=6, steps=3),
-        "2-b": Work(wall_s=5, rollout_busy_s=5, rollout_uptime_s=5, trainer_busy_s=1, steps=3),
+        "0-a": Work(wall_s=10, rollout_compute_s=4, rollout_core_s=10, trainer_busy_s=2, steps=3),
+        "1-a": Work(wall_s=20, rollout_compute_s=8, rollout_core_s=20, trainer_busy_s=6, steps=3),
+        "2-b": Work(wall_s=5, rollout_compute_s=5, rollout_core_s=5, trainer_busy_s=1, steps=3),
     }
     spec_of = {"0-a": "a", "1-a": "a", "2-b": "b", "3-a": "a", "4-b": "b"}
     total = sequential_work(spec_of, alone)
@@ -61,10 +61,25 @@ def test_a_job_not_run_alone_counts_its_specs_mean_alone_run() -> None:
 
 
 def test_ratios_are_concurrent_over_sequential() -> None:
-    sequential = Work(wall_s=100, rollout_busy_s=40, rollout_uptime_s=100, trainer_busy_s=20)
-    concurrent = Work(wall_s=50, rollout_busy_s=40, rollout_uptime_s=50, trainer_busy_s=20)
+    sequential = Work(wall_s=100, rollout_compute_s=40, rollout_core_s=100, trainer_busy_s=20)
+    concurrent = Work(wall_s=50, rollout_compute_s=40, rollout_core_s=50, trainer_busy_s=20)
     found = ratios(sequential.figures(), concurrent.figures())
     assert found == {"time_ratio": 0.5, "util_ratio": round(0.6 / 0.3, 4)}
+
+
+def test_the_engine_is_busy_computing_not_while_a_request_waits_in_it() -> None:
+    # a request in the engine all the time, at a mean batch of 1.5, computing 1 core of 2
+    work = Work(
+        wall_s=100,
+        rollout_busy_s=100,
+        rollout_uptime_s=100,
+        rollout_request_s=150,
+        rollout_compute_s=100,
+        rollout_core_s=200,
+    )
+    figures = work.figures()
+    assert figures["rollout_busy_share"] == 0.5 and figures["rollout_request_share"] == 1.0
+    assert figures["mean_batch"] == 1.5
 
 
 def test_accuracy_is_checked_against_the_jobs_own_alone_run_else_its_specs() -> None:

@@ -95,12 +95,18 @@ B_HOST, A_HOST = "rollout-b.corp.internal-4242", "rollout-a.corp.internal-77"
 A_HOST (first at +0) is `replica 1`, B_HOST (+5) `replica 2`."""
 SAMPLES: dict[str, list[dict[str, float]]] = {
     B_HOST: [
-        {"at": T0 + 5, "busy_s": 1.0, "uptime_s": 5.0, "generated_tokens": 100.0, "in_flight": 4},
-        {"at": T0 + 10, "busy_s": 5.0, "uptime_s": 10.0, "generated_tokens": 600.0, "in_flight": 8},
+        {"at": T0 + 5, "busy_s": 1.0, "uptime_s": 5.0, "generated_tokens": 100.0, "in_flight": 4}
+        | {"compute_s": 1.0, "compute_slots": 2, "request_s": 4.0},
+        {"at": T0 + 10, "busy_s": 5.0, "uptime_s": 10.0, "generated_tokens": 600.0, "in_flight": 8}
+        # 5 CPU seconds of 2 cores x 5 s; 20 request-seconds in 4 busy seconds
+        | {"compute_s": 6.0, "compute_slots": 2, "request_s": 24.0},
         # restarted: its counters began again
-        {"at": T0 + 15, "busy_s": 0.5, "uptime_s": 2.0, "generated_tokens": 10.0, "in_flight": 1},
-        {"at": T0 + 20, "busy_s": 3.0, "uptime_s": 7.0, "generated_tokens": 210.0, "in_flight": 2},
+        {"at": T0 + 15, "busy_s": 0.5, "uptime_s": 2.0, "generated_tokens": 10.0, "in_flight": 1}
+        | {"compute_s": 0.4, "compute_slots": 2, "request_s": 1.0},
+        {"at": T0 + 20, "busy_s": 3.0, "uptime_s": 7.0, "generated_tokens": 210.0, "in_flight": 2}
+        | {"compute_s": 2.4, "compute_slots": 2, "request_s": 6.0},
     ],
+    # A_HOST: a replica from before compute and batch were reported
     A_HOST: [
         {"at": T0 + 0, "busy_s": 0.5, "uptime_s": 1.0, "generated_tokens": 10.0},
         {"at": T0 + 2, "busy_s": 1.5, "uptime_s": 3.0, "generated_tokens": 110.0},
@@ -205,8 +211,12 @@ def test_charts_carry_the_exact_numbers_of_the_events(tmp_path: Path) -> None:
         "rollout:replica 1": [[2.0, 50.0], [72.0, 50.0]],
     }
     assert page.charts["utilisation"] == {
-        "replica 2": [[10.0, 0.8], [20.0, 0.5]],
-        "replica 1": [[2.0, 0.5], [72.0, 0.5], [82.0, 1.0]],
+        "rollout:replica 2 utilisation": [[10.0, 0.8], [20.0, 0.5]],
+        "rollout:replica 2 compute_utilisation": [[10.0, 0.5], [20.0, 0.2]],
+        "rollout:replica 1 utilisation": [[2.0, 0.5], [72.0, 0.5], [82.0, 1.0]],
+        # replica 1 reported no compute time: no compute line
+        # five steps of 4 s each in the first minute
+        "trainer:trainer": [[60.0, 20 / 60]],
     }
     # axis labels, whole-number step ticks and a legend entry per series, all as SVG text
     assert {"step", "mean reward", "1", "2", "3", "job-a", "job-b"} <= set(
@@ -224,14 +234,22 @@ def test_utilisation_rows_start_a_new_segment_at_each_restart() -> None:
     by_replica: dict[str, list[tuple[object, ...]]] = {}
     for r in rows:
         by_replica.setdefault(r.replica, []).append(
-            (r.segment, r.at - T0, r.utilisation, r.tokens_per_s, r.in_flight)
+            (
+                r.segment,
+                r.at - T0,
+                r.utilisation,
+                r.tokens_per_s,
+                r.in_flight,
+                r.compute_utilisation,
+                r.mean_batch,
+            )
         )
     assert by_replica == {
-        "replica 2": [(0, 10.0, 0.8, 100.0, 8), (1, 20.0, 0.5, 40.0, 2)],
+        "replica 2": [(0, 10.0, 0.8, 100.0, 8, 0.5, 5.0), (1, 20.0, 0.5, 40.0, 2, 0.2, 2.0)],
         "replica 1": [
-            (0, 2.0, 0.5, 50.0, None),
-            (1, 72.0, 0.5, 50.0, None),
-            (1, 82.0, 1.0, None, None),
+            (0, 2.0, 0.5, 50.0, None, None, None),
+            (1, 72.0, 0.5, 50.0, None, None, None),
+            (1, 82.0, 1.0, None, None, None, None),
         ],
     }
     assert all(r.elapsed_s == r.at - T0 for r in rows)

@@ -5,12 +5,17 @@ the engine's settings and one turn's result from vLLM's output."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from common.wire.adapters import AdapterRef
+from rollout_svc.compute import EngineCompute
 from rollout_svc.engine_settings import EngineSettings
 from rollout_svc.jobs import IDLE_JOB_S, JobsSeen
 from rollout_svc.sampling import finish_reason, queue_seconds, result_of
@@ -100,22 +105,71 @@ async def test_jobs_seen_take_the_carried_tenant_and_forget_idle_jobs() -> None:
     assert "j1" not in jobs.tenants and "j1" not in jobs.used_at
 
 
+class _Compute:
+    slots = 2
+
+    def __init__(self) -> None:
+        self.cpu_s: float | None = 5.0  # before the replica started: not counted
+
+    def seconds(self) -> float | None:
+        return self.cpu_s
+
+
 def test_stats_report_the_last_intervals_rates_and_the_uptime() -> None:
     engine = SimpleNamespace(
         busy_seconds=0.0,
+        request_seconds=0.0,
         generated_tokens=0,
         prompt_tokens=30,
         cached_prompt_tokens=10,
         preemptions=1,
         in_flight=2,
     )
-    report = StatsReport(engine, "r0", 1024, lambda: 100.0)  # type: ignore[arg-type]
+    compute = _Compute()
+    report = StatsReport(engine, "r0", 1024, lambda: 100.0, compute)  # type: ignore[arg-type]
     report.sample(100.0)
-    engine.busy_seconds, engine.generated_tokens = 2.0, 40
+    engine.busy_seconds, engine.request_seconds, engine.generated_tokens = 2.0, 16.0, 40
+    compute.cpu_s = 7.0  # 2 CPU seconds in 4 s on 2 cores
     stats = report.sample(104.0)
     assert stats.recent_utilisation == 0.5 and stats.tokens_per_s == 10.0
     assert stats.uptime_s == 4.0 and stats.utilisation == 0.5
+    assert stats.recent_compute_utilisation == 0.25 and stats.compute_utilisation == 0.25
+    assert stats.mean_batch == 8.0  # 16 request-seconds over 2 busy seconds
+    assert (stats.compute_s, stats.compute_slots) == (2.0, 2.0)
     assert (stats.in_flight, stats.max_model_len, stats.prompt_tokens) == (2.0, 1024.0, 30.0)
+    stats = report.sample(109.0)  # idle: no batch to speak of
+    assert stats.mean_batch is None and stats.recent_compute_utilisation == 0.0
+    compute.cpu_s = None  # a GPU: no compute share from CPU time
+    stats = report.sample(114.0)
+    assert stats.compute_utilisation is None and stats.recent_compute_utilisation is None
+
+
+def test_engine_compute_counts_its_child_processes_cpu_time_even_after_they_exit() -> None:
+    compute = EngineCompute(in_process=False, on_gpu=False)
+    before = compute.seconds()
+    assert before is not None and compute.slots == len(os.sched_getaffinity(0))
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", burn + "\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (compute.seconds() or 0.0) - before < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counted = compute.seconds()
+        assert counted is not None and counted - before >= 0.25  # /proc counts in clock ticks
+    finally:
+        child.kill()
+        child.wait()
+    assert (compute.seconds() or 0.0) >= counted  # the exited child's time stays counted
+    assert EngineCompute(on_gpu=True).seconds() is None
+
+
+def test_an_engine_in_process_counts_this_process_cpu_time() -> None:
+    compute = EngineCompute(in_process=True, on_gpu=False)
+    before = compute.seconds() or 0.0
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert (compute.seconds() or 0.0) - before >= 0.15  # /proc counts in clock ticks
 
 
 def test_engine_settings_take_only_a_rank_vllm_accepts() -> None:
