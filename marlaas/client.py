@@ -114,10 +114,11 @@ class Client:
 
     async def submit(self, specs: Sequence[JobSpec]) -> None:
         """Produce every spec to marlaas.jobs; refuses ids that already exist (none is sent)."""
-        for spec in specs:
-            if (record := await self.store.jobs.get(spec.job_id)) is not None:
+        statuses = await self.store.jobs.statuses([spec.job_id for spec in specs])
+        for job_id, status in statuses.items():
+            if status is not None:
                 raise JobStateError(
-                    f"job {spec.job_id!r} already exists ({record.status}); "
+                    f"job {job_id!r} already exists ({status}); "
                     "give the file another job_id or leave it out for a fresh one"
                 )
         await self._send(*specs)
