@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/agentic.py --jobs 8 --steps 4 --latency-s 1   # or make bench-agentic
     .venv/bin/python bench/agentic.py --model tiny --jobs 2 --steps 2 --eval-tasks 4   # plumbing
+    .venv/bin/python bench/agentic.py --resummarise bench/results/agentic-....json
 
 The jobs are multi-turn tool-use episodes (a tool call, its result, the answer) of four
 tenants, cycling over two environments:
@@ -22,14 +23,17 @@ alone counts its environment's mean alone run (`sequential_from` says which).
 
 Figures per phase (`sequential`, `concurrent`): wall time (first submission to the last job's
 final evaluation; sequential: the sum of the alone runs, `sequential_measured_s` what was run);
-the engine's busy share (busy over
-up, its replicas' counters) and the trainer's (its steps' time over the wall), as
-bench/multitask.py measures them, and their mean (`utilisation`); engine tokens/s; training
-steps/s. `time_ratio`: concurrent over sequential wall time (below 1: sharing saves time);
-`util_ratio`: concurrent over sequential utilisation. `finish_s`: min / median / max of the
-concurrent jobs' times from submission to completion (their final evaluation follows).
-`accuracy`: each job's held-out accuracy at its final version shared and alone (± SE) and
-whether they lie within the larger SE (`within_one_se` counts them). The phases' `cpu` counts
+the engine's compute share (`rollout_busy_share`: its CPU time over its cores' time up,
+rollout_svc/compute.py) and the trainer's busy share (its steps' time over the wall), and their
+mean (`utilisation`); beside them the engine's share of time with a request in it
+(`rollout_request_share`) and its mean batch; the work bound (every core's CPU seconds over the
+cores) and the wall over it; engine tokens/s; training steps/s. `time_ratio`: concurrent over
+sequential wall time (below 1: sharing saves time); `util_ratio`: concurrent over sequential
+utilisation. `finish_s`: min / median / max of the concurrent jobs' times from submission to
+completion (their final evaluation follows). `accuracy`: each job's held-out accuracy at its
+final version shared and alone (± SE), and whether the shared one is within one SE of the
+alone one or better (the larger SE, at least one task: `within_one_se_or_better` counts
+them). The phases' `cpu` counts
 the HTTP service under `bench` (a child of this process). `--model tiny` (random weights)
 makes accuracies meaningless and never calls a tool; `--engine scripted` (bench/tool_engine.py)
 writes a `lookup` call, then a wrong answer, at once: every `http_lookup` episode waits on the
@@ -216,7 +220,11 @@ def summarise(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any
         if (acc := Accuracy.final(summary)) is not None
     }
     checks = accuracy_checks(spec_of, alone_acc, shared_acc)
-    decided = [row["within_one_se"] for row in checks if row["within_one_se"] is not None]
+    decided = [
+        row["within_one_se_or_better"]
+        for row in checks
+        if row["within_one_se_or_better"] is not None
+    ]
     if args.alone_runs == 0:
         sequential_from = "each job alone"
     else:
@@ -229,7 +237,7 @@ def summarise(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any
         "concurrent": concurrent,
         **ratios(sequential, concurrent),
         "finish_s": spread([job["wall_s"] for job in shared_jobs.values()]),
-        "within_one_se": f"{sum(decided)} of {len(decided)}",
+        "within_one_se_or_better": f"{sum(decided)} of {len(decided)}",
         "accuracy": checks,
     }
 
@@ -291,7 +299,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def resummarise(path: Path) -> None:
+    """The figures of a saved result computed again from its raw phases (after the figures'
+    arithmetic changed); the phases themselves are kept as measured."""
+    result = msgspec.json.decode(path.read_bytes())
+    phases = result["phases"] | {
+        "spec_of": {job_key(spec["job_id"]): spec["env"]["name"] for spec in result["specs"]}
+    }
+    kept = result["sequential_from"]
+    alone_runs = 0 if kept == "each job alone" else ALONE_RUNS_PAST_8
+    result |= summarise(argparse.Namespace(alone_runs=alone_runs), phases)
+    result["sequential_from"] = kept
+    result.pop("within_one_se", None)  # the old name of within_one_se_or_better
+    path.write_text(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--resummarise":
+        resummarise(Path(sys.argv[2]))
+        return
     args = parse_args()
     tag = "" if args.model == "smollm2" else f"-{args.model}"
     if args.model == "tiny":
@@ -310,7 +336,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
     shutil.rmtree(args.run_dir / "state" / "artifacts", ignore_errors=True)
-    summary = ("sequential_from", "time_ratio", "util_ratio", "finish_s", "within_one_se")
+    summary = ("sequential_from", "time_ratio", "util_ratio", "finish_s", "within_one_se_or_better")
     phase_walls = {name: result[name]["wall_s"] for name in ("sequential", "concurrent")}
     console.print_json(data={k: result[k] for k in summary} | phase_walls | {"out": str(out)})
 

@@ -87,10 +87,19 @@ def test_accuracy_is_checked_against_the_jobs_own_alone_run_else_its_specs() -> 
     alone = {"0-a": Accuracy(0.8, 0.05), "2-b": Accuracy(0.5, 0.1)}
     shared = {"0-a": Accuracy(0.75, 0.08), "1-a": Accuracy(0.85, 0.05), "2-b": Accuracy(0.75, 0.1)}
     rows = {row["job"]: row for row in accuracy_checks(spec_of, alone, shared)}
-    assert rows["0-a"]["within_one_se"] is True  # 0.05 apart, the larger SE 0.08
-    assert rows["1-a"]["alone"] == {"value": 0.8, "stderr": 0.05}  # not run alone: its spec's
-    assert rows["1-a"]["within_one_se"] is True
-    assert rows["2-b"]["within_one_se"] is False  # 0.25 apart, SE 0.1
+    assert rows["0-a"]["within_one_se_or_better"] is True  # 0.05 below, the larger SE 0.08
+    alone_of_1a = {"value": 0.8, "stderr": 0.05, "tasks": 0}  # not run alone: its spec's
+    assert rows["1-a"]["alone"] == alone_of_1a
+    assert rows["1-a"]["within_one_se_or_better"] is True
+    assert rows["2-b"]["within_one_se_or_better"] is True  # 0.25 better
+    rows = {row["job"]: row for row in accuracy_checks(spec_of, shared, alone)}  # swapped
+    assert rows["2-b"]["within_one_se_or_better"] is False  # 0.25 worse, SE 0.1
+
+
+def test_one_task_of_difference_is_within_the_margin_where_the_se_reads_zero() -> None:
+    perfect, one_miss = Accuracy(1.0, 0.0, 32), Accuracy(31 / 32, 0.0307, 32)
+    assert one_miss.within_one_se_or_better(perfect)  # 1/32 below, SE 0.0307 < 1/32
+    assert not Accuracy(30 / 32, 0.0428, 32).within_one_se_or_better(perfect)
 
 
 def test_the_final_accuracy_is_the_last_evaluated_versions() -> None:
