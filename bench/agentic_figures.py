@@ -177,10 +177,33 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
+TIME_RATIO_TARGET = 0.15
+"""The published result: 32 concurrent tasks in 85% less total time than one at a time."""
+UTIL_RATIO_TARGET = 4.3
+"""... with utilisation up to 4.3x."""
+
+
 def ratios(sequential: Mapping[str, Any], concurrent: Mapping[str, Any]) -> dict[str, Any]:
     """Concurrent over sequential: time (below 1: sharing saves time) and utilisation (above
-    1: the engine and trainer busier shared)."""
+    1: the engine and trainer busier shared); `time_ratio_floor`, the least time ratio this
+    machine allows for the concurrent phase's work (its work bound over the sequential wall:
+    every core busy throughout); and each against the published target."""
+    time_ratio = _share(concurrent["wall_s"], sequential["wall_s"])
+    util_ratio = _share(concurrent["utilisation"], sequential["utilisation"])
     return {
-        "time_ratio": _share(concurrent["wall_s"], sequential["wall_s"]),
-        "util_ratio": _share(concurrent["utilisation"], sequential["utilisation"]),
+        "time_ratio": time_ratio,
+        "util_ratio": util_ratio,
+        "time_ratio_floor": _share(concurrent.get("work_bound_s"), sequential["wall_s"]),
+        "targets": {
+            "time_ratio": {
+                "target": TIME_RATIO_TARGET,
+                "met": None if time_ratio is None else time_ratio <= TIME_RATIO_TARGET,
+                "over_target": _share(time_ratio, TIME_RATIO_TARGET, 2),
+            },
+            "util_ratio": {
+                "target": UTIL_RATIO_TARGET,
+                "met": None if util_ratio is None else util_ratio >= UTIL_RATIO_TARGET,
+                "of_target": _share(util_ratio, UTIL_RATIO_TARGET, 2),
+            },
+        },
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -64,7 +65,12 @@ def test_ratios_are_concurrent_over_sequential() -> None:
     sequential = Work(wall_s=100, rollout_compute_s=40, rollout_core_s=100, trainer_busy_s=20)
     concurrent = Work(wall_s=50, rollout_compute_s=40, rollout_core_s=50, trainer_busy_s=20)
     found = ratios(sequential.figures(), concurrent.figures())
-    assert found == {"time_ratio": 0.5, "util_ratio": round(0.6 / 0.3, 4)}
+    assert (found["time_ratio"], found["util_ratio"]) == (0.5, round(0.6 / 0.3, 4))
+    assert found["targets"]["time_ratio"] == {"target": 0.15, "met": False, "over_target": 3.33}
+    assert found["targets"]["util_ratio"]["of_target"] == round(2.0 / 4.3, 2)
+    busy = Work(wall_s=50, cpu_s=80)  # 40 s of work on this machine's cores
+    floor = ratios(sequential.figures(), busy.figures())["time_ratio_floor"]
+    assert floor == round(80 / len(os.sched_getaffinity(0)) / 100, 4)
 
 
 def test_the_engine_is_busy_computing_not_while_a_request_waits_in_it() -> None:
