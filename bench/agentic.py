@@ -262,6 +262,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_job": args.steps,
         "eval_tasks": args.eval_tasks,
         "seed_base": args.seed_base,
+        "settings_from_env": {
+            name: value
+            for name, value in sorted(os.environ.items())
+            if name.startswith(("TRAINER_", "ROLLOUT_", "ENV_"))
+        },
         "tenants": sorted({TENANTS[j % len(TENANTS)] for j in range(args.jobs)}),
         "envs": list(envs),
         "code_tasks": f"left out: {problem}" if problem else str("code_tasks" in envs).lower(),
