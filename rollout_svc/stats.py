@@ -103,6 +103,8 @@ class StatsReport:
         after_each: Callable[[float], Awaitable[None]],
     ) -> None:
         """Report until `stopping`; `after_each(now)` runs after every report."""
+        # From here, as uptime: the engine's start-up (loading the model) is not its work.
+        self._compute_at_start = self._compute.seconds()
         self._last = self._counters(time.monotonic())
         while not stopping.is_set():
             now = time.monotonic()

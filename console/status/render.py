@@ -177,7 +177,7 @@ def _trainer_busy(busy: TrainerBusy) -> str:
 
 
 def _shares(now: float | None, overall: float | None) -> str:
-    """ "<now> now / <overall>", each a percentage or "-"."""
+    """`<now> now / <overall>`, each a percentage or "-"."""
     return f"{_number(now, '.0%')} now / {_number(overall, '.0%')}"
 
 
