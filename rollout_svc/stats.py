@@ -42,11 +42,15 @@ class StatsReport:
         self._max_model_len = max_model_len
         self._started_at = started_at
         self._compute = compute or EngineCompute()
-        self._compute_at_start = self._compute.seconds()
-        self._last = self._counters(time.monotonic())
+        # Both set by the first reading, not here: the replica builds this before its engine
+        # starts, and the meter decides CPU or GPU once the engine has.
+        self._compute_at_start: float | None = None
+        self._last: _Counters | None = None
 
     def _counters(self, now: float) -> _Counters:
         compute_s = self._compute.seconds()
+        if self._compute_at_start is None:
+            self._compute_at_start = compute_s
         if compute_s is not None and self._compute_at_start is not None:
             compute_s -= self._compute_at_start  # since the replica started, as uptime
         engine = self._engine
@@ -56,8 +60,9 @@ class StatsReport:
 
     def sample(self, now: float) -> RolloutReplicaStats:
         """The numbers at monotonic `now`; the gauges follow the last interval's rates."""
-        engine, last = self._engine, self._last
+        engine = self._engine
         counters = self._counters(now)
+        last = self._last or counters
         # Over the last interval, not since start: the dashboards' "now".
         interval = now - last.at
         slots = self._compute.slots
@@ -104,7 +109,7 @@ class StatsReport:
     ) -> None:
         """Report until `stopping`; `after_each(now)` runs after every report."""
         # From here, as uptime: the engine's start-up (loading the model) is not its work.
-        self._compute_at_start = self._compute.seconds()
+        self._compute_at_start = None
         self._last = self._counters(time.monotonic())
         while not stopping.is_set():
             now = time.monotonic()

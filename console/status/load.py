@@ -35,20 +35,19 @@ class TrainerLoad:
     def __init__(self) -> None:
         self._recent: deque[tuple[float, float]] = deque()
         """(finished at, step seconds) of the steps in the last `RECENT_S`."""
-        self._seen: deque[str] = deque()
-        self._seen_ids: set[str] = set()
+        self._seen: dict[str, None] = {}
+        """Ids of the step events counted, oldest first (at most `SEEN_KEPT`)."""
         self._total_s = 0.0
         self._first_began: float | None = None
         self._steps = 0
 
     def add(self, event: Event) -> None:
         step_s = event.metrics.get("step_s")
-        if event.event != "step" or step_s is None or event.event_id in self._seen_ids:
+        if event.event != "step" or step_s is None or event.event_id in self._seen:
             return
-        self._seen.append(event.event_id)
-        self._seen_ids.add(event.event_id)
+        self._seen[event.event_id] = None
         if len(self._seen) > SEEN_KEPT:
-            self._seen_ids.discard(self._seen.popleft())
+            del self._seen[next(iter(self._seen))]
         began = event.at - step_s
         self._first_began = began if self._first_began is None else min(self._first_began, began)
         self._total_s += step_s
