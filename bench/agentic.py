@@ -33,7 +33,9 @@ utilisation. `finish_s`: min / median / max of the concurrent jobs' times from s
 completion (their final evaluation follows). `accuracy`: each job's held-out accuracy at its
 final version shared and alone (± SE), and whether the shared one is within one SE of the
 alone one or better (the larger SE, at least one task: `within_one_se_or_better` counts
-them). The phases' `cpu` counts
+them). `idle`: where the cores idled (core-seconds), in the measured alone runs together and
+in the concurrent phase: before the trainer's first step, after its last, and between by
+which service waited for work (`agentic_figures.idle_profile`). The phases' `cpu` counts
 the HTTP service under `bench` (a child of this process). `--model tiny` (random weights)
 makes accuracies meaningless and never calls a tool; `--engine scripted` (bench/tool_engine.py)
 writes a `lookup` call, then a wrong answer, at once: every `http_lookup` episode waits on the
@@ -57,7 +59,15 @@ from typing import Any
 
 import httpx
 import msgspec
-from agentic_figures import Accuracy, Work, accuracy_checks, ratios, sequential_work, spread
+from agentic_figures import (
+    Accuracy,
+    Work,
+    accuracy_checks,
+    idle_profile,
+    ratios,
+    sequential_work,
+    spread,
+)
 from machine import machine_fields, result_path  # bench/machine.py
 from multitask import measure  # bench/multitask.py
 from rich.console import Console
@@ -237,6 +247,10 @@ def summarise(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any
         "concurrent": concurrent,
         **ratios(sequential, concurrent),
         "finish_s": spread([job["wall_s"] for job in shared_jobs.values()]),
+        "idle": {
+            "alone_runs": idle_profile(phases["alone"].values()),
+            "concurrent": idle_profile([phases["concurrent"]]),
+        },
         "within_one_se_or_better": f"{sum(decided)} of {len(decided)}",
         "accuracy": checks,
     }

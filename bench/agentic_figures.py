@@ -177,6 +177,61 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
+WAITING_BELOW = 0.3
+"""A service using less than this share of a core in a sample waits for work (an idle engine
+keeps 3-15% of its core busy)."""
+
+
+def idle_profile(phases: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Where the phases' cores idled, from their timelines (core-seconds; a phase's work bound
+    is its wall less these over the cores): before the trainer's first step began, after its
+    last step ended (final evaluations), and between, split by which service waited for work:
+    the engine (every job held back by the trainer, e.g. by its staleness bound), the trainer
+    (no group ready) or neither (both computing: the gaps in their own steps). Beside each, its
+    seconds. Summed over `phases` (the alone runs); None where none has a timeline and steps."""
+    idle: dict[str, list[float]] = {}  # segment -> [idle core-seconds, seconds]
+    core_s = 0.0
+    for phase in phases:
+        timeline = phase.get("timeline") or {}
+        at: Sequence[float] = timeline.get("at_s") or []
+        steps = [s for s in phase.get("steps", []) if "wall_step_s" in s]
+        if not at or not steps:
+            continue
+        cores: Mapping[str, Sequence[float]] = timeline["core_busy_share"]
+        shares: Mapping[str, Sequence[float]] = timeline.get("process_cpu_share", {})
+        engine, trainer = shares.get("rollout_svc"), shares.get("trainer_svc")
+        first = min(s["at_s"] - s["wall_step_s"] for s in steps)
+        last = max(s["at_s"] for s in steps)
+        previous = 0.0
+        for i, now in enumerate(at):
+            span, previous = now - previous, now
+            if now <= first:
+                segment = "before_first_step"
+            elif now - span >= last:
+                segment = "after_last_step"
+            elif engine is not None and engine[i] < WAITING_BELOW:
+                segment = "engine_waiting"
+            elif trainer is not None and trainer[i] < WAITING_BELOW:
+                segment = "trainer_waiting"
+            else:
+                segment = "both_computing"
+            summed = idle.setdefault(segment, [0.0, 0.0])
+            summed[0] += span * sum(max(0.0, 1.0 - busy[i]) for busy in cores.values())
+            summed[1] += span
+        core_s += previous * len(cores)
+    if not idle:
+        return None
+    total = sum(free for free, _ in idle.values())
+    return {
+        "idle_core_s": round(total, 1),
+        "idle_share": _share(total, core_s),
+        **{
+            segment: {"idle_core_s": round(free, 1), "wall_s": round(span, 1)}
+            for segment, (free, span) in sorted(idle.items())
+        },
+    }
+
+
 TIME_RATIO_TARGET = 0.15
 """The published result: 32 concurrent tasks in 85% less total time than one at a time."""
 UTIL_RATIO_TARGET = 4.3

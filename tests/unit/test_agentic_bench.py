@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path += [str(ROOT / "bench"), str(ROOT / "examples" / "envs")]  # after the packages
 
 from agentic import ENVS, TENANTS, agentic_jobs, alone_plan, job_key, lookup_service  # noqa: E402
-from agentic_figures import Accuracy, Work, accuracy_checks, ratios, sequential_work  # noqa: E402
+from agentic_figures import (  # noqa: E402
+    Accuracy,
+    Work,
+    accuracy_checks,
+    idle_profile,
+    ratios,
+    sequential_work,
+)
 from http_lookup import URL_VAR, HttpLookupEnv, stock_of  # noqa: E402
 
 from env_svc.tools import format_call  # noqa: E402
@@ -86,6 +94,45 @@ def test_the_engine_is_busy_computing_not_while_a_request_waits_in_it() -> None:
     figures = work.figures()
     assert figures["rollout_busy_share"] == 0.5 and figures["rollout_request_share"] == 1.0
     assert figures["mean_batch"] == 1.5
+
+
+def phase_of(
+    samples: list[tuple[float, float, float, float]], steps: list[tuple[float, float]]
+) -> dict[str, Any]:
+    """A phase's timeline of 1 s samples (core 0, core 1, engine, trainer busy) and its steps
+    (ended at, wall seconds)."""
+    return {
+        "timeline": {
+            "at_s": [float(i + 1) for i in range(len(samples))],
+            "core_busy_share": {"0": [s[0] for s in samples], "1": [s[1] for s in samples]},
+            "process_cpu_share": {
+                "rollout_svc": [s[2] for s in samples],
+                "trainer_svc": [s[3] for s in samples],
+            },
+        },
+        "steps": [{"at_s": at, "wall_step_s": wall} for at, wall in steps],
+    }
+
+
+def test_idle_cores_are_placed_before_between_and_after_the_trainers_steps() -> None:
+    generating = (1.0, 0.1, 1.0, 0.05)  # the engine alone: the trainer waits for groups
+    training = (0.4, 0.8, 0.05, 1.2)  # the trainer borrowing the idle engine's core
+    both = (1.0, 0.9, 1.0, 0.9)
+    evaluating = (1.0, 0.0, 1.0, 0.0)
+    samples = [generating] * 2 + [training] * 2 + [generating, both] + [evaluating] * 2
+    alone = phase_of(samples, steps=[(4.0, 2.0), (6.0, 1.0)])
+    found = idle_profile([alone])
+    assert found is not None
+    assert found["before_first_step"] == {"idle_core_s": 1.8, "wall_s": 2.0}
+    assert found["engine_waiting"] == {"idle_core_s": 1.6, "wall_s": 2.0}
+    assert found["trainer_waiting"] == {"idle_core_s": 0.9, "wall_s": 1.0}
+    assert found["both_computing"] == {"idle_core_s": 0.1, "wall_s": 1.0}
+    assert found["after_last_step"] == {"idle_core_s": 2.0, "wall_s": 2.0}
+    assert found["idle_core_s"] == 6.4 and found["idle_share"] == round(6.4 / 16, 4)
+    twice = idle_profile([alone, alone])
+    assert twice is not None and twice["idle_core_s"] == 12.8
+    assert twice["idle_share"] == found["idle_share"]
+    assert idle_profile([{"timeline": {}, "steps": []}]) is None
 
 
 def test_accuracy_is_checked_against_the_jobs_own_alone_run_else_its_specs() -> None:
