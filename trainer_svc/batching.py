@@ -4,7 +4,6 @@ and jobs that ended elsewhere are let go."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -29,15 +28,25 @@ class Batching:
         self.roster = roster
         self.settings = roster.settings
         self.caught_up = caught_up
-        self._turn = itertools.count()
+        self._last: tuple[str, int] | None = None
+        """The job the last step took last, and where it stood: the next round starts after
+        it (where it stood, if it has gone)."""
 
     async def ready_jobs(self) -> list[OwnedJob]:
-        """Jobs with B usable groups, round-robin from a moving start: no tenant waits
-        behind another when there are more ready jobs than one step takes."""
+        """Jobs with B usable groups, round-robin from the job after the last one taken: no
+        tenant waits behind another when there are more ready jobs than one step takes, and
+        a job whose next groups come while its step trains is not taken again before the
+        others have had their turn (a start moved by one per step, while a step took up to
+        `max_jobs_per_step`, took the same jobs back to back: bench/README.md, "Agentic
+        jobs")."""
         candidates = list(self.roster.jobs.values())
         if not candidates:
             return []
-        start = next(self._turn) % len(candidates)
+        ids = [job.spec.job_id for job in candidates]
+        start = 0
+        if self._last is not None:
+            last, stood = self._last
+            start = (ids.index(last) + 1 if last in ids else stood) % len(ids)
         ready: list[OwnedJob] = []
         for job in candidates[start:] + candidates[:start]:
             await self.drop_unusable(job)
@@ -50,6 +59,8 @@ class Batching:
                 ready.append(job)
                 if len(ready) == self.settings.max_jobs_per_step:
                     break
+        if ready:
+            self._last = (ready[-1].spec.job_id, ids.index(ready[-1].spec.job_id))
         return ready
 
     async def drop_unusable(self, job: OwnedJob) -> None:
