@@ -92,10 +92,14 @@ def check_environment(
     report.add("construct", True, f"params {msgspec.to_builtins(env.params)}")
     _check_tasks(report, env, tasks, seed)
     if isinstance(env, ToolEnvironment):
-        _check_tools(report, env)
+        _attempt(report, "tools", lambda: _check_tools(report, env))
     rng = random.Random(seed)
     for index in range(tasks):
-        _play(report, env, env.task_for(seed, index), rng)
+        # The environment's own code raising is a FAIL row, never the checker's traceback.
+        task = _attempt(report, "training tasks", lambda i=index: env.task_for(seed, i))  # type: ignore[misc]
+        if task is None:
+            break
+        _play(report, env, task, rng)
     if report.step_s:
         slowest = max(report.step_s)
         report.add(
@@ -117,7 +121,9 @@ def _check_tasks(report: CheckReport, env: Environment[Any], tasks: int, seed: i
         drawn = _attempt(report, f"{stream} tasks", stream_of)
         if drawn is None:
             continue
-        again = stream_of()
+        again = _attempt(report, f"{stream} tasks", stream_of)
+        if again is None:
+            continue
         distinct = len({msgspec.msgpack.encode(t) for t in drawn})
         report.add(
             f"{stream} tasks",

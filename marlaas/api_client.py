@@ -49,7 +49,8 @@ class TenantClient:
     def __init__(self, url: str, key: str, *, timeout_s: float = 30.0) -> None:
         if not key:
             raise ValueError("MARLAAS_API_URL is set but MARLAAS_API_KEY is not: no API key")
-        self.url = url.rstrip("/")
+        # `marlaas up` shows the API's address with its /v1, as a browser or curl uses it.
+        self.url = url.rstrip("/").removesuffix("/v1")
         self._http = httpx.AsyncClient(
             base_url=f"{self.url}/v1",
             headers={"Authorization": f"Bearer {key}"},

@@ -177,6 +177,15 @@ class UnknownTenantError(KeyError):
         return f"unknown tenant {self.tenant!r} (marlaas tenants add {self.tenant})"
 
 
+class UnknownKeyError(KeyError):
+    def __init__(self, key_id: str) -> None:
+        super().__init__(key_id)
+        self.key_id = key_id
+
+    def __str__(self) -> str:
+        return f"no API key {self.key_id!r} (`marlaas tenants list` shows each tenant's key ids)"
+
+
 @dataclass(frozen=True)
 class TenantRecord:
     name: str
@@ -273,7 +282,7 @@ class TenantRegistry(RedisPart):
 
     async def revoke_key(self, key_id: str) -> KeyRecord:
         if not await self._redis.exists(api_key_key(key_id)):
-            raise KeyError(f"no API key {key_id!r}")
+            raise UnknownKeyError(key_id)
         await self._redis.hset(api_key_key(key_id), "revoked_at", time.time())
         record = await self._key(key_id)
         assert record is not None

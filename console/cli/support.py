@@ -16,7 +16,7 @@ from rich.console import Console
 
 from common.runtime.backoff import ServerUnreachable
 from common.state.registry import UnknownJobError
-from common.state.tenants import UnknownTenantError
+from common.state.tenants import UnknownKeyError, UnknownTenantError
 from console.stack.children import StackError
 from console.tracking import TrackingUnavailableError
 from marlaas.api_client import ApiClientSettings, ApiError, TenantClient
@@ -24,6 +24,22 @@ from marlaas.api_client import ApiClientSettings, ApiError, TenantClient
 PIPED_WIDTH = 200
 """Columns of output that does not go to a terminal (a pipe, a log file): read by people
 and scripts alike, so tables are not cropped to rich's default of 80."""
+
+
+def _flags_take_no_value() -> None:
+    """typer 0.29's rich help shows a flag as taking a value (`--best <bool>`), where its plain
+    help shows none: a flag takes none in both."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
 
 console = Console()
 if not console.is_terminal:
@@ -41,6 +57,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     TrackingUnavailableError,
     ApiError,
     UnknownTenantError,
+    UnknownKeyError,
 )
 """Errors a user can cause or fix: printed as one line, never as a traceback."""
 

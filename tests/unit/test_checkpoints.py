@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,39 @@ def test_job_ids_that_are_not_names_never_become_paths(tmp_path: Path, job_id: s
         store.adapter_dir(job_id, 1)
     with pytest.raises(ValueError, match="not a valid job name"):
         store.latest(job_id)
+
+
+def documented_layout() -> list[tuple[re.Pattern[str], list[str]]]:
+    """docs/architecture.md's artifact store: each path pattern as a regex, and the files it
+    says the directory holds."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    block = text.split("### Artifact store", 1)[1].split("```\n", 2)[1]
+    layout = []
+    for line in block.splitlines():
+        path, what = line.split(maxsplit=1)
+        pattern = re.escape(path).replace(re.escape("<job>"), "[^/]+")
+        pattern = pattern.replace(re.escape("<n>"), r"\d+").replace(re.escape("<epoch>"), r"\d+")
+        layout.append((re.compile(pattern), re.findall(r"[\w.]+\.(?:json|pt|safetensors)", what)))
+    return layout
+
+
+def test_the_documented_artifact_layout_is_what_a_step_writes(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """docs/architecture.md said `v<n>/` while a trainer wrote `v1.e1/`."""
+    store = CheckpointStore(tmp_path)
+    policy = _policy(base_dir)  # job "a"
+    policy.train_step("a", _batch(), ADVANTAGES)
+    store.save(policy, "a", 1, ["g"], epoch=1)
+    written = sorted(
+        f"{path.relative_to(tmp_path)}{'/' if path.is_dir() else ''}"
+        for path in tmp_path.glob("*/*/*")
+    )
+    layout = documented_layout()
+    assert len(layout) == 3 and written
+    for path in written:
+        matches = [files for pattern, files in layout if pattern.fullmatch(path)]
+        assert matches, f"{path} is not in docs/architecture.md's layout"
+        if path.endswith("/"):
+            present = {p.name for p in (tmp_path / path).iterdir()}
+            assert set(matches[0]) <= present, (path, matches[0], present)

@@ -62,6 +62,44 @@ def broken_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
     sys.modules.pop("broken_env", None)
 
 
+CRASHING = '''
+from env_svc.protocol import Environment, Task
+
+
+class CrashingEnv(Environment[Task]):
+    """Its tasks come from a list too short for the draw (a dataset env's bug)."""
+
+    name = "crashing"
+    task_type = Task
+
+    def make_rewards(self):
+        return []
+
+    def sample_task(self, rng):
+        return [][rng.randrange(3)]
+'''
+
+
+def test_an_environment_whose_own_code_raises_is_a_fail_row_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "crashing_env.py").write_text(CRASHING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(ENVIRONMENTS_VAR, "crashing=crashing_env:CrashingEnv")
+    try:
+        report = check_environment("crashing", tasks=4)
+        failed = {f.check: f.detail for f in report.findings if not f.ok}
+        assert failed["training tasks"].startswith("raised IndexError")
+        assert failed["evaluation tasks"].startswith("raised IndexError")
+        result = CliRunner().invoke(app, ["envs", "check", "crashing", "--tasks", "4"])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # typer's exit, nothing raised
+        assert "FAIL" in result.output and "IndexError" in result.output
+        assert "Traceback" not in result.output
+    finally:
+        sys.modules.pop("crashing_env", None)
+
+
 @pytest.mark.parametrize("name", ["arithmetic", "calculator", "code_tasks", "countdown"])
 def test_the_built_in_environments_pass(name: str) -> None:
     report = check_environment(name, tasks=16)
