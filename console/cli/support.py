@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar
@@ -142,8 +143,30 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, ServerUnreachable):
+        return f"{text}; {_address_source(exc.what)}"
     if isinstance(exc, KafkaError):
         return f"Kafka: {text}"
     if isinstance(exc, RedisError):
         return f"Redis: {text}"
     return text
+
+
+_ADDRESS_VARIABLES = {"Kafka": "MARLAAS_KAFKA_BOOTSTRAP", "Redis": "MARLAAS_REDIS_URL"}
+
+
+def _address_source(what: str) -> str:
+    """Where the unreachable address came from, and what to run: a user without a stack
+    read "Redis at 127.0.0.1:6379 unreachable" and had to guess."""
+    from common.runtime.config import stack_env_file
+
+    variable = _ADDRESS_VARIABLES.get(what, "")
+    if variable in os.environ:
+        return f"{variable} names it"
+    env_file = stack_env_file()
+    if env_file.is_file():
+        return f"read from {env_file}: is the stack `marlaas up` started still running?"
+    return (
+        f"no stack found: no {env_file.name} in {env_file.parent} (MARLAAS_STATE_DIR); start "
+        f"one with `marlaas up`, or name yours with {' and '.join(_ADDRESS_VARIABLES.values())}"
+    )
