@@ -33,6 +33,7 @@ from marlaas.export import (
     ExportError,
     best_version,
     export_adapter,
+    held_out_results,
     local_base_model,
 )
 
@@ -218,10 +219,11 @@ class Client:
         """The job's latest adapter, or `version`, or (`best`) the version with the best
         held-out accuracy (its `eval` events)."""
         record = await self.job(job)
+        events = await self.events(record)
         if best:
             if version is not None:
                 raise ExportError("give a version or ask for the best one, not both")
-            found = best_version(await self.events(record))
+            found = best_version(events)
             if found is None:
                 raise ExportError(
                     f"job {record.spec.job_id!r} has no evaluated adapter version yet "
@@ -232,7 +234,12 @@ class Client:
             local_base_model, self.settings.base_model, self.settings.cache_dir
         )
         return await export_adapter(
-            self.store, record, out_dir, base_model_path=base_model_path, version=version
+            self.store,
+            record,
+            out_dir,
+            base_model_path=base_model_path,
+            version=version,
+            held_out=held_out_results(events),
         )
 
     async def sample(

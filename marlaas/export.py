@@ -71,6 +71,20 @@ def best_of(accuracy: Mapping[int, float]) -> tuple[int, float] | None:
     return version, trained[version]
 
 
+HELD_OUT_METRICS = ("eval_accuracy", "eval_accuracy_stderr", "eval_episodes")
+
+
+def held_out_results(events: Sequence[Event]) -> dict[int, dict[str, float]]:
+    """Each evaluated version's held-out accuracy, its standard error and the tasks it was
+    measured on (version 0: the base model), from the job's `eval` events; the last event of
+    a version counts."""
+    return {
+        e.step: {name: e.metrics[name] for name in HELD_OUT_METRICS if name in e.metrics}
+        for e in events
+        if e.event == "eval" and "eval_accuracy" in e.metrics
+    }
+
+
 def local_base_model(base_model: str, cache_dir: Path | None = None) -> str | None:
     """Where the deployment's base model lies on this machine, for an export's config: only
     for a model without a public id. A known model is named by its Hub id, so exporting one
@@ -131,13 +145,15 @@ async def export_adapter(
     *,
     base_model_path: str | None = None,
     version: int | None = None,
+    held_out: Mapping[int, Mapping[str, float]] | None = None,
 ) -> ExportedAdapter:
     """Copy the job's adapter (latest, or `version`) to `out_dir` as a standalone PEFT dir.
 
     The config's `base_model_name_or_path` becomes the base model's Hub id when it has one,
     else `base_model_path` when given (where the base model lies on the exporting machine),
     else the job's own `base_model`: never the trainer's copy. `out_dir` must not exist or be
-    empty; it appears whole or not at all.
+    empty; it appears whole or not at all. `held_out`: the job's held-out results by version
+    (`held_out_results`), written into its info and model card.
     """
     job_id = job_id_of(job)
     record = job if isinstance(job, JobRecord) else await store.jobs.get(job_id)
@@ -153,7 +169,7 @@ async def export_adapter(
     # The trainer's copy is a path on its machine: loads nowhere else, and is none of the
     # reader's business.
     config["base_model_name_or_path"] = hub_id or base_model_path or record.spec.base_model
-    info = _export_info(record, job_id, source.version, latest, hub_id)
+    info = _export_info(record, job_id, source.version, latest, hub_id, held_out or {})
     _write_atomically(out_dir, source.path, config, info)
     return ExportedAdapter(
         job_id, record.spec.tenant, source.version, out_dir, str(config["base_model_name_or_path"])
@@ -190,7 +206,12 @@ async def _adapter_source(
 
 
 def _export_info(
-    record: JobRecord, job_id: str, version: int, latest: int, hub_id: str | None
+    record: JobRecord,
+    job_id: str,
+    version: int,
+    latest: int,
+    hub_id: str | None,
+    held_out: Mapping[int, Mapping[str, float]],
 ) -> dict[str, object]:
     """What `marlaas_export.json` says of the export: the job, its versions and settings."""
     return {
@@ -203,6 +224,7 @@ def _export_info(
         "exported_at": time.time(),
         "job_state": record.status,
         "hub_base_model": hub_id,
+        "held_out": {str(v): dict(held_out[v]) for v in sorted(held_out)},
         # Field by field: messages travel as arrays, a reader wants the field names.
         "spec": {
             name: msgspec.to_builtins(getattr(record.spec, name))
@@ -245,7 +267,7 @@ Tenant `{info["tenant"]}`, environment `{info["env"]}`, base model `{info["base_
 rank {config["r"]}, alpha {config["lora_alpha"]}, modules {config["target_modules"]}.
 {origin}
 The job's settings are in `{EXPORT_INFO}`.
-
+{held_out_section(info)}
 ## transformers + peft
 
 ```python
@@ -269,3 +291,29 @@ outputs = llm.generate(["What is 7 + 5?"], SamplingParams(max_tokens=16),
 ```
 """
     )
+
+
+def held_out_section(info: Mapping[str, object]) -> str:
+    """A model card's table of the job's held-out accuracy by version ("" when it was never
+    evaluated), the exported version marked."""
+    results = info.get("held_out")
+    if not isinstance(results, dict) or not results:
+        return ""
+    rows = [
+        "",
+        "## Held-out results",
+        "",
+        "| version | accuracy | ± SE | tasks |",
+        "|---|---|---|---|",
+    ]
+    for version, metrics in sorted(results.items(), key=lambda item: int(item[0])):
+        name = "base" if version == "0" else f"v{version}"
+        if int(version) == info.get("version"):
+            name += " (this export)"
+        se = metrics.get("eval_accuracy_stderr")
+        tasks = metrics.get("eval_episodes")
+        rows.append(
+            f"| {name} | {metrics['eval_accuracy']:.3f} | {'' if se is None else f'{se:.3f}'} "
+            f"| {'' if tasks is None else int(tasks)} |"
+        )
+    return "\n".join(rows) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,8 +33,9 @@ from console.status.board import StatusSnapshot
 from console.status.live import live_view
 from console.status.render import event_cells, render
 from marlaas.api_client import TenantClient
-from marlaas.export import ExportedAdapter
+from marlaas.export import ExportError
 from marlaas.jobfile import load_job_file
+from marlaas.merge import ADAPTER_SUBDIR, DTYPES, base_model_dir, write_merged
 
 
 def _client() -> OperatorClient:
@@ -249,26 +251,49 @@ def export(
         bool,
         typer.Option("--best", help="The version with the best held-out accuracy (its evals)."),
     ] = False,
+    merged: Annotated[
+        bool,
+        typer.Option(
+            "--merged",
+            help="Write the base model with the adapter merged (safetensors, Hugging Face "
+            "layout; loads with no PEFT), the adapter in adapter/.",
+        ),
+    ] = False,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help=f"Merged weights' dtype: {', '.join(DTYPES)}.")
+    ] = "auto",
+    base: Annotated[
+        Path | None,
+        typer.Option("--base", help="A local copy of the base model to merge into."),
+    ] = None,
 ) -> None:
-    """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM)."""
-    if (api := tenant_client()) is not None:
-        got = run(_export_via_api(api, job, out, version, best))
+    """Write the job's latest adapter as a standard PEFT directory (transformers+peft, vLLM),
+    or with --merged the base model with it merged in."""
+    if not merged:
+        got = run(_export(job, out, version, best))
         say(f"job {job} adapter v{got} -> {out}")
         return
-    exported = run(_export(job, out, version, best))
-    say(f"job {exported.job_id} adapter v{exported.version} -> {exported.out_dir}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory")
+    with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
+        adapter = Path(scratch) / ADAPTER_SUBDIR
+        got = run(_export(job, adapter, version, best))
+        base_dir = base_model_dir(adapter, base, load(SharedSettings).cache_dir)
+        written = write_merged(adapter, base_dir, out, dtype)
+    say(f"job {job} adapter v{got} merged into {base_dir.name} ({written.dtype}) -> {out}")
 
 
-async def _export(job: str, out: Path, version: int | None, best: bool) -> ExportedAdapter:
+async def _export(job: str, out: Path, version: int | None, best: bool) -> int:
+    """The job's adapter into `out` through the tenant API when one is named, else from the
+    stack's store; its version."""
+    if (api := tenant_client()) is not None:
+        async with api:
+            return await api.export(job, out, version=version, best=best)
     async with _client() as client:
-        return await client.export(job, out, version=version, best=best)
-
-
-async def _export_via_api(
-    api: TenantClient, job: str, out: Path, version: int | None, best: bool
-) -> int:
-    async with api:
-        return await api.export(job, out, version=version, best=best)
+        exported = await client.export(job, out, version=version, best=best)
+    return exported.version
 
 
 @one_line_errors

@@ -107,6 +107,18 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     assert sorted(int(v) for v in row["evals"]) == [0, 2]
     code, out, err = invoke(cli, "export", job_id, "--best", "--out", str(tmp_path / "best"))
     assert code == 0 and f"adapter v2 -> {tmp_path / 'best'}" in out, err
+    # --merged: the base with the adapter merged (no PEFT to load it), the adapter beside it,
+    # and a card with the job's held-out results.
+    merged = tmp_path / "merged"
+    code, out, err = invoke(cli, "export", job_id, "--merged", "--out", str(merged))
+    assert code == 0 and "adapter v2 merged into" in out and str(merged) in out, err
+    assert (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
+    assert not (merged / "adapter_config.json").exists()
+    assert (merged / "adapter" / "adapter_config.json").is_file()
+    card = (merged / "README.md").read_text()
+    assert "| v2 (this export) |" in card and "| base |" in card
+    code, _, err = invoke(cli, "export", job_id, "--merged", "--dtype", "int4", "--out", "x")
+    assert code == 1 and "--dtype must be one of" in err and not Path("x").exists()
 
     code, out, err = invoke(cli, "report", job_id, "--out", str(tmp_path / "report"))
     assert code == 0, err
@@ -224,5 +236,9 @@ def test_the_operator_adds_a_tenant_who_then_works_through_the_api_only(
         code, _, err = invoke(cli, *api, "submit", str(tmp_path / "over.toml"))
         assert code == 1 and "quota max_steps: rl.max_steps 6 exceeds the limit 5" in err
 
+    code, _, err = invoke(cli, "tenants", "revoke-key", "mlk-no-such-key")
+    assert code == 1 and err == (
+        "error: no API key 'mlk-no-such-key' (`marlaas tenants list` shows each tenant's key ids)\n"
+    )
     code, out, _ = invoke(cli, "tenants", "revoke", tenant)
     assert code == 0 and f"tenant {tenant} revoked (1 keys)" in out

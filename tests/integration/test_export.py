@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 from pathlib import Path
 from typing import TypeVar
@@ -16,6 +17,9 @@ from common.files.models import tiny_model
 from common.state.store import RedisStore
 from common.wire.messages import EnvSettings, JobSpec, LoraSettings, RLSettings, Trajectory, new_id
 from marlaas.export import ExportError, export_adapter
+from marlaas.merge import write_merged
+from rollout_svc.engine import RolloutEngine
+from rollout_svc.engine_settings import EngineSettings
 from tests.conftest import with_store
 from trainer_svc.policy import MultiAdapterPolicy
 
@@ -254,3 +258,83 @@ def test_export_errors_say_what_is_wrong(
     unreadable = export(broken, tmp_path / "f")
     assert unreadable.startswith("adapter_model.safetensors: not a readable safetensors file")
     assert str(tmp_path) not in unreadable
+
+
+HELD_OUT = {
+    0: {"eval_accuracy": 0.25, "eval_accuracy_stderr": 0.108, "eval_episodes": 16.0},
+    2: {"eval_accuracy": 0.5, "eval_accuracy_stderr": 0.125, "eval_episodes": 16.0},
+}
+
+
+@pytest.fixture(scope="module")
+def merged(published: str, redis_url_module: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job's v2 exported with its held-out results, then merged into the tiny base in
+    float32."""
+    root = tmp_path_factory.mktemp("merged")
+    adapter = root / "adapter"
+    with_store(redis_url_module, lambda r: export_adapter(r, published, adapter, held_out=HELD_OUT))
+    written = write_merged(adapter, tiny_model(), root / "model", dtype="float32")
+    assert written.dtype == "float32"
+    return written.out_dir
+
+
+def test_the_merged_export_is_the_base_with_the_adapter_applied(merged: Path) -> None:
+    """transformers loads it with no PEFT, and its logits are the base's with the adapter
+    applied (float32); the adapter, its info and a card with the held-out results beside."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    weights = (merged / "model.safetensors").read_bytes()
+    header = json.loads(weights[8 : 8 + int.from_bytes(weights[:8], "little")])
+    assert not [name for name in header if "lora" in name]
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"F32"}
+    assert not (merged / "adapter_config.json").exists()  # else transformers reads a PEFT dir
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)
+    base_logits = logits(base)
+    adapted = logits(PeftModel.from_pretrained(base, merged / "adapter"))
+    assert (adapted - base_logits).abs().max().item() > 1e-3  # the adapter changes the output
+    assert (logits(model) - adapted).abs().max().item() < 1e-3
+
+    info = json.loads((merged / "adapter" / "marlaas_export.json").read_text())
+    assert info["held_out"]["2"]["eval_accuracy"] == 0.5 and info["version"] == 2
+    front, body = model_card(merged)
+    assert front["library_name"] == "transformers"
+    assert front["tags"] == ["marlaas", "grpo", "merged-lora", "arithmetic"]
+    assert "| base | 0.250 | 0.108 | 16 |" in body and "| v2 (this export) | 0.500 |" in body
+    _, adapter_body = model_card(merged / "adapter")
+    assert "| v2 (this export) | 0.500 | 0.125 | 16 |" in adapter_body
+
+
+async def test_vllm_loads_and_samples_the_merged_export(merged: Path) -> None:
+    """vLLM's CPU engine serves the merged directory as a base model (no LoRA), and scores
+    what it sampled as transformers scores it on the merged weights."""
+    from tests.integration.test_rollout_engine import reference_logprobs, request
+
+    engine = RolloutEngine(EngineSettings(merged, enable_lora=False))
+    await engine.start()
+    try:
+        result = await engine.generate(request(max_new_tokens=8))
+    finally:
+        await engine.stop()
+    assert len(result.completion_token_ids) == 8
+    expected = reference_logprobs(merged, result.context_token_ids, result.completion_token_ids)
+    assert result.logprobs == pytest.approx(expected, abs=0.05)
+
+
+def test_a_merge_into_the_wrong_base_or_dtype_says_so(merged: Path, tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    shutil.copytree(merged / "adapter", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(
+        json.dumps(config | {"target_modules": ["no_such_proj"]})
+    )
+    with pytest.raises(ExportError, match="does not fit the base model"):
+        write_merged(adapter, tiny_model(), tmp_path / "wrong")
+    with pytest.raises(ExportError, match="dtype must be one of"):
+        write_merged(merged / "adapter", tiny_model(), tmp_path / "int4", dtype="int4")
+    with pytest.raises(ExportError, match="not an empty directory"):
+        write_merged(merged / "adapter", tiny_model(), merged)
+    assert not list(tmp_path.glob(".*")) and not (tmp_path / "wrong").exists()
+    auto = write_merged(merged / "adapter", tiny_model(), tmp_path / "auto")
+    assert auto.dtype == "bfloat16"  # the tiny base's own
