@@ -3,6 +3,8 @@ installed there: the CLI's `check_env` for `marlaas.jobfile.load_job_file`."""
 
 from __future__ import annotations
 
+import os
+
 from common.wire.messages import JobSpec
 from marlaas.jobfile import JobFileError
 
@@ -26,4 +28,23 @@ def check_env_params(spec: JobSpec) -> None:
     except (UnknownEnvironmentError, UnregisteredHereError):
         return
     except EnvSpecError as exc:
-        raise JobFileError(f"env: {exc}") from None
+        raise JobFileError(f"env: {exc}{_data_dir_hint(spec, str(exc))}") from None
+
+
+def _data_dir_hint(spec: JobSpec, problem: str) -> str:
+    """Where this machine looked for a job's data file: env_svc's messages name no path (a
+    tenant reads them), but here the user runs the check on their own machine."""
+    from env_svc.datafiles import DATA_DIR_VAR, data_dir, tenant_data_dir
+
+    if "data folder" not in problem:
+        return ""
+    source = (
+        f"{DATA_DIR_VAR}={data_dir()}"
+        if os.environ.get(DATA_DIR_VAR)
+        else (f"{DATA_DIR_VAR} is not set: the working directory")
+    )
+    return (
+        f"; looked in {tenant_data_dir(spec.tenant).resolve()} ({source}); set "
+        f"{DATA_DIR_VAR} to the folder holding {spec.tenant}/ before `marlaas up` and "
+        "`marlaas submit`"
+    )

@@ -155,3 +155,23 @@ def test_the_library_alone_leaves_environment_params_to_env_svc(tmp_path: Path) 
     """A tenant's program without the environments installed submits what env_svc judges."""
     path = write(tmp_path, GOOD.replace("max_operand = 20", "max_operand = 'x'"))
     assert load_job_file(path, base_model=BASE).env.params == {"max_operand": "x"}
+
+
+def test_a_data_file_not_found_names_the_data_directory_looked_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's first `marlaas submit examples/jobs/*.toml` failed on the dataset job
+    without naming MARLAAS_DATA_DIR."""
+    monkeypatch.delenv("MARLAAS_DATA_DIR")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(JobFileError) as unset:
+        load_as_cli(EXAMPLES / "dataset.toml", base_model=BASE, max_lora_rank=16)
+    said = str(unset.value)
+    assert "'capitals.jsonl': no such file (you have no data folder)" in said
+    assert f"looked in {tmp_path / 'acme'} (MARLAAS_DATA_DIR is not set: the working" in said
+    assert "set MARLAAS_DATA_DIR to the folder holding acme/ before `marlaas up`" in said
+    (tmp_path / "acme").mkdir()
+    monkeypatch.setenv("MARLAAS_DATA_DIR", str(tmp_path))
+    with pytest.raises(JobFileError) as empty:
+        load_as_cli(EXAMPLES / "dataset.toml", base_model=BASE, max_lora_rank=16)
+    assert f"(MARLAAS_DATA_DIR={tmp_path})" in str(empty.value)
