@@ -204,9 +204,37 @@ def demo(
     console.print(f"summary: {summary}")
 
 
+GLOBAL_OPTIONS = ("--connect-timeout", "--api-url", "--api-key")
+"""`marlaas`'s own options (each with a value): click takes them before the subcommand only."""
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """`argv` with the global options given after the subcommand moved before it, so that
+    `marlaas status --connect-timeout 5` works as `marlaas --connect-timeout 5 status` does
+    (nothing after `--` is touched)."""
+    hoisted: list[str] = []
+    rest: list[str] = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            rest += argv[index:]
+            break
+        if word in GLOBAL_OPTIONS and index + 1 < len(argv):
+            hoisted += argv[index : index + 2]
+            index += 2
+            continue
+        if word.startswith(tuple(f"{option}=" for option in GLOBAL_OPTIONS)):
+            hoisted.append(word)
+        else:
+            rest.append(word)
+        index += 1
+    return hoisted + rest
+
+
 def main() -> None:
     try:
-        app()
+        app(args=hoist_global_options(sys.argv[1:]))
     except USER_ERRORS as exc:  # raised outside a command (e.g. while loading settings)
         err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)

@@ -54,3 +54,46 @@ def test_with_no_stack_the_error_names_the_state_dir_and_what_to_run(no_stack: P
     said = status()
     assert f"no stack found: no stack.env in {no_stack} (MARLAAS_STATE_DIR)" in said
     assert "start one with `marlaas up`" in said
+
+
+def test_global_options_work_after_the_subcommand_too() -> None:
+    """`marlaas status --connect-timeout 5` was refused: click takes a group's options before
+    the subcommand only."""
+    from console.cli.main import hoist_global_options
+
+    assert hoist_global_options(["status", "--connect-timeout", "5", "--once"]) == [
+        "--connect-timeout",
+        "5",
+        "status",
+        "--once",
+    ]
+    assert hoist_global_options(["--api-url=http://a", "export", "j", "--api-key", "k"]) == [
+        "--api-url=http://a",
+        "--api-key",
+        "k",
+        "export",
+        "j",
+    ]
+    kept = ["sample", "j", "--", "--api-key", "k"]
+    assert hoist_global_options(kept) == kept
+    assert hoist_global_options(["status", "--api-key"]) == ["status", "--api-key"]
+
+
+def test_the_marlaas_command_takes_the_connect_timeout_after_the_subcommand(
+    no_stack: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    main = "from console.cli.main import main; main()"
+    env = os.environ | {"MARLAAS_REDIS_URL": f"redis://127.0.0.1:{closed_port()}/0"}
+    run = subprocess.run(
+        [sys.executable, "-c", main, "status", "--connect-timeout", "1", "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "unreachable after 1s" in run.stderr and "MARLAAS_REDIS_URL names it" in run.stderr
