@@ -15,9 +15,11 @@ from fastapi import Depends, HTTPException, Request
 from api_svc.limits import TenantGate, bearer_token, vouch
 from api_svc.views import JobView
 from common.runtime.config import SharedSettings
+from common.state.evals import DONE
 from common.state.registry import JobRecord
 from marlaas import Client as MarlaasClient
 from marlaas import JobStateError
+from marlaas.export import HELD_OUT_METRICS
 
 T = TypeVar("T")
 
@@ -82,9 +84,19 @@ async def registered(client: MarlaasClient, job_id: str, tenant: str) -> JobReco
     return record
 
 
+VIEWED_EVAL_METRICS = (*HELD_OUT_METRICS, "eval_reward")
+"""A job view's held-out results of each evaluated version."""
+
+
 async def view_of(client: MarlaasClient, record: JobRecord) -> JobView:
-    pointer = await client.store.adapters.get(record.spec.job_id)
-    return JobView.of(record, pointer.version if pointer else 0)
+    job_id = record.spec.job_id
+    pointer = await client.store.adapters.get(job_id)
+    evals = {}
+    for version, state in sorted((await client.store.evals.versions(job_id)).items()):
+        if state == DONE:
+            metrics = (await client.store.evals.tally(job_id, version)).metrics()
+            evals[str(version)] = {name: metrics[name] for name in VIEWED_EVAL_METRICS}
+    return JobView.of(record, pointer.version if pointer else 0, evals)
 
 
 async def conflict_on(call: Awaitable[T]) -> T:

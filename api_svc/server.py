@@ -13,7 +13,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_svc.limits import AddressGate, BodyLimit, TenantGate
-from api_svc.routes import jobs, outputs, sample, tenant
+from api_svc.routes import jobs, openai_api, outputs, sample, tenant
 from common.runtime.config import SharedSettings
 from common.wire.codec import TOO_DEEP
 from marlaas import Client, ReadersBusy
@@ -95,7 +95,7 @@ def create_app(
         AddressGate, rate_per_s=limits.anonymous_requests_per_s, burst=limits.anonymous_burst
     )
     # `sample` before `jobs`, whose `/{job_id}/{action}` would take "sample" for an action.
-    for module in (tenant, sample, jobs, outputs):
+    for module in (tenant, sample, jobs, outputs, openai_api):
         app.include_router(module.router)
     app.add_exception_handler(HTTPException, _error)  # type: ignore[arg-type]
     app.add_exception_handler(RecursionError, _too_deep)

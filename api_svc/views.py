@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from common.state.evals import evaluated
 from common.state.registry import JobRecord
 from common.state.tenants import samples_in_flight
 from common.wire.chat import MAX_PROMPT_CHARS, MAX_TOKENS
@@ -28,9 +29,20 @@ class JobView(BaseModel):
     samples_in_flight: int = 0
     created_at: float = 0.0
     updated_at: float = 0.0
+    evals: dict[str, dict[str, float]] = {}
+    """Held-out results of each version whose evaluation is done, by version (0: the base
+    model): `eval_accuracy`, `eval_accuracy_stderr`, `eval_episodes`, `eval_reward`."""
+    final_eval_due: bool = False
+    """The job evaluates its final version: a completed job's result is in once `evals` has
+    `max_steps`."""
 
     @classmethod
-    def of(cls, record: JobRecord, version: int) -> JobView:
+    def of(
+        cls,
+        record: JobRecord,
+        version: int,
+        evals: dict[str, dict[str, float]] | None = None,
+    ) -> JobView:
         spec = record.spec
         return cls(
             job_id=spec.job_id,
@@ -43,6 +55,8 @@ class JobView(BaseModel):
             samples_in_flight=samples_in_flight(spec),
             created_at=record.created_at,
             updated_at=record.updated_at,
+            evals=evals or {},
+            final_eval_due=evaluated(spec, spec.rl.max_steps),
         )
 
 

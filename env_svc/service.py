@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -19,8 +21,9 @@ from common.files.artifacts import unpublished
 from common.runtime.backoff import is_transient
 from common.runtime.config import EnvServiceSettings, SharedSettings
 from common.runtime.health import redis_ready
-from common.runtime.service import Connections, Service, wait_any
+from common.runtime.service import Connections, Service, announce_runtime, wait_any
 from common.state.registry import REJECTION_TTL_S
+from common.state.replicas import ENVIRONMENTS_FIELD
 from common.state.store import RedisStore
 from common.wire.messages import (
     AdapterUpdate,
@@ -43,6 +46,7 @@ from env_svc.jobs.retirement import Retirement, working_state_keys
 from env_svc.jobs.scoring import ResultScorer
 from env_svc.jobs.sweep import Sweep
 from env_svc.mcp import close_mcp_hub
+from env_svc.protocol import available_environments
 
 __all__ = ["SERVICE", "EnvService", "working_state_keys"]
 
@@ -65,6 +69,7 @@ class EnvService(Service):
         self.settings = settings
         self.tokenizer = tokenizer
         self.io = Connections(shared, SERVICE, producer=producer, store=store)
+        self.replica = f"{socket.gethostname()}-{os.getpid()}"
         self.consumer: ConsumerLoop[Message] | None = None
         self._stopping = asyncio.Event()
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
@@ -103,7 +108,19 @@ class EnvService(Service):
 
     def tasks(self) -> dict[str, Coroutine[Any, Any, None]]:
         assert self.consumer is not None
-        return {"env-consume": self.consumer.run(), "env-claims": self._sweep_loop()}
+        return {
+            "env-consume": self.consumer.run(),
+            "env-claims": self._sweep_loop(),
+            # The environments this replica serves: a job naming none of them is refused at
+            # submission (marlaas.Client.submit, the API) instead of failing here later.
+            "env-runtime": announce_runtime(
+                self.io,
+                SERVICE,
+                self.replica,
+                lambda: {ENVIRONMENTS_FIELD: ",".join(available_environments())},
+                self._stopping,
+            ),
+        }
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 from common.wire.chat import JOB_HEADER
 
@@ -40,8 +41,23 @@ def chat_completion(
         "max_tokens": max_tokens,
         "temperature": temperature,
     }
+    answer = chat_request(base_url, body, token=token, for_job=for_job)
+    return answer["model"], answer["choices"][0]["message"]["content"]
+
+
+def chat_request(
+    base_url: str,
+    body: dict[str, Any],
+    *,
+    token: str | None,
+    for_job: str = "",
+    path: str = "chat/completions",
+) -> dict[str, Any]:
+    """The endpoint's answer to an OpenAI chat completions `body` (or, `path`
+    "completions", a text completion's: what the tenant API forwards); ChatFailed names the
+    model and why."""
     request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/chat/completions",
+        f"{base_url.rstrip('/')}/{path}",
         data=json.dumps(body).encode(),
         headers={
             "Content-Type": "application/json",
@@ -50,12 +66,13 @@ def chat_completion(
         },
         method="POST",
     )
+    model = body.get("model")
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
-            answer = json.loads(response.read())
+            answer: dict[str, Any] = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
         raise ChatFailed(exc.code, f"{model}: {detail}") from None
     except urllib.error.URLError as exc:
         raise ChatFailed(0, f"{base_url} unreachable: {exc.reason}") from None
-    return answer["model"], answer["choices"][0]["message"]["content"]
+    return answer

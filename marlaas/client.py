@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from common.bus.kafka import Producer
 from common.files.artifacts import latest_checkpoint_version
@@ -26,7 +27,7 @@ from common.state.store import RedisStore
 from common.wire.chat import CHAT
 from common.wire.lifecycle import COMMAND_EVENT, STATE_AFTER, TERMINAL_STATES
 from common.wire.messages import Event, JobAction, JobCommand, JobSpec, new_id
-from marlaas.chat import chat_completion
+from marlaas.chat import chat_completion, chat_request
 from marlaas.eventfeed import AdapterFeed, EventFeed, ReaderPool
 from marlaas.export import (
     ExportedAdapter,
@@ -36,6 +37,25 @@ from marlaas.export import (
     held_out_results,
     local_base_model,
 )
+
+
+class EnvironmentNotServedError(ValueError):
+    """A job names an environment no env_svc replica of the deployment serves."""
+
+
+def refuse_unserved(specs: Sequence[JobSpec], served: set[str] | None) -> None:
+    """Refuse the first spec whose environment no live env_svc replica serves (`served`:
+    `replicas.served_environments()`; None, no replica up to say: every spec passes, and
+    env_svc checks it when it comes)."""
+    if served is None:
+        return
+    for spec in specs:
+        if spec.env.name not in served:
+            raise EnvironmentNotServedError(
+                f"job {spec.job_id!r}: unknown environment {spec.env.name!r}; the "
+                f"deployment's env_svc serves {', '.join(sorted(served)) or 'none'}"
+            )
+
 
 SENT_KEPT = 4096
 """Submitted ids a client remembers, so that following one needs no record yet."""
@@ -122,6 +142,7 @@ class Client:
                     f"job {job_id!r} already exists ({status}); "
                     "give the file another job_id or leave it out for a fresh one"
                 )
+        refuse_unserved(specs, await self.store.replicas.served_environments())
         await self._send(*specs)
         for spec in specs:
             self._sent[spec.job_id] = None
@@ -272,6 +293,20 @@ class Client:
             token=self.settings.internal_token(CHAT),
             for_job=job_id if as_tenant else "",
         )
+
+    async def chat(
+        self, body: dict[str, Any], *, for_job: str, url: str = "", path: str = "chat/completions"
+    ) -> dict[str, Any]:
+        """A rollout replica's answer to an OpenAI chat completions `body` (`path`
+        "completions": a text completion's; its `model` a job id or `<job>@v<N>`), made as
+        `for_job`'s tenant's work: what the tenant API's OpenAI endpoints forward.
+        ChatFailed when it refuses or is unreachable."""
+        base_url = url or self.settings.chat_url
+        if not base_url:
+            raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
+        token = self.settings.internal_token(CHAT)
+        call = partial(chat_request, token=token, for_job=for_job, path=path)
+        return await asyncio.to_thread(call, base_url, body)
 
     async def audit(self, job_id: str) -> Audit:
         """Account for every group of the job (common/state/audit.py): its ledger against the

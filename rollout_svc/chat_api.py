@@ -4,9 +4,10 @@
 (adapter version N; `@v0` is the base model) or `base`; `messages` as OpenAI's; `max_tokens`,
 `temperature` (default 0: greedy, as evaluations decode), `top_p` and `stop`. The prompt is
 the base model's chat template over the messages; generation runs in the same engine, batched
-with the jobs' rollouts. `GET /v1/models` lists the jobs whose adapters this replica knows.
-Any OpenAI client works against `http://<host>:<ROLLOUT_API_PORT>/v1`; `marlaas sample` uses it.
-Not authenticated: tenant keys belong to the tenant API, not to this endpoint.
+with the jobs' rollouts. `POST /v1/completions` completes a raw `prompt` (no template).
+`GET /v1/models` lists the jobs whose adapters this replica knows. Every request bears the
+services' internal credential (the tenant API's, the operator's): a tenant samples through
+the tenant API with its own key (api_svc/routes/openai_api.py), which checks the job is its.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class ChatAPI:
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._authorized])
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/completions", self._text_completions)
         app.router.add_get("/v1/models", self._list_models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -147,6 +149,14 @@ class ChatAPI:
         return web.json_response({"object": "list", "data": data})
 
     async def _completions(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self.complete)
+
+    async def _text_completions(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self.complete_text)
+
+    async def _answer(
+        self, request: web.Request, complete: Callable[..., Awaitable[dict[str, Any]]]
+    ) -> web.Response:
         try:
             try:
                 body = await request.json()
@@ -155,17 +165,15 @@ class ChatAPI:
             if not isinstance(body, dict):
                 raise ChatError(400, "the body must be a JSON object")
             for_job = request.headers.get(JOB_HEADER, "")
-            return web.json_response(await self.complete(body, for_job=for_job))
+            return web.json_response(await complete(body, for_job=for_job))
         except ChatError as exc:
             error = {"message": str(exc), "type": "invalid_request_error", "code": exc.status}
             return web.json_response({"error": error}, status=exc.status)
 
     async def complete(self, body: dict[str, Any], *, for_job: str = "") -> dict[str, Any]:
-        """One completion; `for_job`: the job it is made for (a judged reward's, header
+        """One chat completion; `for_job`: the job it is made for (a judged reward's, header
         `X-Marlaas-Job`), whose tenant's share of the engine it is admitted in."""
         model, messages = checked_request(body)
-        job_id, version = parse_model(model)
-        sampling = sampling_of(body)
         text = self._tokenizer.apply_chat_template(
             [{"role": m.get("role", "user"), "content": m["content"]} for m in messages],
             tokenize=False,
@@ -173,6 +181,23 @@ class ChatAPI:
         )
         # The template writes its special tokens as text; nothing may be added around them.
         prompt_ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        call, served, answer, result = await self._sample(model, prompt_ids, body, for_job)
+        return completion_body(f"chatcmpl-{call}", served, answer, len(prompt_ids), result)
+
+    async def complete_text(self, body: dict[str, Any], *, for_job: str = "") -> dict[str, Any]:
+        """One completion of a raw `prompt` (`/v1/completions`: no chat template; the
+        tokenizer's own special tokens, a BOS where the model has one)."""
+        model, prompt = checked_text_request(body)
+        prompt_ids = list(self._tokenizer.encode(prompt))
+        call, served, answer, result = await self._sample(model, prompt_ids, body, for_job)
+        return text_completion_body(f"cmpl-{call}", served, answer, len(prompt_ids), result)
+
+    async def _sample(
+        self, model: str, prompt_ids: list[int], body: dict[str, Any], for_job: str
+    ) -> tuple[str, str, str, GenerationResult]:
+        """(the call's id, the model that answered, its text, the sampled turn)."""
+        job_id, version = parse_model(model)
+        sampling = sampling_of(body)
         call = new_id()
         request = GenerationRequest(
             request_id=f"chat-{call}",
@@ -194,19 +219,40 @@ class ChatAPI:
         text = self._tokenizer.decode(result.completion_token_ids, skip_special_tokens=True)
         latest = version is None and job_id
         served = f"{job_id}@v{result.adapter_version}" if latest else model
-        return completion_body(f"chatcmpl-{call}", served, text, len(prompt_ids), result)
+        return call, served, text, result
+
+
+def checked_model(body: dict[str, Any]) -> str:
+    """The body's model, after the checks every request passes."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
+    if body.get("stream"):
+        raise ChatError(400, "stream: not supported here (the tenant API streams)")
+    if int(body.get("n", 1)) != 1:
+        raise ChatError(400, "n: only 1")
+    return model
+
+
+def checked_text_request(body: dict[str, Any]) -> tuple[str, str]:
+    """The body's model and prompt (one string), or a ChatError saying what is wrong."""
+    model = checked_model(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ChatError(400, "prompt: one non-empty string")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ChatError(413, f"prompt: {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    if body.get("echo") or body.get("suffix") or body.get("logprobs"):
+        raise ChatError(400, "echo, suffix and logprobs: not supported")
+    return model, prompt
 
 
 def checked_request(body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The body's model and messages, or a ChatError saying what is wrong with the request."""
-    model = body.get("model")
+    model = checked_model(body)
     messages = body.get("messages")
-    if not isinstance(model, str) or not model:
-        raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
-    if body.get("stream"):
-        raise ChatError(400, "stream: not supported")
-    if int(body.get("n", 1)) != 1:
-        raise ChatError(400, "n: only 1")
     if (
         not isinstance(messages, list)
         or not messages
@@ -241,3 +287,12 @@ def completion_body(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def text_completion_body(
+    completion_id: str, model: str, text: str, prompt_tokens: int, result: GenerationResult
+) -> dict[str, Any]:
+    """OpenAI's `text_completion` object for one sampled turn."""
+    chat = completion_body(completion_id, model, text, prompt_tokens, result)
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+    return chat | {"object": "text_completion", "choices": [choice]}

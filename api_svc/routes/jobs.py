@@ -15,6 +15,7 @@ from common.state.tenants import QuotaError
 from common.wire.codec import decode
 from common.wire.jobspec import JobSpecError, admit, fresh_job_id
 from common.wire.messages import JobAction, JobSpec, MessageDecodeError, Topic
+from marlaas.client import EnvironmentNotServedError, refuse_unserved
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
             await client.store.jobs.check_quota(job.spec, limits)
         except QuotaError as exc:
             raise HTTPException(429, str(exc)) from None
+    try:
+        refuse_unserved([job.spec], await client.store.replicas.served_environments())
+    except EnvironmentNotServedError as exc:
+        raise HTTPException(422, str(exc)) from None
     # Taken: bound to anyone already, this tenant included (a resubmitted id).
     if not (await client.store.jobs.claim_id(job.job_id, tenant)).bound_now:
         raise HTTPException(409, f"job id {job.job_id!r} is taken; leave job_id out")

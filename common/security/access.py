@@ -86,8 +86,9 @@ GRANTS: Mapping[Principal, Grant] = {
         # set_job_status (and the tenant's load, undeclared), the active jobs' backfill, claim_id,
         # the unkept jobs' expiry and their listings' trim;
         # the issue and claim scripts; the evaluation claims, re-sends and tallies; its de-dup
-        # of generation results and commands.
+        # of generation results and commands; its runtime record (the environments it serves).
         read_write=(
+            "runtime:env_svc:*",
             "job:*",
             "jobs",
             "tenant-jobs:*",
@@ -136,8 +137,10 @@ GRANTS: Mapping[Principal, Grant] = {
     "api": Grant(
         # Binding a submitted job to its tenant (a script on owner:{job}).
         read_write=("owner:*",),
-        # Authenticating keys, the tenant's limits and jobs; job records, exports (pointer,
-        # published versions), audits (ledger) and reports (replica stats).
+        # Authenticating keys, the tenant's limits and jobs; the environments env_svc serves
+        # (its runtime records); job records and their held-out results (evaluation
+        # tallies), exports (pointer, published versions), audits
+        # (ledger) and reports (replica stats).
         read_only=(
             "tenant:*",
             "tenants",
@@ -148,6 +151,9 @@ GRANTS: Mapping[Principal, Grant] = {
             "job:*",
             "jobs",
             "rejected:*",
+            "runtime:env_svc:*",
+            "evals:*",
+            "eval:*",
             "adapter:*",
             "adapter-versions:*",
             "ledger:*",

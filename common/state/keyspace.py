@@ -29,7 +29,7 @@ docs/architecture.md, "Redis keys").
 - `stats:rollout:{replica}` hash of a rollout replica's numbers (RolloutReplicaStats), expiring;
   `stats-history:rollout:{replica}` the same numbers over time (a capped stream)
 - `runtime:{service}:{replica}` hash of what a replica computes on and in (hardware,
-  precision, why), expiring
+  precision, why; env_svc's: the environments it serves), expiring
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
 
 A job's working state (ledger, de-dup sets, flow, claims, evaluation keys) expires a week

@@ -11,6 +11,9 @@ from common.state.keyspace import RESTARTS, runtime_key, stats_history_key, stat
 from common.state.redis_part import RedisPart, text, texts
 from common.wire.lifecycle import RolloutReplicaStats
 
+ENVIRONMENTS_FIELD = "environments"
+"""An env_svc replica's runtime field: the environments it serves, comma-separated."""
+
 STATS_HISTORY_SAMPLES = 20_000
 """Samples kept per replica (one per 5 s report: over a day)."""
 STATS_HISTORY_TTL_S = 7 * 24 * 3600
@@ -76,6 +79,16 @@ class ReplicaBoard(RedisPart):
             service, _, replica = text(key).removeprefix(runtime_key.prefix).partition(":")
             found[service, replica] = texts(await self._redis.hgetall(key))
         return found
+
+    async def served_environments(self) -> set[str] | None:
+        """The environments the live env_svc replicas serve (their runtime records' union);
+        None while no replica says (none is up, or none is new enough to say)."""
+        served: set[str] | None = None
+        async for key in self._redis.scan_iter(match=f"{runtime_key('env_svc', '')}*", count=500):
+            names = await self._redis.hget(key, ENVIRONMENTS_FIELD)
+            if names is not None:  # gone meanwhile, or a replica that does not say
+                served = (served or set()) | {n for n in text(names).split(",") if n}
+        return served
 
     async def count_restart(self, service: str) -> None:
         """One more restart of `service` by the embedded stack's supervisor."""

@@ -8,7 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -104,8 +104,9 @@ async def _submit_via_api(api: TenantClient, specs: list[JobSpec], wait: bool) -
         )
 
 
-async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str, object]]:
-    """Poll the jobs until every one has ended; one line per change of state."""
+async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str, Any]]:
+    """Poll the jobs until every one has ended and a completed one's final evaluation is in;
+    one line per change."""
     seen: dict[str, str] = {}
     while True:
         views = [await api.job(job_id) for job_id in job_ids]
@@ -113,17 +114,36 @@ async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str,
             if seen.get(view["job_id"]) != (line := _job_line(view)):
                 seen[view["job_id"]] = line
                 say(line)
-        if all(v["status"] in TERMINAL_STATES for v in views):
+        if all(_reported(v) for v in views):
             return views
         await asyncio.sleep(2.0)
 
 
-def _job_line(view: dict[str, object]) -> str:
+def _reported(view: dict[str, Any]) -> bool:
+    """Ended, and a completed job's final evaluation is in when it has one (as
+    `marlaas.jobwatch.JobProgress.reported`)."""
+    if view["status"] not in TERMINAL_STATES:
+        return False
+    final = str(view.get("max_steps"))
+    return view["status"] != "completed" or not view.get("final_eval_due") or final in view["evals"]
+
+
+def _job_line(view: dict[str, Any]) -> str:
     reason = f"  {view['reason']}" if view.get("reason") else ""
-    return (
+    line = (
         f"{view['job_id']}  {view['tenant']}  {view.get('env') or '-'}  {view['status']}  "
         f"v{view.get('version', 0)}/{view.get('max_steps') or '?'}{reason}"
     )
+    evals: dict[str, dict[str, float]] = view.get("evals") or {}
+    if latest := max(evals, key=int, default=None):
+        result = evals[latest]
+        line += (
+            f"  held-out v{latest} {result['eval_accuracy']:.3f}"
+            f" ± {result.get('eval_accuracy_stderr', 0.0):.3f}"
+        )
+        if latest != "0" and "0" in evals:
+            line += f" (base {evals['0']['eval_accuracy']:.3f})"
+    return line
 
 
 # --- status ---------------------------------------------------------------------------

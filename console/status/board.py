@@ -105,7 +105,7 @@ class StatusSnapshot:
         found = {
             f"{fields.get('precision', '-')} on {fields.get('hardware', '?')}"
             for (name, _), fields in self.runtimes.items()
-            if name == service
+            if name == service and "hardware" in fields  # env_svc's says what it serves
         }
         return "; ".join(sorted(found))
 

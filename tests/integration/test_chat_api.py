@@ -102,6 +102,16 @@ async def test_an_openai_client_talks_to_a_jobs_adapter(
     listed = await client.models.list()
     assert "base" in [m.id for m in listed.data]
 
+    # /v1/completions: a raw prompt, no chat template; greedy, so the same text twice, and
+    # the adapter's differs from the base model's.
+    async def complete(model: str) -> str:
+        answer = await client.completions.create(model=model, prompt="2 + 3 =", max_tokens=8)
+        assert answer.object == "text_completion" and answer.choices[0].finish_reason
+        return answer.choices[0].text
+
+    raw = await complete(job_id)
+    assert raw == await complete(f"{job_id}@v1") != await complete("base")
+
     monkeypatch.setenv("MARLAAS_BUS_KEY", BUS_KEY.get_secret_value())  # the operator's
 
     def sample(*args: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ from console.cli.main import app
 from console.stack.local import LocalStack
 from tests.api_server import api_server
 from tests.conftest import RunningServices, with_store
+from tests.integration.test_readme_client import readme_program
 
 pytestmark = pytest.mark.kafka
 
@@ -125,11 +128,56 @@ def test_submit_wait_follows_a_job_to_completion_then_export_and_report(
     steps_csv = (tmp_path / "report" / "steps.csv").read_text().strip().splitlines()
     assert len(steps_csv) == 1 + 2  # header + one row per step
 
+    # An environment no env_svc replica serves is refused before anything is sent.
+    unknown = job_file(
+        tmp_path, pipeline_services.settings.base_model, max_steps=1, env="no-such-env"
+    )
+    code, out, err = invoke(cli, "submit", str(unknown))
+    assert code == 1 and out == "", out
+    assert "unknown environment 'no-such-env'; the deployment's env_svc serves " in err
+
     code, out, err = invoke(cli, "audit", job_id, "--json")
     assert code == 0, out + err
     accounting = json.loads(out)
     assert accounting["ok"] and accounting["versions"] == 2 and accounting["lost"] == []
     assert accounting["trained_groups"] + accounting["dropped"] == accounting["issued"]
+
+
+def sample_with_openai(api_url: str, key: str, job_id: str) -> None:
+    import openai
+    from openai.types.chat import ChatCompletionUserMessageParam
+
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key=key, max_retries=0)
+    models = [model.id for model in client.models.list()]
+    assert {job_id, f"{job_id}@v0", f"{job_id}@v2"} <= set(models), models
+    ask: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "What is 2 + 2?"}]
+    chunks = list(
+        client.chat.completions.create(
+            model=job_id,
+            messages=ask,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert text and finishes in (["stop"], ["length"]), chunks
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 8
+    whole = client.chat.completions.create(
+        model=f"{job_id}@v1",
+        messages=ask,
+        max_tokens=8,
+    )
+    assert whole.choices[0].message.content and whole.model.endswith("@v1")
+    pieces = list(
+        client.completions.create(model=job_id, prompt="2 + 2 =", max_tokens=8, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in pieces if c.choices)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_job_of_a_pip_installed_environment_runs_to_completion(
@@ -220,8 +268,27 @@ def test_the_operator_adds_a_tenant_who_then_works_through_the_api_only(
         assert code == 0, out + err
         job_id = out.split()[0]
         assert f"{job_id}  {tenant}  arithmetic  completed  v2/2" in out
+        # --wait ends once the final evaluation is in, and says it (it ended at "completed").
+        final = out.strip().splitlines()[-1]
+        assert "completed  v2/2  held-out v2 " in final and " (base " in final, out
         code, out, _ = invoke(cli, *api, "status")
         assert f"{job_id}  {tenant}  arithmetic  completed  v2/2" in out
+        # The official OpenAI client with the tenant's key: its models, a streamed and a
+        # whole chat completion from its adapter (the README's example).
+        sample_with_openai(url, key, job_id)
+        program = readme_program("Sampling with an OpenAI client")
+        (tmp_path / "openai_example.py").write_text(program)
+        env = os.environ | {"MARLAAS_API_URL": url, "MARLAAS_API_KEY": key, "JOB": job_id}
+        done = subprocess.run(
+            [sys.executable, "openai_example.py"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"'{job_id}@v2'" in done.stdout.splitlines()[0]
         code, out, _ = invoke(cli, *api, "logs", job_id)
         assert "accepted" in out and "completed" in out
         code, out, err = invoke(cli, *api, "export", job_id, "--out", str(tmp_path / "a"))

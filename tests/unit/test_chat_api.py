@@ -66,3 +66,25 @@ async def test_bad_requests_are_refused_before_generation(
     api = ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
     with pytest.raises(ChatError, match=message):
         await api.complete(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "hi"}, "model:"),
+        ({"model": "j"}, "prompt: one non-empty string"),
+        ({"model": "j", "prompt": ["a", "b"]}, "prompt: one non-empty string"),
+        ({"model": "j", "prompt": "x" * 40_000}, "at most 32768"),
+        ({"model": "j", "prompt": "hi", "echo": True}, "echo, suffix and logprobs"),
+        ({"model": "j", "prompt": "hi", "stream": True}, "stream"),
+    ],
+)
+async def test_bad_text_completions_are_refused_before_generation(
+    body: dict[str, Any], message: str
+) -> None:
+    async def never(*_: Any) -> Any:
+        raise AssertionError("generated")
+
+    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
+    with pytest.raises(ChatError, match=message):
+        await api.complete_text(body)
