@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from rich import box
 from rich.console import Group, RenderableType
-from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -37,32 +37,33 @@ def _jobs_table(snapshot: StatusSnapshot) -> Table:
     table = Table(
         title=f"MARLaaS jobs — {time.strftime('%H:%M:%S')}",
         title_justify="left",
-        caption="eval acc: held-out accuracy (greedy), base model → latest evaluated version"
+        caption="eval acc: held-out accuracy (greedy), base model → latest evaluated version; "
+        "stale: staleness of the last step / max seen; in flight: episodes not yet trained"
         if snapshot.jobs
         else "no jobs yet: marlaas submit examples/jobs/*.toml",
+        # No lines between columns, and no bar: four jobs fit 120 columns with every value
+        # whole (boxed, with a bar, rich cut `calculator` and the accuracies to fit).
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
     )
-    table.add_column("job", no_wrap=True, overflow="fold")
-    for column in ("tenant", "env", "state", "progress"):
-        table.add_column(column)
-    for column in ("reward", "best", "eval acc", "stale", "in flight", "ETA"):
-        table.add_column(column, justify="right")
+    table.add_column("job", overflow="fold")
+    for column in ("tenant", "env"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("state", overflow="fold")  # a rejected job's reason follows it
+    for column in ("step", "reward", "best", "eval acc", "stale", "in\nflight", "ETA"):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in snapshot.jobs:
         p = row.progress
         state = Text(row.state, style=STATE_STYLES.get(row.state, ""))
         if p.reason and row.state in ("rejected", "failed"):
             state.append(f": {p.reason}", style="dim")
-        total = max(p.max_steps, 1)
-        progress = Table.grid(padding=(0, 1))
-        progress.add_row(
-            ProgressBar(total=total, completed=min(p.steps, total), width=12),
-            f"{p.steps}/{p.max_steps or '?'}",
-        )
         table.add_row(
             p.job_id,
             p.tenant,
             p.env,
             state,
-            progress,
+            f"{p.steps}/{p.max_steps or '?'}",
             _reward(p.latest_reward),
             _reward(p.best_reward),
             eval_accuracy_text(p),
@@ -75,7 +76,7 @@ def _jobs_table(snapshot: StatusSnapshot) -> Table:
 
 def eval_accuracy_text(progress: JobProgress) -> str:
     """Held-out accuracy of the base model -> the latest evaluated version (v<n>), with the
-    latest's standard error; "-" before the first evaluation."""
+    latest's standard error ("0.44→0.81±0.05 v4"); "-" before the first evaluation."""
     if not progress.evals:
         return "-"
     latest = max(progress.evals)
@@ -83,15 +84,18 @@ def eval_accuracy_text(progress: JobProgress) -> str:
     text = f"{metrics.get('eval_accuracy', 0.0):.2f}±{metrics.get('eval_accuracy_stderr', 0.0):.2f}"
     base = progress.eval_accuracy(0)
     if latest == 0 or base is None:
-        return f"{text} (v{latest})"
-    return f"{base:.2f} → {text} (v{latest})"
+        return f"{text} v{latest}"
+    return f"{base:.2f}→{text} v{latest}"
 
 
 def _services_table(snapshot: StatusSnapshot) -> Table:
     table = Table(
         title="services",
         title_justify="left",
-        caption="stale: staleness of the last step / max seen; lag: records not yet committed",
+        caption="lag: records not yet committed",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
     )
     columns = (
         "service",
