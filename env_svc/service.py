@@ -117,10 +117,20 @@ class EnvService(Service):
                 self.io,
                 SERVICE,
                 self.replica,
-                lambda: {ENVIRONMENTS_FIELD: ",".join(available_environments())},
+                self._served_environments,
                 self._stopping,
             ),
         }
+
+    def _served_environments(self) -> dict[str, str]:
+        """This replica's runtime record: the environments it serves (none said where the
+        registry cannot be read, e.g. a malformed MARLAAS_ENVIRONMENTS: submissions are then
+        left to this service's own checks)."""
+        try:
+            return {ENVIRONMENTS_FIELD: ",".join(available_environments())}
+        except Exception as exc:
+            log.warning("the environments served cannot be listed (%s)", exc)
+            return {"environments_unlisted": type(exc).__name__}
 
     def request_stop(self) -> None:
         self._stopping.set()

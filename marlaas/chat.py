@@ -69,10 +69,24 @@ def chat_request(
     model = body.get("model")
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
-            answer: dict[str, Any] = json.loads(response.read())
+            answer = json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("error", {}).get("message", exc.reason)
-        raise ChatFailed(exc.code, f"{model}: {detail}") from None
+        if exc.code == 401:  # the caller's credential, not the asker's: a server fault
+            raise ChatFailed(502, "the rollout endpoint refused the internal credential") from None
+        raise ChatFailed(exc.code, f"{model}: {_error_text(exc)}") from None
     except urllib.error.URLError as exc:
         raise ChatFailed(0, f"{base_url} unreachable: {exc.reason}") from None
+    except (TimeoutError, OSError, ValueError) as exc:  # cut off, or not JSON
+        raise ChatFailed(504 if isinstance(exc, TimeoutError) else 502, f"{model}: {exc}") from None
+    if not isinstance(answer, dict) or not answer.get("choices"):
+        raise ChatFailed(502, f"{model}: the rollout endpoint answered no choices")
     return answer
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    """The OpenAI error body's message, else the status's reason (a plain-text body)."""
+    try:
+        error = json.loads(exc.read() or b"{}").get("error", {})
+    except (ValueError, OSError, AttributeError):
+        return str(exc.reason)
+    return str(error.get("message", exc.reason)) if isinstance(error, dict) else str(error)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from functools import partial
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Self
 
@@ -57,6 +58,19 @@ def refuse_unserved(specs: Sequence[JobSpec], served: set[str] | None) -> None:
             )
 
 
+CHAT_CALLS = 64
+"""Chat calls waiting on rollout replicas at once (each holds a thread up to 5 minutes): their
+own threads, so that tenants' long calls cannot fill asyncio's default pool (min(32, cores +
+4) threads), which exports and reports share."""
+
+
+@cache
+def _chat_calls() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(CHAT_CALLS, thread_name_prefix="marlaas-chat")
+
+
+SERVED_FRESH_S = 10.0
+"""How long a client trusts its last read of the environments env_svc serves."""
 SENT_KEPT = 4096
 """Submitted ids a client remembers, so that following one needs no record yet."""
 
@@ -93,6 +107,8 @@ class Client:
         self._sent: dict[str, None] = {}
         """Ids this client submitted, newest last (at most SENT_KEPT): followed before
         env_svc has admitted them, their feed carries the accepted or rejected event."""
+        self._served: tuple[float, set[str] | None] | None = None
+        """When the environments env_svc serves were read, and what they were."""
 
     async def __aenter__(self) -> Self:
         self._store = await RedisStore.connect(
@@ -134,7 +150,8 @@ class Client:
     # --- jobs -------------------------------------------------------------------------
 
     async def submit(self, specs: Sequence[JobSpec]) -> None:
-        """Produce every spec to marlaas.jobs; refuses ids that already exist (none is sent)."""
+        """Produce every spec to marlaas.jobs, each id bound to its tenant first; refuses ids
+        that already exist or name an environment no env_svc replica serves (none is sent)."""
         statuses = await self.store.jobs.statuses([spec.job_id for spec in specs])
         for job_id, status in statuses.items():
             if status is not None:
@@ -142,12 +159,26 @@ class Client:
                     f"job {job_id!r} already exists ({status}); "
                     "give the file another job_id or leave it out for a fresh one"
                 )
-        refuse_unserved(specs, await self.store.replicas.served_environments())
+        refuse_unserved(specs, await self.served_environments())
+        for spec in specs:
+            owner = (await self.store.jobs.claim_id(spec.job_id, None)).owner  # binds nothing
+            if owner not in (None, spec.tenant):
+                raise JobStateError(f"job id {spec.job_id!r} is taken by another tenant")
         await self._send(*specs)
+        for spec in specs:  # bound to its tenant once sent (as the API binds): `status` shows
+            await self.store.jobs.claim_id(spec.job_id, spec.tenant)  # it pending till admitted
         for spec in specs:
             self._sent[spec.job_id] = None
         while len(self._sent) > SENT_KEPT:
             del self._sent[next(iter(self._sent))]
+
+    async def served_environments(self) -> set[str] | None:
+        """The environments the live env_svc replicas serve (None: none up to say), read
+        from Redis at most every `SERVED_FRESH_S` (a read scans the keyspace)."""
+        now = time.monotonic()
+        if self._served is None or now - self._served[0] > SERVED_FRESH_S:
+            self._served = (now, await self.store.replicas.served_environments())
+        return self._served[1]
 
     async def job(self, job: Job) -> JobRecord:
         """The job's record (UnknownJobError: never registered); a record is its own."""
@@ -283,7 +314,7 @@ class Client:
         if not base_url:
             raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
         model = job_id if version is None else f"{job_id}@v{version}"
-        return await asyncio.to_thread(
+        call = partial(
             chat_completion,
             base_url,
             model,
@@ -293,6 +324,7 @@ class Client:
             token=self.settings.internal_token(CHAT),
             for_job=job_id if as_tenant else "",
         )
+        return await asyncio.get_running_loop().run_in_executor(_chat_calls(), call)
 
     async def chat(
         self, body: dict[str, Any], *, for_job: str, url: str = "", path: str = "chat/completions"
@@ -305,8 +337,8 @@ class Client:
         if not base_url:
             raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
         token = self.settings.internal_token(CHAT)
-        call = partial(chat_request, token=token, for_job=for_job, path=path)
-        return await asyncio.to_thread(call, base_url, body)
+        call = partial(chat_request, base_url, body, token=token, for_job=for_job, path=path)
+        return await asyncio.get_running_loop().run_in_executor(_chat_calls(), call)
 
     async def audit(self, job_id: str) -> Audit:
         """Account for every group of the job (common/state/audit.py): its ledger against the

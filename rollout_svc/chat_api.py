@@ -229,7 +229,7 @@ def checked_model(body: dict[str, Any]) -> str:
         raise ChatError(400, "model: a job id, <job>@v<N> or 'base'")
     if body.get("stream"):
         raise ChatError(400, "stream: not supported here (the tenant API streams)")
-    if int(body.get("n", 1)) != 1:
+    if body.get("n", 1) != 1:
         raise ChatError(400, "n: only 1")
     return model
 

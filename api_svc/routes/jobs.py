@@ -36,7 +36,7 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
         except QuotaError as exc:
             raise HTTPException(429, str(exc)) from None
     try:
-        refuse_unserved([job.spec], await client.store.replicas.served_environments())
+        refuse_unserved([job.spec], await client.served_environments())
     except EnvironmentNotServedError as exc:
         raise HTTPException(422, str(exc)) from None
     # Taken: bound to anyone already, this tenant included (a resubmitted id).

@@ -92,7 +92,11 @@ async def _forwarded(
     if not stream:
         return JSONResponse(answer)
     usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    return StreamingResponse(_events(answer, usage), media_type="text/event-stream")
+    try:  # built before the 200 is sent: an answer missing a field is a 502, not a cut stream
+        events = list(_events(answer, usage))
+    except (KeyError, IndexError, TypeError) as exc:
+        raise HTTPException(502, f"the rollout endpoint's answer lacks {exc}") from None
+    return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 async def _body_of(request: Request) -> dict[str, Any]:

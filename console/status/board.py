@@ -207,7 +207,11 @@ class StatusBoard:
         record = await self.store.jobs.get(job_id)
         progress = self._progress.get(job_id)
         if record is None and progress is None:
-            return None
+            # Sent and bound to its tenant, not yet admitted by env_svc: pending.
+            if (owner := (await self.store.jobs.claim_id(job_id, None)).owner) is None:
+                return None
+            progress = JobProgress(job_id, owner, "-", 0)
+            self._progress[job_id] = progress
         if progress is None:
             progress = JobProgress.of(record.spec)  # type: ignore[union-attr]
             self._progress[job_id] = progress

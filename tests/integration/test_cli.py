@@ -153,7 +153,9 @@ def topic_messages(kafka_bootstrap: str, topic: Topic) -> list[Message]:
 # --- submit ---------------------------------------------------------------------------
 
 
-def test_submit_sends_each_example_and_prints_its_id(cli: CliRunner, kafka_bootstrap: str) -> None:
+def test_submit_sends_each_example_and_prints_its_id(
+    cli: CliRunner, kafka_bootstrap: str, redis_url: str
+) -> None:
     files = sorted(EXAMPLES.glob("*.toml"))
     code, out, _ = invoke(cli, "submit", *map(str, files))
     assert code == 0
@@ -164,6 +166,22 @@ def test_submit_sends_each_example_and_prints_its_id(cli: CliRunner, kafka_boots
     }
     for job_id, path in zip(job_ids, files, strict=True):
         assert sent[job_id].env.name == path.stem
+
+    async def owners(store: RedisStore) -> list[str | None]:
+        return [(await store.jobs.claim_id(job_id, None)).owner for job_id in job_ids]
+
+    # Bound to its tenant before it was sent, as the API binds: `status` finds it.
+    assert with_store(redis_url, owners) == [sent[job_id].tenant for job_id in job_ids]
+
+
+def test_a_job_sent_but_not_yet_admitted_shows_as_pending(cli: CliRunner, redis_url: str) -> None:
+    """It showed as "unknown job" until env_svc registered it (none runs here)."""
+    job_id = f"waiting-{new_id()[:8]}"
+    with_store(redis_url, lambda r: r.jobs.claim_id(job_id, "acme"))  # what submit binds
+    code, out, err = invoke(cli, "status", job_id, "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["jobs"]
+    assert (row["job_id"], row["tenant"], row["state"]) == (job_id, "acme", "pending")
 
 
 def test_one_bad_file_sends_nothing(cli: CliRunner, kafka_bootstrap: str, tmp_path: Path) -> None:
