@@ -60,12 +60,8 @@ def test_defaults_decode_greedily() -> None:
 async def test_bad_requests_are_refused_before_generation(
     body: dict[str, Any], message: str
 ) -> None:
-    async def never(*_: Any) -> Any:
-        raise AssertionError("generated")
-
-    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
     with pytest.raises(ChatError, match=message):
-        await api.complete(body)
+        await never_generating().complete(body)
 
 
 @pytest.mark.parametrize(
@@ -82,9 +78,14 @@ async def test_bad_requests_are_refused_before_generation(
 async def test_bad_text_completions_are_refused_before_generation(
     body: dict[str, Any], message: str
 ) -> None:
+    with pytest.raises(ChatError, match=message):
+        await never_generating().complete_text(body)
+
+
+def never_generating() -> ChatAPI:
+    """An endpoint whose engine fails the test if a request reaches it."""
+
     async def never(*_: Any) -> Any:
         raise AssertionError("generated")
 
-    api = ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
-    with pytest.raises(ChatError, match=message):
-        await api.complete_text(body)
+    return ChatAPI(object(), never, list, host="127.0.0.1", port=0, token=None)
