@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from common.bus.kafka import Producer
 from common.files.artifacts import latest_checkpoint_version
@@ -68,6 +68,8 @@ own threads, so that tenants' long calls cannot fill asyncio's default pool (min
 def _chat_calls() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(CHAT_CALLS, thread_name_prefix="marlaas-chat")
 
+
+T = TypeVar("T")
 
 SERVED_FRESH_S = 10.0
 """How long a client trusts its last read of the environments env_svc serves."""
@@ -310,21 +312,19 @@ class Client:
         (`url`, default `MARLAAS_CHAT_URL`); ChatFailed when it refuses or is unreachable.
         `as_tenant`: queued as the job's tenant's work (the tenants' fair queue), not in the
         endpoint's few shared slots."""
-        base_url = url or self.settings.chat_url
-        if not base_url:
-            raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
         model = job_id if version is None else f"{job_id}@v{version}"
-        call = partial(
-            chat_completion,
-            base_url,
-            model,
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            token=self.settings.internal_token(CHAT),
-            for_job=job_id if as_tenant else "",
+        return await self._chat_call(
+            url,
+            lambda base_url, token: chat_completion(
+                base_url,
+                model,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                token=token,
+                for_job=job_id if as_tenant else "",
+            ),
         )
-        return await asyncio.get_running_loop().run_in_executor(_chat_calls(), call)
 
     async def chat(
         self, body: dict[str, Any], *, for_job: str, url: str = "", path: str = "chat/completions"
@@ -333,12 +333,23 @@ class Client:
         "completions": a text completion's; its `model` a job id or `<job>@v<N>`), made as
         `for_job`'s tenant's work: what the tenant API's OpenAI endpoints forward.
         ChatFailed when it refuses or is unreachable."""
+        return await self._chat_call(
+            url,
+            lambda base_url, token: chat_request(
+                base_url, body, token=token, for_job=for_job, path=path
+            ),
+        )
+
+    async def _chat_call(self, url: str, call: Callable[[str, str | None], T]) -> T:
+        """`call(endpoint URL, internal credential)` on the chat threads: `url`, else
+        MARLAAS_CHAT_URL."""
         base_url = url or self.settings.chat_url
         if not base_url:
             raise ValueError("no chat completions URL (MARLAAS_CHAT_URL)")
         token = self.settings.internal_token(CHAT)
-        call = partial(chat_request, base_url, body, token=token, for_job=for_job, path=path)
-        return await asyncio.get_running_loop().run_in_executor(_chat_calls(), call)
+        return await asyncio.get_running_loop().run_in_executor(
+            _chat_calls(), partial(call, base_url, token)
+        )
 
     async def audit(self, job_id: str) -> Audit:
         """Account for every group of the job (common/state/audit.py): its ledger against the

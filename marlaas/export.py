@@ -125,6 +125,13 @@ def _why(exc: Exception) -> str:
     return str(exc)
 
 
+def refuse_occupied(out_dir: Path) -> None:
+    """ExportError unless `out_dir` is new or an empty directory: an export never mixes with
+    what is there."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not an empty directory")
+
+
 def check_adapter_dir(adapter_dir: Path) -> dict[str, object]:
     """The adapter's config, after checking the directory is a loadable PEFT LoRA adapter."""
     try:
@@ -162,8 +169,7 @@ async def export_adapter(
     source, latest = await _adapter_source(store, record, job_id, version)
     config = check_adapter_dir(source.path)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} exists and is not an empty directory")
+    refuse_occupied(out_dir)
     trained_on = str(config.get("base_model_name_or_path", ""))
     hub_id = public_model_id(record.spec.base_model) or public_model_id(trained_on)
     # The trainer's copy is a path on its machine: loads nowhere else, and is none of the

@@ -4,13 +4,13 @@ events say so far, and `watch_jobs`, which folds them in until the jobs are done
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from common.bus.kafka import Producer
 from common.security.signing import RecordSigner
 from common.state.evals import evaluated
-from common.wire.lifecycle import DROPPED_EVENTS, JobLifecycle, StepMetrics
+from common.wire.lifecycle import DROPPED_EVENTS, TERMINAL_STATES, JobLifecycle, StepMetrics
 from common.wire.messages import Event, JobSpec, Message
 from marlaas.eventfeed import EventFeed
 
@@ -30,6 +30,15 @@ LEARNING_SIGNALS = (
 """Step metrics that say why a run goes wrong: a collapsing entropy, a policy drifting from
 the one that sampled (KL), updates the clip cuts off, groups with no learning signal, tool
 calls and how many of them failed (tool environments)."""
+
+
+def reported(status: str, final_eval_due: bool, max_steps: int, evaluated: Collection[int]) -> bool:
+    """Whether a job in `status` has ended and, completed, has its final evaluation in when
+    it has one (`evaluated`: the versions whose evaluation is in): what `--wait` waits for,
+    here and through the tenant API."""
+    if status not in TERMINAL_STATES:
+        return False
+    return status != "completed" or not final_eval_due or max_steps in evaluated
 
 
 @dataclass
@@ -88,9 +97,7 @@ class JobProgress:
     @property
     def reported(self) -> bool:
         """Ended, and a completed job's final evaluation is in when it has one."""
-        if not self.done:
-            return False
-        return self.status != "completed" or not self.final_eval_due or self.max_steps in self.evals
+        return reported(self.status, self.final_eval_due, self.max_steps, self.evals)
 
     def eval_accuracy(self, version: int) -> float | None:
         metrics = self.evals.get(version)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common.files.artifacts import atomic_dir
 from common.files.models import ModelNotFoundError, resolve_base_model
-from marlaas.export import EXPORT_INFO, ExportError, held_out_section
+from marlaas.export import EXPORT_INFO, ExportError, held_out_section, refuse_occupied
 
 ADAPTER_SUBDIR = "adapter"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -59,6 +59,12 @@ def base_model_dir(adapter_dir: Path, base: Path | None, cache_dir: Path | None 
         ) from None
 
 
+def check_dtype(dtype: str, name: str = "dtype") -> None:
+    """ExportError unless `dtype` is one of `DTYPES` (`name`: what the caller calls it)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"{name} must be one of {', '.join(DTYPES)}, not {dtype!r}")
+
+
 def merge_adapter(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str = "auto") -> str:
     """Write the base at `base_dir` with the PEFT adapter at `adapter_dir` merged into
     `out_dir` (safetensors, config, tokenizer); returns the dtype saved."""
@@ -66,8 +72,7 @@ def merge_adapter(adapter_dir: Path, base_dir: Path, out_dir: Path, dtype: str =
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    check_dtype(dtype)
     saved = _base_dtype(base_dir) if dtype == "auto" else dtype
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     try:
@@ -90,8 +95,7 @@ def write_merged(
     `adapter_dir`; it appears whole or not at all."""
     import shutil
 
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir} exists and is not an empty directory")
+    refuse_occupied(out_dir)
     info = export_info(adapter_dir)
     with atomic_dir(out_dir) as staging:
         saved = merge_adapter(adapter_dir, base_dir, staging, dtype)

@@ -14,7 +14,6 @@ import typer
 
 from common.runtime.config import SharedSettings, load
 from common.state.audit import Audit
-from common.wire.lifecycle import TERMINAL_STATES
 from common.wire.messages import JobAction, JobSpec
 from console.cli.support import (
     console,
@@ -33,9 +32,10 @@ from console.status.board import StatusSnapshot
 from console.status.live import live_view
 from console.status.render import event_cells, render
 from marlaas.api_client import TenantClient
-from marlaas.export import ExportError
+from marlaas.export import refuse_occupied
 from marlaas.jobfile import load_job_file
-from marlaas.merge import ADAPTER_SUBDIR, DTYPES, base_model_dir, write_merged
+from marlaas.jobwatch import reported
+from marlaas.merge import ADAPTER_SUBDIR, DTYPES, base_model_dir, check_dtype, write_merged
 
 
 def _client() -> OperatorClient:
@@ -120,12 +120,10 @@ async def _wait_for_end(api: TenantClient, job_ids: list[str]) -> list[dict[str,
 
 
 def _reported(view: dict[str, Any]) -> bool:
-    """Ended, and a completed job's final evaluation is in when it has one (as
-    `marlaas.jobwatch.JobProgress.reported`)."""
-    if view["status"] not in TERMINAL_STATES:
-        return False
-    final = str(view.get("max_steps"))
-    return view["status"] != "completed" or not view.get("final_eval_due") or final in view["evals"]
+    evaluated = {int(version) for version in view.get("evals") or {}}
+    return reported(
+        view["status"], view.get("final_eval_due", False), view.get("max_steps", 0), evaluated
+    )
 
 
 def _job_line(view: dict[str, Any]) -> str:
@@ -293,10 +291,8 @@ def export(
         got = run(_export(job, out, version, best))
         say(f"job {job} adapter v{got} -> {out}")
         return
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty directory")
+    check_dtype(dtype, "--dtype")  # both before the adapter is fetched
+    refuse_occupied(out)
     with tempfile.TemporaryDirectory(prefix="marlaas-export-") as scratch:
         adapter = Path(scratch) / ADAPTER_SUBDIR
         got = run(_export(job, adapter, version, best))
