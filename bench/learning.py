@@ -79,8 +79,12 @@ REPO = HERE.parent
 WORD_PROBLEMS = REPO / "examples" / "data" / "acme" / "word_problems.jsonl"
 TENANTS = ("acme", "globex", "initech")
 KINDS = ("arith", "calc", "words")
-EXTRA_KINDS = ("-code",)
-"""Jobs run only when `--jobs` names them (e.g. acme-code): the sandboxed `code_tasks`."""
+EXTRA_KINDS = ("-code", "-math")
+"""Jobs run only when `--jobs` names them (e.g. acme-code): the sandboxed `code_tasks`, and the
+word problems as a Hugging Face parquet file with a chat `messages` column, checked by
+`math-verify` (`<tenant>-math`)."""
+WORD_PROBLEMS_PARQUET = "word_problems.parquet"
+MATH_SYSTEM = "Solve the problem. End with the answer as a number."
 MODES = ("alone", "shared")
 
 console = Console()
@@ -124,8 +128,21 @@ def job_specs(
             calc.rl, max_context_tokens=768, sampling=SamplingSettings(max_new_tokens=96)
         ),
     )
-    templates = {"arith": arith, "calc": calc, "words": words, "code": code}
-    every = [(TENANTS[i // 3], KINDS[i % 3]) for i in range(8)] + [(t, "code") for t in TENANTS]
+    math = msgspec.structs.replace(
+        words,
+        env=EnvSettings(
+            name="dataset",
+            params={
+                "path": WORD_PROBLEMS_PARQUET,
+                "messages_field": "messages",
+                "match": "math",
+                "eval_fraction": 0.25,
+            },
+        ),
+    )
+    templates = {"arith": arith, "calc": calc, "words": words, "code": code, "math": math}
+    every = [(TENANTS[i // 3], KINDS[i % 3]) for i in range(8)]
+    every += [(t, "code") for t in TENANTS] + [(t, "math") for t in TENANTS]
     specs = {}
     for index, (tenant, kind) in enumerate(every):
         template = templates[kind]
@@ -420,11 +437,29 @@ def summarise_peer(seeds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def data_dir(run_dir: Path) -> Path:
-    """A data directory with the word problems in every tenant's folder."""
+    """A data directory with the word problems in every tenant's folder: the JSONL file, and
+    the same rows as a Hugging Face parquet file in chat format (a system and a user message,
+    the answer apart), as a practitioner's dataset is."""
+    import datasets
+
+    rows = [json.loads(line) for line in WORD_PROBLEMS.read_text().splitlines() if line]
+    chat = datasets.Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": MATH_SYSTEM},
+                    {"role": "user", "content": row["question"]},
+                ],
+                "answer": row["answer"],
+            }
+            for row in rows
+        ]
+    )
     root = run_dir / "data"
     for tenant in TENANTS:
         (root / tenant).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(WORD_PROBLEMS, root / tenant / WORD_PROBLEMS.name)
+        chat.to_parquet(str(root / tenant / WORD_PROBLEMS_PARQUET))
     return root
 
 

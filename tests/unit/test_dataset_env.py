@@ -37,8 +37,8 @@ def reward(environment: DatasetEnv, question: str, answer: str, reply: str) -> f
 
 def test_the_held_out_split_is_disjoint_stable_and_drawn_without_repeats() -> None:
     example = env(path=EXAMPLE.name, eval_fraction=0.25)
-    train = {question for question, _ in example.train}
-    held_out = [question for question, _ in example.held_out]
+    train = {row.question for row in example.train}
+    held_out = [row.question for row in example.held_out]
     assert train.isdisjoint(held_out) and len(train) + len(held_out) == 80
     assert 8 <= len(held_out) <= 32
     asked = [example.eval_task_for(0, i).question for i in range(len(held_out))]
@@ -54,8 +54,8 @@ def test_an_eval_file_is_the_held_out_split(tmp_path: Path) -> None:
     train = write_rows(tmp_path / "train.jsonl", rows)
     held = write_rows(tmp_path / "test.jsonl", [*rows[:2], {"question": "q99", "answer": 99}])
     split = env(tmp_path, path=train.name, eval_path=held.name)
-    assert [q for q, _ in split.held_out] == ["q0", "q1", "q99"]
-    assert [q for q, _ in split.train] == [f"q{i}" for i in range(2, 10)]  # never both
+    assert [row.question for row in split.held_out] == ["q0", "q1", "q99"]
+    assert [row.question for row in split.train] == [f"q{i}" for i in range(2, 10)]  # never both
 
 
 @pytest.mark.parametrize(
@@ -91,12 +91,12 @@ def test_questions_get_the_prompt_suffix() -> None:
         (None, {}, "path", "no such file"),
         ('{"question": "q", "answer": 1}\n{oops\n', {}, "path", "d.jsonl:2: not JSON"),
         ("[1, 2]\n", {}, "path", "d.jsonl:1: not a JSON object"),
-        ('{"question": "q"}\n', {}, "path", "d.jsonl:1: field 'answer' missing"),
+        ('{"question": "q"}\n', {}, "path", "d.jsonl:1: column 'answer' missing"),
         (
             '{"q": "x", "a": true}\n',
             {"question_field": "q", "answer_field": "a"},
             "path",
-            "field 'a' missing or not text/number",
+            "column 'a' missing or not text/number",
         ),
         ("\n\n", {}, "path", "no rows"),
         ('{"question": "q", "answer": 1}\n', {"eval_fraction": 0.9}, "eval_fraction", "(0, 0.5]"),
