@@ -84,7 +84,6 @@ EXTRA_KINDS = ("-code", "-math")
 word problems as a Hugging Face parquet file with a chat `messages` column, checked by
 `math-verify` (`<tenant>-math`)."""
 WORD_PROBLEMS_PARQUET = "word_problems.parquet"
-MATH_SYSTEM = "Solve the problem. End with the answer as a number."
 MODES = ("alone", "shared")
 
 console = Console()
@@ -137,6 +136,7 @@ def job_specs(
                 "messages_field": "messages",
                 "match": "math",
                 "eval_fraction": 0.25,
+                "prompt_suffix": " Answer with just the number.",
             },
         ),
     )
@@ -438,18 +438,17 @@ def summarise_peer(seeds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def data_dir(run_dir: Path) -> Path:
     """A data directory with the word problems in every tenant's folder: the JSONL file, and
-    the same rows as a Hugging Face parquet file in chat format (a system and a user message,
-    the answer apart), as a practitioner's dataset is."""
+    the same rows as a Hugging Face parquet file in chat format (a `messages` list, the answer
+    apart), as a practitioner's dataset is. (A system prompt asking for a number at the end cut
+    SmolLM2's base accuracy to 0.02 and left 12 steps nothing to learn from: seed 0, 0.02 ->
+    0.08; the words job's suffix keeps it near the JSONL job's.)"""
     import datasets
 
     rows = [json.loads(line) for line in WORD_PROBLEMS.read_text().splitlines() if line]
     chat = datasets.Dataset.from_list(
         [
             {
-                "messages": [
-                    {"role": "system", "content": MATH_SYSTEM},
-                    {"role": "user", "content": row["question"]},
-                ],
+                "messages": [{"role": "user", "content": row["question"]}],
                 "answer": row["answer"],
             }
             for row in rows
