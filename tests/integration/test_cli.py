@@ -39,7 +39,13 @@ from console.cli.main import app
 from console.stack.children import free_port
 from console.stack.local import LocalStack
 from tests.conftest import with_store
-from tests.track_readers import mlflow_run, tensorboard_hparams, tensorboard_scalars
+from tests.track_readers import (
+    mlflow_run,
+    tensorboard_hparams,
+    tensorboard_scalars,
+    trackio_run,
+    wandb_offline_run,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -476,8 +482,12 @@ def test_report_plots_the_rewards_of_the_events(
 # --- track ----------------------------------------------------------------------------
 
 
-def test_track_writes_each_job_for_tensorboard_and_mlflow_once(
-    cli: CliRunner, kafka_bootstrap: str, redis_url: str, tmp_path: Path
+def test_track_writes_each_job_to_every_sink_once(
+    cli: CliRunner,
+    kafka_bootstrap: str,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     job = history(kafka_bootstrap, redis_url, status="completed")
     out = tmp_path / "track"
@@ -489,8 +499,25 @@ def test_track_writes_each_job_for_tensorboard_and_mlflow_once(
     run, metrics = mlflow_run(f"sqlite:///{(out / 'mlflow.db').resolve()}", job.job_id)
     assert metrics["train/mean_reward"] == list(enumerate(REWARDS, 1))
     assert run.info.status == "FINISHED" and run.data.tags["marlaas.tenant"] == job.tenant
-    # Again, and following: nothing new, and it returns because the job has ended.
-    code, said, _ = invoke(cli, "track", job.job_id, "--out", str(out), "--follow")
+    # W&B (offline: files, nothing sent) and trackio too, per deployment: theirs is new.
+    monkeypatch.setenv("MARLAAS_TRACK_TO", "wandb,trackio")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    code, said, _ = invoke(cli, "track", job.job_id, "--out", str(out))
+    assert code == 0 and "track: 8 new events" in said, said
+    assert f"wandb sync {out / 'wandb'}" in said, said
+    wandb = wandb_offline_run(out, job.job_id)
+    assert wandb.points("train/mean_reward") == list(enumerate(REWARDS, 1))
+    assert wandb.summary["state"] == "completed" and wandb.tags[0] == job.tenant
+    _, trackio_metrics = trackio_run(out / "trackio", job.job_id)
+    assert trackio_metrics["train/mean_reward"] == list(enumerate(REWARDS, 1))
+    # Again, to all four, and following: nothing new, and it returns as the job has ended.
+    every_sink = "tensorboard,mlflow,wandb,trackio"
+    code, said, _ = invoke(
+        cli, "track", job.job_id, "--out", str(out), "--follow", "--to", every_sink
+    )
     assert code == 0 and "track: 0 new events" in said, said
 
 
