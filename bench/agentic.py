@@ -33,7 +33,10 @@ utilisation. `finish_s`: min / median / max of the concurrent jobs' times from s
 completion (their final evaluation follows). `accuracy`: each job's held-out accuracy at its
 final version shared and alone (± SE), and whether the shared one is within one SE of the
 alone one or better (the larger SE, at least one task: `within_one_se_or_better` counts
-them). `idle`: where the cores idled (core-seconds), in the measured alone runs together and
+them; `accuracy_by_spec`: each distinct spec's shared jobs against its alone runs as two
+samples, the shared mean within one SE of their difference or better, where a job without an
+alone run of its own is otherwise judged against another seed's: `specs_within_one_se_or_better`
+counts them). `idle`: where the cores idled (core-seconds), in the measured alone runs together and
 in the concurrent phase: before the trainer's first step, after its last, and between by
 which service waited for work (`agentic_figures.idle_profile`). The phases' `cpu` counts
 the HTTP service under `bench` (a child of this process). `--model tiny` (random weights)
@@ -66,6 +69,7 @@ from agentic_figures import (
     idle_profile,
     ratios,
     sequential_work,
+    spec_checks,
     spread,
 )
 from machine import machine_fields, result_path  # bench/machine.py
@@ -230,6 +234,7 @@ def summarise(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any
         if (acc := Accuracy.final(summary)) is not None
     }
     checks = accuracy_checks(spec_of, alone_acc, shared_acc)
+    by_spec = spec_checks(spec_of, alone_acc, shared_acc)
     decided = [
         row["within_one_se_or_better"]
         for row in checks
@@ -253,6 +258,9 @@ def summarise(args: argparse.Namespace, phases: dict[str, Any]) -> dict[str, Any
         },
         "within_one_se_or_better": f"{sum(decided)} of {len(decided)}",
         "accuracy": checks,
+        "specs_within_one_se_or_better": f"{sum(r['within_one_se_or_better'] for r in by_spec)}"
+        f" of {len(by_spec)}",
+        "accuracy_by_spec": by_spec,
     }
 
 
@@ -355,7 +363,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
     shutil.rmtree(args.run_dir / "state" / "artifacts", ignore_errors=True)
-    summary = ("sequential_from", "time_ratio", "util_ratio", "finish_s", "within_one_se_or_better")
+    summary = (
+        "sequential_from",
+        "time_ratio",
+        "util_ratio",
+        "finish_s",
+        "within_one_se_or_better",
+        "specs_within_one_se_or_better",
+    )
     phase_walls = {name: result[name]["wall_s"] for name in ("sequential", "concurrent")}
     console.print_json(data={k: result[k] for k in summary} | phase_walls | {"out": str(out)})
 

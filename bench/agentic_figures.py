@@ -5,6 +5,7 @@ summaries (`marlaas.jobwatch.JobProgress.summary`)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -164,6 +165,51 @@ def accuracy_checks(
             }
         )
     return rows
+
+
+def spec_checks(
+    spec_of: Mapping[str, str], alone: Mapping[str, Accuracy], shared: Mapping[str, Accuracy]
+) -> list[dict[str, Any]]:
+    """Per distinct spec: its jobs' shared accuracies against its alone runs' as two samples
+    (each seed is a draw of the spec's outcome): whether the shared mean is at least the alone
+    mean less one standard error of their difference, taken as the larger of the one the two
+    samples' spreads give (`sqrt(var_s/n_s + var_a/n_a)`), the binomial one of the
+    evaluations themselves, and one task of one shared job (the step the shared mean moves in). A job compared alone with a stand-in (another seed's run of its
+    spec) is judged by its seed's luck as much as by sharing; here every seed counts once."""
+    rows = []
+    for spec in sorted(set(spec_of.values())):
+        mine = [a for job, a in alone.items() if spec_of[job] == spec]
+        ours = [a for job, a in shared.items() if spec_of[job] == spec]
+        if not mine or not ours:
+            continue
+        alone_mean = statistics.fmean(a.value for a in mine)
+        shared_mean = statistics.fmean(a.value for a in ours)
+        spread_se = math.sqrt(_var_of_mean(mine) + _var_of_mean(ours))
+        binomial_se = math.sqrt(
+            statistics.fmean(a.stderr**2 for a in mine) / len(mine)
+            + statistics.fmean(a.stderr**2 for a in ours) / len(ours)
+        )
+        tasks = min((a.tasks for a in [*mine, *ours] if a.tasks > 0), default=0)
+        step = 1.0 / (tasks * len(ours)) if tasks else 0.0  # the shared mean moves this much
+        se = max(spread_se, binomial_se, step)
+        rows.append(
+            {
+                "spec": spec,
+                "alone_runs": len(mine),
+                "shared_jobs": len(ours),
+                "alone_mean": round(alone_mean, 4),
+                "shared_mean": round(shared_mean, 4),
+                "se": round(se, 4),
+                "within_one_se_or_better": shared_mean >= alone_mean - se - 1e-9,
+            }
+        )
+    return rows
+
+
+def _var_of_mean(accuracies: Sequence[Accuracy]) -> float:
+    """The sample variance of their values over their count (0 for one value)."""
+    values = [a.value for a in accuracies]
+    return statistics.variance(values) / len(values) if len(values) > 1 else 0.0
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:
