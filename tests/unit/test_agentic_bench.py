@@ -26,6 +26,7 @@ from agentic_figures import (  # noqa: E402
     idle_profile,
     ratios,
     sequential_work,
+    spec_checks,
 )
 from http_lookup import URL_VAR, HttpLookupEnv, stock_of  # noqa: E402
 
@@ -153,6 +154,23 @@ def test_one_task_of_difference_is_within_the_margin_where_the_se_reads_zero() -
     perfect, one_miss = Accuracy(1.0, 0.0, 32), Accuracy(31 / 32, 0.0307, 32)
     assert one_miss.within_one_se_or_better(perfect)  # 1/32 below, SE 0.0307 < 1/32
     assert not Accuracy(30 / 32, 0.0428, 32).within_one_se_or_better(perfect)
+
+
+def test_a_specs_shared_jobs_are_judged_against_its_alone_runs_as_two_samples() -> None:
+    """Two alone runs of `code` ended at 0.0 and 0.25 (a lucky seed), its four shared jobs at
+    0.0 and 0.25 twice each: as samples they match. A spec whose shared jobs all fall well
+    short of its alone run fails."""
+    spec_of = {"a0": "code", "a1": "code", "s0": "code", "s1": "code", "s2": "code", "s3": "code"}
+    spec_of |= {"b0": "words", "t0": "words", "t1": "words"}
+    alone = {"a0": Accuracy(0.0, 0.0, 8), "a1": Accuracy(0.25, 0.153, 8)}
+    alone |= {"b0": Accuracy(1.0, 0.0, 8)}
+    shared = {f"s{i}": Accuracy(0.25 * (i % 2), 0.1, 8) for i in range(4)}
+    shared |= {"t0": Accuracy(0.5, 0.18, 8), "t1": Accuracy(0.625, 0.17, 8)}
+    rows = {row["spec"]: row for row in spec_checks(spec_of, alone, shared)}
+    assert rows["code"]["within_one_se_or_better"] is True
+    assert (rows["code"]["alone_runs"], rows["code"]["shared_jobs"]) == (2, 4)
+    assert rows["words"]["within_one_se_or_better"] is False
+    assert rows["words"]["shared_mean"] == pytest.approx(0.5625)
 
 
 def test_the_final_accuracy_is_the_last_evaluated_versions() -> None:
