@@ -97,11 +97,15 @@ RUN python -m common.files.models tokenizer /home/marlaas/tokenizer
 
 # The tenant API (`marlaas api`): the core package, FastAPI and uvicorn. Tenants reach only
 # this; it holds its own Kafka and Redis credentials (common/security/access.py, principal `api`).
+# The tokenizer reads episode samples as text (the web console's); another base model needs
+# its own MARLAAS_TOKENIZER_DIR.
 FROM base AS api
 USER root
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     --mount=type=cache,target=/root/.cache/pip \
     pip install "/src[api]"
+COPY --from=tokenizer /home/marlaas/tokenizer /opt/marlaas/tokenizers/smollm2-135m-instruct
+ENV MARLAAS_TOKENIZER_DIR=/opt/marlaas/tokenizers/smollm2-135m-instruct
 ARG MARLAAS_REVISION=dev
 LABEL org.opencontainers.image.revision=$MARLAAS_REVISION
 USER 1000:1000

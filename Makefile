@@ -6,7 +6,7 @@ EXTRAS := local,api,env,verifiers,trainer,rollout-cpu,track,dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 PYTEST_ARGS ?=
 
-.PHONY: venv sandbox-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools bench-agentic bench-decode chaos
+.PHONY: venv sandbox-deps browser-deps demo up test test-all test-compose compose-up compose-down lint clean bench-peer bench-learning bench-multilora bench-trainer bench-multitask bench-broker bench-precision bench-hostile bench-slow-verifier bench-async-tools bench-agentic bench-decode chaos
 
 venv: $(STAMP)
 
@@ -33,6 +33,15 @@ sandbox-deps:
 		  { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }; }; } || \
 		{ echo "the code sandbox needs bubblewrap: apt-get install bubblewrap"; exit 1; }
 
+# The web console's browser test (tests/integration/test_web_console.py) drives Debian's
+# chromium, headless (and a font to draw text with). Installed from Debian when missing and
+# this is root (as in CI).
+browser-deps:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null || \
+		  { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; }; }; } || \
+		{ echo "the web console's browser test needs chromium: apt-get install chromium"; exit 1; }
+
 demo: venv sandbox-deps
 	$(BIN)/marlaas demo
 
@@ -42,11 +51,11 @@ up: venv
 # Everything but the long end-to-end runs (marker `slow`) and the compose stack (marker
 # `compose`, `make test-compose`). pytest exits 5 when
 # nothing was collected; that is not a failure of the code under test.
-test: venv sandbox-deps
+test: venv sandbox-deps browser-deps
 	@$(BIN)/python -m pytest -m "not slow and not compose" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
-test-all: venv sandbox-deps
+test-all: venv sandbox-deps browser-deps
 	$(BIN)/python -m pytest -m "not compose" $(PYTEST_ARGS)
 
 # The stack in containers (README, "Production: compose"): on a machine with no container

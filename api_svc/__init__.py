@@ -14,12 +14,13 @@ talks to Kafka and Redis with its own credentials (common/security/access.py, pr
 
 Endpoints (all under /v1, all authenticated): `GET tenant`, `GET jobs`, `POST jobs`,
 `GET jobs/{job}`, `POST jobs/{job}/{pause|resume|cancel}`, `GET jobs/{job}/events`
-(`?follow=true`: NDJSON until the job ends), `GET jobs/{job}/export` (the adapter as a
-.tar.gz PEFT directory), `GET report?job=...` (.tar.gz of the HTML report),
-`POST jobs/{job}/sample` (a chat completion with the job's adapter).
+(`?follow=true`: NDJSON until the job ends), `GET jobs/{job}/episodes` (its latest finished
+episodes as text), `GET jobs/{job}/export` (the adapter as a .tar.gz PEFT directory), `GET
+report?job=...` (.tar.gz of the HTML report), `POST jobs/{job}/sample` (a chat completion
+with the job's adapter). `/console` is the web console over them (`web/`).
 
 A deployable of its own (its image, its compose service), beside the three services: it
 imports `common/` and the client library (`marlaas`) and nothing else. `server` builds and
 serves the app; `access` finds the tenant of a key and a tenant's jobs; `views` are the JSON
-shapes; `routes/` the endpoints by resource.
+shapes; `routes/` the endpoints by resource; `web/` the web console.
 """

@@ -13,7 +13,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api_svc.limits import AddressGate, BodyLimit, TenantGate
-from api_svc.routes import jobs, openai_api, outputs, sample, tenant
+from api_svc.routes import jobs, openai_api, outputs, sample, tenant, usage
+from api_svc.web import routes as web
 from common.runtime.config import SharedSettings
 from common.wire.codec import TOO_DEEP
 from marlaas import Client, ReadersBusy
@@ -95,7 +96,7 @@ def create_app(
         AddressGate, rate_per_s=limits.anonymous_requests_per_s, burst=limits.anonymous_burst
     )
     # `sample` before `jobs`, whose `/{job_id}/{action}` would take "sample" for an action.
-    for module in (tenant, sample, jobs, outputs, openai_api):
+    for module in (tenant, sample, jobs, outputs, openai_api, usage, web):
         app.include_router(module.router)
     app.add_exception_handler(HTTPException, _error)  # type: ignore[arg-type]
     app.add_exception_handler(RecursionError, _too_deep)

@@ -80,3 +80,30 @@ class SampleRequest(BaseModel):
 class SampleAnswer(BaseModel):
     model: str
     content: str
+
+
+class UsageCounts(BaseModel):
+    """What a job's or a tenant's work cost (common/state/usage.py `Usage`)."""
+
+    tokens: int
+    """Tokens generated for training episodes."""
+    eval_tokens: int
+    chat_tokens: int
+    """Tokens of chat completions with the job's adapters (and a judge's answers for it)."""
+    episodes: int
+    eval_episodes: int
+    trainer_s: float
+    """Trainer compute seconds (its share of each pass it was in)."""
+    stored_bytes: int
+    """Bytes of its published adapter versions."""
+
+
+class JobUsage(UsageCounts):
+    job_id: str
+
+
+class UsageView(BaseModel):
+    tenant: str
+    total: UsageCounts
+    """The tenant's, its ended and expired jobs included."""
+    jobs: list[JobUsage]

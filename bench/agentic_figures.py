@@ -174,8 +174,9 @@ def spec_checks(
     (each seed is a draw of the spec's outcome): whether the shared mean is at least the alone
     mean less one standard error of their difference, taken as the larger of the one the two
     samples' spreads give (`sqrt(var_s/n_s + var_a/n_a)`), the binomial one of the
-    evaluations themselves, and one task of one shared job (the step the shared mean moves in). A job compared alone with a stand-in (another seed's run of its
-    spec) is judged by its seed's luck as much as by sharing; here every seed counts once."""
+    evaluations themselves, and one task of one shared job (the step the shared mean moves
+    in). A job compared alone with a stand-in (another seed's run of its spec) is judged by
+    its seed's luck as much as by sharing; here every seed counts once."""
     rows = []
     for spec in sorted(set(spec_of.values())):
         mine = [a for job, a in alone.items() if spec_of[job] == spec]

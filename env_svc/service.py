@@ -25,6 +25,7 @@ from common.runtime.service import Connections, Service, announce_runtime, wait_
 from common.state.registry import REJECTION_TTL_S
 from common.state.replicas import ENVIRONMENTS_FIELD
 from common.state.store import RedisStore
+from common.state.usage import UsageMeter, flush_usage
 from common.wire.messages import (
     AdapterUpdate,
     GenerationResult,
@@ -74,6 +75,8 @@ class EnvService(Service):
         self._stopping = asyncio.Event()
         self.calls = EnvCalls(timeout_s=settings.env_call_timeout_s, workers=settings.env_workers)
         self.environments = JobEnvironments(self.calls, tokenizer)
+        self.usage = UsageMeter()
+        """The episodes finished, by job (common/state/usage.py)."""
         self._wire(shared, settings)
 
     def _wire(self, shared: SharedSettings, settings: EnvServiceSettings) -> None:
@@ -83,7 +86,7 @@ class EnvService(Service):
         self.admission = Admission(
             shared, io, environments, issuer=self.issuer, evaluations=self.evaluations
         )
-        self.scorer = ResultScorer(io, environments, self.evaluations)
+        self.scorer = ResultScorer(io, environments, self.evaluations, self.usage)
         self.commands = LifecycleCommands(io, self.issuer)
         self.sweep = Sweep(
             io,
@@ -111,6 +114,7 @@ class EnvService(Service):
         return {
             "env-consume": self.consumer.run(),
             "env-claims": self._sweep_loop(),
+            "env-usage": self.usage.run(lambda: self.io.require_store().usage, self._stopping),
             # The environments this replica serves: a job naming none of them is refused at
             # submission (marlaas.Client.submit, the API) instead of failing here later.
             "env-runtime": announce_runtime(
@@ -142,6 +146,7 @@ class EnvService(Service):
             await self.consumer.close()
         await asyncio.to_thread(close_mcp_hub)  # before the workers (the loop's executor) end
         self.calls.close()
+        await flush_usage(self.usage, self.io.store)
         await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:

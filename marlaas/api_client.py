@@ -22,6 +22,7 @@ import httpx
 import msgspec
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.state.usage import TenantUsage, Usage
 from common.wire.messages import Event, JobAction, JobSpec
 
 
@@ -80,6 +81,12 @@ class TenantClient:
     async def job(self, job_id: str) -> dict[str, Any]:
         return dict(await self._json("GET", f"/jobs/{job_id}"))
 
+    async def usage(self) -> TenantUsage:
+        """The key's tenant's usage, in total and per job (`GET /v1/usage`)."""
+        answer = await self._json("GET", "/usage")
+        jobs = {job.pop("job_id"): Usage(**job) for job in answer["jobs"]}
+        return TenantUsage(answer["tenant"], Usage(**answer["total"]), jobs)
+
     async def command(self, job_id: str, action: JobAction, *, wait_s: float = 30.0) -> str:
         answer = await self._json("POST", f"/jobs/{job_id}/{action}")
         return str(answer["status"])
@@ -87,6 +94,11 @@ class TenantClient:
     async def events(self, job_id: str) -> list[Event]:
         raw = await self._request("GET", f"/jobs/{job_id}/events")
         return msgspec.json.decode(raw.content, type=list[Event])
+
+    async def episodes(self, job_id: str, *, limit: int = 5) -> list[dict[str, Any]]:
+        """The job's latest finished episodes as text, newest first (marlaas/episodes.py
+        `EpisodeSample`'s fields)."""
+        return list(await self._json("GET", f"/jobs/{job_id}/episodes", params={"limit": limit}))
 
     async def follow(self, job_id: str) -> AsyncIterator[Event]:
         async with self._http.stream(

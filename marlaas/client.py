@@ -1,5 +1,5 @@
 """`Client`: what a program does with MARLaaS jobs, over Kafka and Redis only: submit,
-command, read and follow events, sample, export, audit and report.
+command, read and follow events, read the latest episodes, sample, export, audit and report.
 
     async with Client(load(SharedSettings)) as client:
         await client.submit([load_job_file(path, base_model=...)])
@@ -11,25 +11,29 @@ board, experiment tracking) extend it in `console.operator_client`.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from common.bus.kafka import Producer
 from common.files.artifacts import latest_checkpoint_version
+from common.files.models import ModelNotFoundError, resolve_tokenizer
 from common.runtime.config import SharedSettings
 from common.state.audit import Audit, audit
 from common.state.evals import evaluated
 from common.state.registry import Job, JobRecord, UnknownJobError, job_id_of
 from common.state.store import RedisStore
+from common.state.usage import TenantUsage
 from common.wire.chat import CHAT
 from common.wire.lifecycle import COMMAND_EVENT, STATE_AFTER, TERMINAL_STATES
-from common.wire.messages import Event, JobAction, JobCommand, JobSpec, new_id
+from common.wire.messages import Event, JobAction, JobCommand, JobSpec, Trajectory, new_id
 from marlaas.chat import chat_completion, chat_request
-from marlaas.eventfeed import AdapterFeed, EventFeed, ReaderPool
+from marlaas.episodes import Decode, EpisodeSample, episode_sample, load_decoder
+from marlaas.eventfeed import AdapterFeed, EventFeed, ReaderPool, TrajectoryFeed
 from marlaas.export import (
     ExportedAdapter,
     ExportError,
@@ -38,6 +42,9 @@ from marlaas.export import (
     held_out_results,
     local_base_model,
 )
+
+if TYPE_CHECKING:
+    from marlaas.report.numbers import Report
 
 
 class EnvironmentNotServedError(ValueError):
@@ -79,6 +86,15 @@ SENT_KEPT = 4096
 
 class JobStateError(ValueError):
     """A command that does not apply to the job's current state."""
+
+
+class NoTokenizerError(RuntimeError):
+    """The base model's tokenizer is not on this machine: episodes cannot be read as text."""
+
+
+EPISODE_TAIL = 256
+"""Records of a job's partition of marlaas.trajectories an episode read looks through, from
+its end: the latest episodes, whatever the topic holds (jobs of others share a partition)."""
 
 
 class Client:
@@ -174,6 +190,13 @@ class Client:
         while len(self._sent) > SENT_KEPT:
             del self._sent[next(iter(self._sent))]
 
+    async def usage(self, tenant: str) -> TenantUsage:
+        """The tenant's usage: its total and each of its jobs' (common/state/usage.py)."""
+        jobs = await self.store.jobs.of_tenant(tenant)
+        return TenantUsage(
+            tenant, await self.store.usage.of_tenant(tenant), await self.store.usage.of_jobs(jobs)
+        )
+
     async def served_environments(self) -> set[str] | None:
         """The environments the live env_svc replicas serve (None: none up to say), read
         from Redis at most every `SERVED_FRESH_S` (a read scans the keyspace)."""
@@ -264,6 +287,43 @@ class Client:
             return None
         record = await self.store.jobs.get(job_id)
         return ended.step if record is not None and evaluated(record.spec, ended.step) else None
+
+    # --- episodes ---------------------------------------------------------------------
+
+    async def episodes(self, job: Job, *, limit: int) -> list[EpisodeSample]:
+        """The job's latest finished episodes as text, newest first: at most `limit`, found
+        among the last `EPISODE_TAIL` records of its partition (a pooled reader; only `limit`
+        trajectories held at once). NoTokenizerError without the base model's tokenizer."""
+        job_id = job_id_of(job)
+        latest: list[Trajectory] = []
+        async with TrajectoryFeed(
+            self.settings.kafka_bootstrap,
+            {job_id},
+            connect_timeout_s=self.connect_timeout_s,
+            signing=self.settings.signer,
+            readers=self.readers,
+            tail=EPISODE_TAIL,
+        ) as feed:
+            async for batch in feed.batches_to_end(timeout_s=self.connect_timeout_s * 3):
+                latest = heapq.nlargest(limit, [*latest, *batch], key=lambda t: t.finished_at)
+        if not latest:
+            return []
+
+        def readable() -> list[EpisodeSample]:  # loading a tokenizer takes a while: a thread
+            decode = self._decoder()
+            return [episode_sample(trajectory, decode) for trajectory in latest]
+
+        return await asyncio.to_thread(readable)
+
+    def _decoder(self) -> Decode:
+        base_model, given = self.settings.base_model, self.settings.tokenizer_dir
+        try:
+            found = resolve_tokenizer(base_model, self.settings.cache_dir, given)
+            return load_decoder(found)
+        except (ModelNotFoundError, OSError, ValueError) as exc:
+            raise NoTokenizerError(
+                f"no tokenizer of the base model {base_model!r} here to read episodes: {exc}"
+            ) from None
 
     # --- results ----------------------------------------------------------------------
 
@@ -394,8 +454,14 @@ class Client:
 
     async def report(self, jobs: Collection[Job], out_dir: Path) -> Path:
         """A self-contained HTML report (+ CSV/JSON) of the jobs, or of every job if none named."""
-        from marlaas.report.numbers import build_report
         from marlaas.report.page import write_report
+
+        return write_report(await self.report_numbers(jobs), out_dir)
+
+    async def report_numbers(self, jobs: Collection[Job]) -> Report:
+        """The numbers of `report` (its jobs, steps, evaluations and the replicas' utilisation),
+        for a page that draws them itself (the tenant API's web console)."""
+        from marlaas.report.numbers import build_report
 
         job_ids = {job_id_of(job) for job in jobs}
         async with self._feed(job_ids or None, pooled=True) as feed:
@@ -407,8 +473,7 @@ class Client:
         for job_id in job_ids or {e.job_id for e in events} | set(await self.store.jobs.ids()):
             if job_id not in specs and (record := await self.store.jobs.get(job_id)) is not None:
                 specs[job_id] = record.spec
-        report = build_report(events, await self.store.replicas.stats_history(), specs=specs)
-        return write_report(report, out_dir)
+        return build_report(events, await self.store.replicas.stats_history(), specs=specs)
 
     # --- helpers ----------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Reading a topic (`marlaas.events`, `marlaas.adapters`) from outside the services: the
-CLI, the demo, reports, audits.
+"""Reading a topic (`marlaas.events`, `marlaas.adapters`, `marlaas.trajectories`) from outside
+the services: the CLI, the demo, reports, audits, the tenant API's episode samples.
 
 No consumer group and no commits: every reader sees the whole topic from its start, so
 `marlaas status` and `marlaas logs` work from any machine that reaches the broker. A process
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from typing import Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer
@@ -21,7 +21,14 @@ from aiokafka.structs import TopicPartition
 from common.bus.kafka import assign_topic, start_reader
 from common.security.signing import RecordSigner
 from common.wire.codec import decode
-from common.wire.messages import AdapterUpdate, Event, Message, MessageDecodeError, Topic
+from common.wire.messages import (
+    AdapterUpdate,
+    Event,
+    Message,
+    MessageDecodeError,
+    Topic,
+    Trajectory,
+)
 
 M = TypeVar("M", bound=Message)
 log = logging.getLogger(__name__)
@@ -137,6 +144,7 @@ class TopicFeed(Generic[M]):
         connect_timeout_s: float = 10.0,
         signing: RecordSigner | None = None,
         readers: ReaderPool | None = None,
+        tail: int | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.connect_timeout_s = connect_timeout_s
@@ -145,6 +153,8 @@ class TopicFeed(Generic[M]):
         self.readers = readers
         """Lends the feed its consumer, given back when it stops (None: it starts its own)."""
         self.job_ids = set(job_ids) if job_ids is not None else None
+        self.tail = tail
+        """Read only the last `tail` records of each partition (None: from the topic's start)."""
         self._consumer: AIOKafkaConsumer | None = None
         self._ends: dict[TopicPartition, int] = {}
         self._next: dict[TopicPartition, int] = {}
@@ -167,11 +177,23 @@ class TopicFeed(Generic[M]):
         self._consumer = consumer
         try:
             if assigned:
-                await consumer.seek_to_beginning(*assigned)
-                self._ends = dict(await consumer.end_offsets(assigned))
+                await self._seek(consumer, assigned)
         except BaseException:
             await self.stop(usable=False)
             raise
+
+    async def _seek(self, consumer: AIOKafkaConsumer, assigned: list[TopicPartition]) -> None:
+        """To each partition's first record, or `tail` records before where it ends now. A
+        partition whose window holds nothing (retention dropped all it had) is caught up
+        at once, not waited on."""
+        self._ends = dict(await consumer.end_offsets(assigned))
+        firsts = await consumer.beginning_offsets(assigned)
+        for tp in assigned:
+            offset = (
+                firsts[tp] if self.tail is None else max(firsts[tp], self._ends[tp] - self.tail)
+            )
+            consumer.seek(tp, offset)
+            self._next[tp] = offset
 
     async def stop(self, *, usable: bool = True) -> None:
         """Close the feed's consumer, or give it back to its pool (to lend again if `usable`)."""
@@ -223,21 +245,36 @@ class TopicFeed(Generic[M]):
         follows it without a pause of `settle_s`: a broker's end offsets are only a lower
         bound (Tansu's s3 engine reports a partition's last batches late), so reading stops
         at the first poll past them that finds no record."""
+        found = [
+            message
+            async for batch in self.batches_to_end(timeout_s=timeout_s, settle_s=settle_s)
+            for message in batch
+        ]
+        found.sort(key=self._when)
+        return found
+
+    async def batches_to_end(
+        self, *, timeout_s: float = 30.0, settle_s: float = 0.3
+    ) -> AsyncIterator[list[M]]:
+        """`read_to_end` a poll at a time, for a reader that keeps only some of the messages
+        (the latest episodes of a job) instead of holding them all at once."""
         deadline = time.monotonic() + timeout_s
-        found: list[M] = []
         while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {self.topic.value} took over {timeout_s:.0f}s")
             read_before, caught_up = dict(self._next), self.caught_up
-            found += await self.poll(settle_s if caught_up else 0.2)
+            if batch := await self.poll(settle_s if caught_up else 0.2):
+                yield batch
             if caught_up and self._next == read_before:
-                break
-        found.sort(key=self._when)
-        return found
+                return
 
     @staticmethod
     def _when(message: Message) -> float:
-        when = getattr(message, "at", None) or getattr(message, "published_at", None)
+        when = (
+            getattr(message, "at", None)
+            or getattr(message, "published_at", None)
+            or getattr(message, "finished_at", None)
+        )
         return float(when or 0.0)
 
     def _require(self) -> AIOKafkaConsumer:
@@ -251,6 +288,14 @@ class EventFeed(TopicFeed[Event]):
 
     topic = Topic.EVENTS
     kind = Event
+
+
+class TrajectoryFeed(TopicFeed[Trajectory]):
+    """Finished episodes of some jobs: the tenant API's episode samples. Read with `tail`: the
+    topic holds every token of every episode, and a sample wants only the latest."""
+
+    topic = Topic.TRAJECTORIES
+    kind = Trajectory
 
 
 class AdapterFeed(TopicFeed[AdapterUpdate]):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from common.files.artifacts import unpublished
 from common.runtime.service import Connections
+from common.state.usage import UsageMeter
 from common.wire.adapters import AdapterRef
 from common.wire.messages import AdapterUpdate, GenerationRequest, GenerationResult
 from rollout_svc.engine_protocol import GenerationEngine
@@ -32,6 +33,8 @@ class JobAdapters:
         self._artifacts = artifacts
         self.latest: dict[str, AdapterRef] = {}
         """Newest adapter version per job; only moves forward."""
+        self.usage = UsageMeter()
+        """The tokens generated, by job (common/state/usage.py); flushed by the service."""
 
     async def read_pointers(self) -> int:
         """Take every job's newest version from Redis (start-up); returns how many."""
@@ -82,14 +85,25 @@ class JobAdapters:
         return AdapterRef(job_id, version, uri, step=version)
 
     async def generate_with(
-        self, request: GenerationRequest, adapter: AdapterRef | None
+        self, request: GenerationRequest, adapter: AdapterRef | None, *, chat_for: str | None = None
     ) -> GenerationResult:
-        """Sample `request` with `adapter`; an older version leaves the engine after it."""
+        """Sample `request` with `adapter`; an older version leaves the engine after it. The
+        tokens are counted as the request's job's (training or evaluation), or for a chat as
+        `chat_for`'s ("": of no job)."""
         try:
-            return await self._engine.generate(request, adapter)
+            result = await self._engine.generate(request, adapter)
         finally:
             if adapter is not None:
                 await self._retire_if_old(adapter)
+        tokens = len(result.completion_token_ids)
+        if chat_for is not None:
+            tenant = await self._jobs.tenant_of(chat_for) if chat_for else ""
+            self.usage.add(chat_for, tenant, chat_tokens=tokens)
+        else:
+            kind = "eval_tokens" if request.pinned_adapter_version >= 0 else "tokens"
+            tenant = request.tenant or await self._jobs.tenant_of(request.job_id)
+            self.usage.add(request.job_id, tenant, **{kind: tokens})
+        return result
 
     async def _retire_if_old(self, adapter: AdapterRef) -> None:
         """An older version loaded for an evaluation leaves the engine with its last request."""

@@ -47,7 +47,7 @@ class ChatSampling:
         if for_job:
             return await self._admitted_for(for_job, request, adapter)
         async with self._own_slots:
-            return await self._adapters.generate_with(request, adapter)
+            return await self._adapters.generate_with(request, adapter, chat_for=job_id)
 
     async def _adapter(self, job_id: str, version: int | None) -> AdapterRef | None:
         """The job's adapter `version` (None: its pointer's); LookupError when there is none."""
@@ -72,7 +72,9 @@ class ChatSampling:
             try:
                 if job_id in self._stopped:
                     raise LookupError(f"job {job_id!r} has stopped")
-                done.set_result(await self._adapters.generate_with(request, adapter))
+                done.set_result(
+                    await self._adapters.generate_with(request, adapter, chat_for=job_id)
+                )
             except Exception as exc:
                 done.set_exception(exc)
             except asyncio.CancelledError:  # its job stopped (`drop_stopped`)

@@ -35,6 +35,7 @@ from common.runtime.metrics import (
 )
 from common.runtime.service import Connections, Service, announce_runtime, runtime_fields, wait_any
 from common.state.store import RedisStore
+from common.state.usage import flush_usage
 from common.wire.adapters import AdapterRef
 from common.wire.chat import CHAT
 from common.wire.messages import AdapterUpdate, GenerationRequest, GenerationResult, Topic
@@ -180,6 +181,9 @@ class RolloutService(Service):
                 self.io.require_store(), self._stopping, self.forget_idle
             ),
             "rollout-engine": self._watch_engine(),
+            "rollout-usage": self.adapters.usage.run(
+                lambda: self.io.require_store().usage, self._stopping
+            ),
             "rollout-stopped": self._watch_stopped_jobs(),
             "rollout-runtime": announce_runtime(
                 self.io,
@@ -231,6 +235,7 @@ class RolloutService(Service):
         if self.chat is not None:
             await self.chat.stop()
         await self.engine.stop()
+        await flush_usage(self.adapters.usage, self.io.store)
         await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:

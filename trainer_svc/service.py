@@ -29,6 +29,7 @@ from common.runtime.health import redis_ready
 from common.runtime.metrics import export_service_metrics
 from common.runtime.service import Connections, Service, announce_runtime, runtime_fields
 from common.state.store import RedisStore
+from common.state.usage import flush_usage
 from common.wire.messages import Topic, Trajectory
 from trainer_svc.batching import Batching
 from trainer_svc.checkpoints import CheckpointStore
@@ -83,6 +84,7 @@ class TrainerService(Service):
         )
         self.batching = Batching(self.roster, self._caught_up)
         self.stepper = Stepper(self.roster, self.publisher, self.checkpoints, self.compute)
+        self.usage = self.stepper.usage
 
     @property
     def policy(self) -> MultiAdapterPolicy:
@@ -114,6 +116,7 @@ class TrainerService(Service):
         assert self.consumer is not None
         return {
             "trainer-consume": self.consumer.run(),
+            "trainer-usage": self.usage.run(lambda: self.io.require_store().usage, self._stopping),
             "trainer-steps": self.train_loop(),
             "trainer-runtime": announce_runtime(
                 self.io,
@@ -133,6 +136,7 @@ class TrainerService(Service):
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.close()
+        await flush_usage(self.usage, self.io.store)
         await self.io.close()
 
     async def readiness(self) -> dict[str, bool]:

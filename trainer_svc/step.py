@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from common.runtime.logs import job_logger
+from common.state.usage import UsageMeter
 from common.wire.lifecycle import TERMINAL_STATES, TOOL_METRICS, StepMetrics
 from common.wire.messages import Trajectory
 from trainer_svc.checkpoints import CheckpointStore
@@ -35,6 +37,8 @@ class Stepper:
     publisher: Publisher
     checkpoints: CheckpointStore
     compute: ComputeThread
+    usage: UsageMeter = field(default_factory=UsageMeter)
+    """Each job's trainer seconds and published bytes (common/state/usage.py)."""
 
     async def step(self, jobs: list[OwnedJob]) -> None:
         """Train B groups of each job in one shared step; then save, publish and report each
@@ -49,10 +53,12 @@ class Stepper:
         except Exception as exc:  # a bad batch or a full disk must not stop other tenants
             await self._untrainable(live, taken, exc)
             return
+        self._count_pass(live, taken, time.monotonic() - started)
         policy = self.roster.policy
         for job in live:
             job_id, groups = job.spec.job_id, taken[job.spec.job_id]
             version = job.version + 1
+            saving = time.monotonic()
             try:
                 adapter = await self.compute.run(
                     self.checkpoints.save,
@@ -66,9 +72,30 @@ class Stepper:
             except OSError as exc:  # a full disk: this job's step is lost, not the trainer
                 await self._unsaved(job, groups, exc)
                 continue
+            self.usage.add(
+                job_id,
+                job.spec.tenant,
+                trainer_s=time.monotonic() - saving,
+                stored_bytes=directory_bytes(
+                    self.checkpoints.adapter_dir(job_id, version, job.epoch)
+                ),
+            )
             metrics[job_id].wall_step_s = time.monotonic() - started
             if await self.publisher.publish(job, adapter, groups, metrics[job_id]):
                 await self.publisher.report(job, metrics[job_id], [g.group_id for g in groups])
+
+    def _count_pass(
+        self, jobs: list[OwnedJob], taken: dict[str, list[Group]], seconds: float
+    ) -> None:
+        """A pass's seconds, split among its jobs by the tokens each trained."""
+        tokens = {
+            job.spec.job_id: sum(len(t.token_ids) for g in taken[job.spec.job_id] for t in g.valid)
+            for job in jobs
+        }
+        total = sum(tokens.values())
+        for job in jobs:
+            share = tokens[job.spec.job_id] / total if total else 1 / len(jobs)
+            self.usage.add(job.spec.job_id, job.spec.tenant, trainer_s=seconds * share)
 
     async def _live(self, jobs: list[OwnedJob]) -> list[OwnedJob]:
         """The jobs still running, their statuses read in one round trip; the others (ended
@@ -167,3 +194,8 @@ def tool_means(trajectories: Sequence[Trajectory]) -> tuple[float | None, float 
     if not trajectories or any(c is None for c in calls):
         return None, None
     return sum(c or 0.0 for c in calls) / len(calls), sum(errors) / len(errors)
+
+
+def directory_bytes(directory: Path) -> int:
+    """Bytes of the regular files under `directory` (0 when it is gone)."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())

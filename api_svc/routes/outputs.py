@@ -1,5 +1,6 @@
 """What a job leaves: `GET /v1/jobs/{job}/events` (`?follow=true`: NDJSON until it ends),
-`GET /v1/jobs/{job}/export` (the adapter, .tar.gz) and `GET /v1/report` (.tar.gz).
+`GET /v1/jobs/{job}/episodes` (its latest finished episodes as text), `GET
+/v1/jobs/{job}/export` (the adapter, .tar.gz) and `GET /v1/report` (.tar.gz).
 
 Archives are written to an unnamed temporary file and streamed from it, never held in memory:
 an adapter may be hundreds of MB. The file has no name, so it is gone once the response is
@@ -20,6 +21,8 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from api_svc.access import Client, Tenant, api_key, conflict_on, gate, owned, registered
+from marlaas.client import NoTokenizerError
+from marlaas.episodes import EpisodeSample
 
 router = APIRouter(prefix="/v1")
 KEY_RECHECK_S = 5.0
@@ -57,6 +60,32 @@ async def events(
     # back when the stream is collected.
     weakref.finalize(stream, close)
     return StreamingResponse(stream, media_type="application/x-ndjson")
+
+
+MAX_EPISODES = 10
+"""Episodes one `episodes` call returns at most (each is clipped: marlaas/episodes.py)."""
+
+
+@router.get("/jobs/{job_id}/episodes", response_model=list[EpisodeSample])
+async def episodes(
+    job_id: str,
+    tenant: Tenant,
+    client: Client,
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_EPISODES)] = 5,
+) -> list[EpisodeSample]:
+    """The job's latest finished episodes, newest first: each turn's text (the prompt, what
+    the model wrote with its tool calls, what came back), the reward and its components."""
+    record = await owned(client, job_id, tenant)
+    if record is None:
+        return []  # bound to the tenant, not accepted yet: no episode
+    done = gate(request).open_read(tenant)
+    try:
+        return await client.episodes(record, limit=limit)
+    except NoTokenizerError as exc:
+        raise HTTPException(503, f"{exc} (set MARLAAS_TOKENIZER_DIR)") from None
+    finally:
+        done()
 
 
 @router.get("/jobs/{job_id}/export", response_model=None)

@@ -79,6 +79,10 @@ class SharedSettings(BaseSettings):
     """Artifact store (adapters, checkpoints); defaults to `<state_dir>/artifacts`."""
     base_model: str = "smollm2-135m-instruct"
     """Base model shared by all jobs: a known name or a local Hugging Face model directory."""
+    tokenizer_dir: Path | None = None
+    """The base model's tokenizer files, for a process that reads episodes as text without the
+    model (the tenant API's episode samples; the api image carries the default model's).
+    Default: the model's own directory, or its conversion in the cache."""
     max_lora_rank: int = Field(default=16, ge=1)
     """Largest LoRA rank the rollout engine is started with; env_svc rejects jobs above it."""
     max_loras: int = Field(default=8, ge=1)

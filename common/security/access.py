@@ -86,9 +86,12 @@ GRANTS: Mapping[Principal, Grant] = {
         # set_job_status (and the tenant's load, undeclared), the active jobs' backfill, claim_id,
         # the unkept jobs' expiry and their listings' trim;
         # the issue and claim scripts; the evaluation claims, re-sends and tallies; its de-dup
-        # of generation results and commands; its runtime record (the environments it serves).
+        # of generation results and commands; its runtime record (the environments it serves);
+        # the episodes it finished (usage).
         read_write=(
             "runtime:env_svc:*",
+            "usage:*",
+            "tenant-usage:*",
             "job:*",
             "jobs",
             "tenant-jobs:*",
@@ -113,14 +116,22 @@ GRANTS: Mapping[Principal, Grant] = {
         read_only=("adapter:*", "tenant:*", "adapter-versions:*", "stats:rollout:*"),
     ),
     "rollout_svc": Grant(
-        read_write=("stats:rollout:*", "stats-history:rollout:*", "runtime:rollout_svc:*"),
+        # Its numbers and runtime record; the tokens its engine generated (usage).
+        read_write=(
+            "stats:rollout:*",
+            "stats-history:rollout:*",
+            "runtime:rollout_svc:*",
+            "usage:*",
+            "tenant-usage:*",
+            "usage-unattributed",
+        ),
         # Adapter pointers (start-up scan, unseen versions), published URIs, job specs.
         read_only=("adapter:*", "adapter-versions:*", "job:*"),
     ),
     "trainer_svc": Grant(
         # publish_adapter's script (pointer, published versions, trained groups, flow,
         # fence, ledger), take_over, record_dropped_group, set_job_status (and the tenant's
-        # load, undeclared).
+        # load, undeclared); its compute seconds and published bytes (usage).
         read_write=(
             "adapter:*",
             "tenant-load:*",
@@ -132,6 +143,8 @@ GRANTS: Mapping[Principal, Grant] = {
             "dedup:dropped:*",
             "job:*",
             "runtime:trainer_svc:*",
+            "usage:*",
+            "tenant-usage:*",
         ),
     ),
     "api": Grant(
@@ -140,7 +153,7 @@ GRANTS: Mapping[Principal, Grant] = {
         # Authenticating keys, the tenant's limits and jobs; the environments env_svc serves
         # (its runtime records); job records and their held-out results (evaluation
         # tallies), exports (pointer, published versions), audits
-        # (ledger) and reports (replica stats).
+        # (ledger) and reports (replica stats); usage.
         read_only=(
             "tenant:*",
             "tenants",
@@ -159,6 +172,8 @@ GRANTS: Mapping[Principal, Grant] = {
             "ledger:*",
             "stats:rollout:*",
             "stats-history:rollout:*",
+            "usage:*",
+            "tenant-usage:*",
         ),
     ),
     # The marlaas CLI: tenants and keys, every job, stack:restarts, anything to repair.
@@ -262,9 +277,10 @@ KAFKA_GRANTS: Mapping[Principal, KafkaGrant] = {
     ),
     "api": KafkaGrant(
         # Job specs and commands (marlaas/jobwatch.py submit_jobs); a job's events (its log,
-        # its follow, its report: marlaas/eventfeed.py, assigned, no group).
+        # its follow, its report) and its latest episodes (the web console's samples):
+        # marlaas/eventfeed.py, assigned, no group.
         writes=(Topic.JOBS,),
-        reads=(Topic.EVENTS,),
+        reads=(Topic.EVENTS, Topic.TRAJECTORIES),
     ),
     # The marlaas CLI: creates topics, reads every topic and every group's lag, submits.
     "operator": KafkaGrant(super_user=True),

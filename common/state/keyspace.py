@@ -31,6 +31,9 @@ docs/architecture.md, "Redis keys").
 - `runtime:{service}:{replica}` hash of what a replica computes on and in (hardware,
   precision, why; env_svc's: the environments it serves), expiring
 - `stack:restarts`  hash service -> restarts by the embedded stack's supervisor
+- `usage:{job}`     hash of the job's usage counts and its tenant; `tenant-usage:{tenant}` the
+                    tenant's, outliving its jobs; `usage-unattributed` work of no job
+                    (common/state/usage.py)
 
 A job's working state (ledger, de-dup sets, flow, claims, evaluation keys) expires a week
 after the job ends (`registry.ENDED_TTL_S`); its record and adapter pointers stay if it
@@ -93,3 +96,6 @@ stats_history_key = Key("stats-history:rollout:")
 runtime_key = Key("runtime:")
 """(service, replica)"""
 RESTARTS = "stack:restarts"
+usage_key = Key("usage:")
+tenant_usage_key = Key("tenant-usage:")
+UNATTRIBUTED_USAGE = "usage-unattributed"

@@ -5,7 +5,7 @@ process knows, each decoded once (`admitted`; the registry reads records through
 `store.adapters` the adapter version pointers (`pointers`), `store.flow` each job's flow window
 and audit ledger (`flow`), `store.evals` evaluation tallies (`evals`), `store.dedup` de-dup
 sets (`dedup`), `store.replicas` what replicas report (`replicas`) and `store.tenants` tenants
-and API keys (`tenants`). Each part
+and API keys (`tenants`), and usage per tenant and job (`usage`). Each part
 lives with its concern and its Lua scripts in common/state/; every key is named in
 `keyspace`. Every read-modify-write is one Lua script, so concurrent replicas cannot
 interleave.
@@ -31,6 +31,7 @@ from common.state.pointers import AdapterPointers
 from common.state.registry import JobRegistry
 from common.state.replicas import ReplicaBoard
 from common.state.tenants import TenantRegistry
+from common.state.usage import UsageCounters
 
 MAX_CONNECTIONS = 64
 """Connections one process opens to Redis at most."""
@@ -52,6 +53,7 @@ class RedisStore:
         self.dedup = DedupSets(client)
         self.replicas = ReplicaBoard(client)
         self.tenants = TenantRegistry(client)
+        self.usage = UsageCounters(client)
 
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 60.0) -> RedisStore:

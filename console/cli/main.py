@@ -14,7 +14,7 @@ from common.runtime.config import SharedSettings, load
 from common.runtime.logs import setup_logging
 from common.security.access import redacted
 from common.wire.lifecycle import SERVICES
-from console.cli import access, envs, jobs, sample, tenants, track
+from console.cli import access, envs, jobs, sample, tenants, track, usage
 from console.cli.support import (
     USER_ERRORS,
     console,
@@ -33,7 +33,7 @@ app = typer.Typer(
 topics_app = typer.Typer(help="Kafka topics of MARLaaS.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 
-for commands in (jobs, envs, sample, track, tenants, access):
+for commands in (jobs, envs, sample, track, usage, tenants, access):
     commands.register(app)
 
 
@@ -69,6 +69,7 @@ def _stack_table(stack: LocalStack) -> Table:
     )
     if stack.api_url:
         table.add_row("tenant API", f"{stack.api_url}/v1 (schema: {stack.api_url}/docs)")
+        table.add_row("web console", f"{stack.api_url}/console (sign in with a tenant's API key)")
     table.add_row("hardware", stack.hardware.describe())
     for service, precision in stack.precisions.items():
         table.add_row(f"{service} precision", precision.describe())

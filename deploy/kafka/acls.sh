@@ -39,4 +39,4 @@ EOF
 /opt/kafka/bin/kafka-acls.sh --bootstrap-server kafka:9092 --command-config /tmp/marlaas-operator.properties --add --allow-principal User:trainer_svc --operation Write --topic marlaas.adapters --topic marlaas.control --topic marlaas.events --topic marlaas.dlq
 /opt/kafka/bin/kafka-acls.sh --bootstrap-server kafka:9092 --command-config /tmp/marlaas-operator.properties --add --allow-principal User:trainer_svc --operation Read --topic marlaas.trajectories --group marlaas-trainer
 /opt/kafka/bin/kafka-acls.sh --bootstrap-server kafka:9092 --command-config /tmp/marlaas-operator.properties --add --allow-principal User:api --operation Write --topic marlaas.jobs
-/opt/kafka/bin/kafka-acls.sh --bootstrap-server kafka:9092 --command-config /tmp/marlaas-operator.properties --add --allow-principal User:api --operation Read --topic marlaas.events
+/opt/kafka/bin/kafka-acls.sh --bootstrap-server kafka:9092 --command-config /tmp/marlaas-operator.properties --add --allow-principal User:api --operation Read --topic marlaas.events --topic marlaas.trajectories

@@ -13,6 +13,7 @@ from common.runtime.logs import job_logger
 from common.runtime.service import Connections
 from common.state.dedup import RESULTS
 from common.state.evals import eval_version_of
+from common.state.usage import UsageMeter
 from common.wire.lifecycle import TERMINAL_STATES
 from common.wire.messages import GenerationRequest, GenerationResult, JobSpec, Trajectory
 from env_svc.episodes import advance_episode, failed_trajectory
@@ -32,9 +33,11 @@ class ResultScorer(EpisodePart):
         io: Connections,
         environments: JobEnvironments,
         evaluations: Evaluations,
+        usage: UsageMeter,
     ) -> None:
         super().__init__(io, environments)
         self.evaluations = evaluations
+        self.usage = usage
 
     async def on_result(self, result: GenerationResult) -> None:
         """One round trip (de-dup and status) before the turn, one after it; none for a
@@ -69,6 +72,8 @@ class ResultScorer(EpisodePart):
             partial(advance_episode, env, self.tokenizer, spec, result),
             awaits=env.awaits,
         )
+        if isinstance(follow_up, Trajectory):
+            self._finished(spec, version)
         if version is not None and isinstance(follow_up, Trajectory):
             await self.evaluations.count(
                 spec,
@@ -88,7 +93,13 @@ class ResultScorer(EpisodePart):
         job_logger(log, spec.job_id, spec.tenant).warning(
             "episode %s failed: %s", result.episode_id, error
         )
+        self._finished(spec, version)
         if version is not None:
             await self.evaluations.count(spec, version, result.episode_id, 0.0, {}, error)
         else:
             await self.io.send(failed_trajectory(spec, result, error))
+
+    def _finished(self, spec: JobSpec, version: int | None) -> None:
+        """An episode ended here (scored or failed): counted as the job's usage."""
+        kind = "episodes" if version is None else "eval_episodes"
+        self.usage.add(spec.job_id, spec.tenant, **{kind: 1})

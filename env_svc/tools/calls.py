@@ -2,22 +2,22 @@
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "47 * 86"}}</tool_call>
 
-One turn may hold several. The closing tag is optional (a stop string or the token limit may
-cut it off). Every block is parsed or kept with the reason it is malformed: the model is told
-why, and the count goes into the episode's tool metrics.
+One turn may hold several (the block's pattern: common/wire/toolcalls.py). The closing tag is
+optional (a stop string or the token limit may cut it off). Every block is parsed or kept with
+the reason it is malformed: the model is told why, and the count goes into the episode's tool
+metrics.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.wire.toolcalls import TOOL_CALL_BLOCK
+
 MAX_CALL_CHARS = 4000
 """Longest call body parsed as JSON; a longer one is malformed (no parser time on it)."""
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +32,12 @@ class ToolCall:
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every `<tool_call>` block in `text`, in order."""
-    return [_parse(body.strip()) for body in _TOOL_CALL.findall(text)]
+    return [_parse(body.strip()) for body in TOOL_CALL_BLOCK.findall(text)]
 
 
 def strip_tool_calls(text: str) -> str:
     """`text` without its tool-call blocks: what the turn says besides them."""
-    return _TOOL_CALL.sub("", text).strip()
+    return TOOL_CALL_BLOCK.sub("", text).strip()
 
 
 def _parse(body: str) -> ToolCall:

@@ -28,6 +28,22 @@ PALETTE = (
 Point = tuple[float, float]
 
 
+@dataclass(frozen=True)
+class ChartSize:
+    """A chart's width in pixels, its legend's (at the right of the plot) and its least
+    height (more when the legend needs it). The report's page draws 760 wide; the tenant
+    API's web console asks for the width its cards show a chart at, so its text keeps its
+    size."""
+
+    width: int = 760
+    legend_width: int = 200
+    min_height: int = 320
+
+
+REPORT_SIZE = ChartSize()
+"""The report page's charts."""
+
+
 @dataclass
 class Series:
     """One line of a chart; gaps between its segments are not drawn (a replica restart)."""
@@ -54,12 +70,13 @@ def line_chart(
     *,
     whole_x: bool = False,
     whole_y: bool = False,
+    size: ChartSize = REPORT_SIZE,
 ) -> str:
     """An inline SVG line chart; each series' exact numbers ride along in `data-values`."""
     drawn = [s for s in series if s.points]
     legend_h = 18 * len(drawn) + 20
-    width, height = 760, max(320, legend_h + 78)
-    box = _Box(left=64, top=34, width=width - 64 - 200, height=height - 34 - 44)
+    width, height = size.width, max(size.min_height, legend_h + 78)
+    box = _Box(left=64, top=34, width=width - 64 - size.legend_width, height=height - 34 - 44)
     parts = [
         f'<svg class="chart" data-chart="{chart}" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img">',

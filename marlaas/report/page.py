@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from marlaas.report.charts import Point, Series, line_chart, plottable
+from marlaas.report.charts import REPORT_SIZE, ChartSize, Point, Series, line_chart, plottable
 from marlaas.report.numbers import EvalRow, JobSummary, Report, StepRow, UtilisationRow
 
 # --- files ------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def render_html(report: Report) -> str:
 {len(report.steps)} steps · numbers: <a href="steps.csv">steps.csv</a>,
 <a href="utilisation.csv">utilisation.csv</a>, <a href="report.json">report.json</a></p>
 {_jobs_table(report.jobs)}
-{"".join(_charts(report))}
+{"".join(charts(report).values())}
 </body></html>
 """
 
@@ -112,15 +112,17 @@ _STEP_CHARTS = (
 """Per-step charts: (id, title, y axis, StepRow metric); staleness counts whole versions."""
 
 
-def _charts(report: Report) -> list[str]:
+def charts(report: Report, size: ChartSize = REPORT_SIZE) -> dict[str, str]:
+    """Every chart of the page (an inline SVG) by its id, its `data-chart`, in the page's
+    order; the web console of the tenant API shows some of them, at its own `size`."""
     steps_by_job: dict[str, list[StepRow]] = {}
     for row in report.steps:
         steps_by_job.setdefault(row.job_id, []).append(row)
     util_by_replica: dict[str, list[UtilisationRow]] = {}
     for util in report.utilisation:
         util_by_replica.setdefault(util.replica, []).append(util)
-    reward, *per_step = [
-        line_chart(
+    per_step = {
+        chart: line_chart(
             chart,
             title,
             "step",
@@ -131,19 +133,25 @@ def _charts(report: Report) -> list[str]:
             ],
             whole_x=True,
             whole_y=metric == "staleness_max",
+            size=size,
         )
         for chart, title, y_label, metric in _STEP_CHARTS
-    ]
-    return [
-        reward,
-        _held_out_chart(report.evals),
-        *per_step,
-        _throughput_chart(steps_by_job, util_by_replica, report.started_at or 0.0),
-        _busy_chart(report, util_by_replica),
-    ]
+    }
+    reward = per_step.pop("reward")
+    return {
+        "reward": reward,
+        "eval": _held_out_chart(report.evals, size),
+        **per_step,
+        "throughput": _throughput_chart(
+            steps_by_job, util_by_replica, report.started_at or 0.0, size
+        ),
+        "utilisation": _busy_chart(report, util_by_replica, size),
+    }
 
 
-def _busy_chart(report: Report, util_by_replica: dict[str, list[UtilisationRow]]) -> str:
+def _busy_chart(
+    report: Report, util_by_replica: dict[str, list[UtilisationRow]], size: ChartSize
+) -> str:
     """What computed how much of the time: each engine's compute share (its cores' time),
     its share of time with a request in it, and the trainer's step seconds per second."""
     rollout = [
@@ -166,10 +174,11 @@ def _busy_chart(report: Report, util_by_replica: dict[str, list[UtilisationRow]]
         "seconds since report start",
         "busy share",
         [*rollout, trainer] if report.trainer_busy else rollout,
+        size=size,
     )
 
 
-def _held_out_chart(evals: Sequence[EvalRow]) -> str:
+def _held_out_chart(evals: Sequence[EvalRow], size: ChartSize) -> str:
     evals_by_job: dict[str, list[EvalRow]] = {}
     for evaluated in evals:
         evals_by_job.setdefault(evaluated.job_id, []).append(evaluated)
@@ -183,6 +192,7 @@ def _held_out_chart(evals: Sequence[EvalRow]) -> str:
             for job_id, rows in evals_by_job.items()
         ],
         whole_x=True,
+        size=size,
     )
 
 
@@ -190,6 +200,7 @@ def _throughput_chart(
     steps_by_job: dict[str, list[StepRow]],
     util_by_replica: dict[str, list[UtilisationRow]],
     origin: float,
+    size: ChartSize,
 ) -> str:
     trainer = [
         Series(
@@ -210,6 +221,7 @@ def _throughput_chart(
         "seconds since report start",
         "tokens/s",
         trainer + rollout,
+        size=size,
     )
 
 

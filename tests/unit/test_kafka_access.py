@@ -115,8 +115,9 @@ def test_each_service_reads_what_it_consumes_in_its_own_group() -> None:
         assert not grant.super_user
 
 
-def test_the_api_reads_only_events_in_no_group_and_the_operator_is_the_super_user() -> None:
-    assert reads("api") == {"marlaas.events"} and KAFKA_GRANTS["api"].groups == ()
+def test_the_api_reads_only_events_and_episodes_in_no_group_and_the_operator_is_super() -> None:
+    assert reads("api") == {"marlaas.events", "marlaas.trajectories"}
+    assert KAFKA_GRANTS["api"].groups == ()
     assert KAFKA_SUPER_USERS == ("operator",)
     assert KAFKA_GRANTS["operator"].writes == KAFKA_GRANTS["operator"].reads == ()
 
