@@ -3,8 +3,8 @@ parquet file whose prompts are a chat `messages` column and checks answers with 
 another a `save_to_disk` folder, training on its `train` split and evaluating on `test`.
 
 The data is written by the test into the tenant's folder of env_svc's data directory, as a
-tenant puts theirs there. The three services run as `marlaas up` starts them, on the session's
-broker and Redis; the rollout engine is tests/agent_engine.py, which answers "What is a + b?"
+tenant puts theirs there. The three services run as `marlaas up` starts them, on a stack of
+the test's own; the rollout engine is tests/agent_engine.py, which answers "What is a + b?"
 with the sum as a model that has learnt it would (the tiny random model answers nothing right,
 so a test could not tell a checked answer from an unchecked one), so both jobs' held-out
 accuracy is 1.0 only if each prompt reached the engine as the mapping says and env_svc scored
@@ -18,16 +18,14 @@ from typing import Any
 
 import datasets
 import pytest
-from pydantic import SecretStr
 
 from common.files.models import tiny_model
 from common.runtime.config import SharedSettings
 from common.wire.lifecycle import SERVICES
-from common.wire.messages import EnvSettings, Event, new_id
-from console.stack.children import free_port
+from common.wire.messages import EnvSettings, Event
 from console.stack.local import LocalStack
-from console.stack.services import start_services, stop_services
-from marlaas.jobwatch import JobProgress, submit_jobs, watch_jobs
+from marlaas import Client
+from marlaas.jobwatch import JobProgress, watch_jobs
 from tests.integration.test_agentic_jobs import STEPS, agentic_job, trajectories_of
 
 pytestmark = pytest.mark.kafka
@@ -63,18 +61,18 @@ def write_data(root: Path) -> None:
 
 
 async def test_a_parquet_messages_job_and_a_save_to_disk_job_run_end_to_end(
-    local_stack: LocalStack, tmp_path: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     datasets.disable_progress_bars()
     write_data(tmp_path / "data")
+    # A stack of its own: services of the session's stack (tests/conftest.py
+    # `pipeline_services`), in the same consumer groups, would take some of these jobs'
+    # records, without this data directory or this engine.
+    monkeypatch.setenv("MARLAAS_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("ROLLOUT_ENGINE", "tests.agent_engine:AgentEngine")
     settings = SharedSettings(
-        state_dir=tmp_path,
-        artifact_dir=tmp_path / "artifacts",
-        base_model=str(tiny_model()),
-        bus_key=SecretStr(f"datasets-{new_id()}"),
+        state_dir=tmp_path / "stack", base_model=str(tiny_model()), connect_timeout_s=60
     )
-    redis_urls: dict[str, str] = {s: local_stack.redis_url_for(s) for s in SERVICES}
-    bootstrap = local_stack.kafka_bootstrap
     chat = agentic_job(
         "parquet",
         EnvSettings(
@@ -87,26 +85,17 @@ async def test_a_parquet_messages_job_and_a_save_to_disk_job_run_end_to_end(
     )
     progress = {s.job_id: JobProgress.of(s) for s in (chat, saved)}
     events: list[Event] = []
-    environ = {
-        "ROLLOUT_ENGINE": "tests.agent_engine:AgentEngine",
-        "MARLAAS_DATA_DIR": str(tmp_path / "data"),
-    }
-    children = start_services(
-        SERVICES, settings, bootstrap, redis_urls, chat_port=free_port(), environ=environ
-    )
-    try:
-        await submit_jobs(bootstrap, [chat, saved], signing=settings.signer)
+    async with LocalStack(settings, use_existing_from_env=False, services=SERVICES) as stack:
+        bootstrap = stack.kafka_bootstrap
+        async with Client(stack.client_settings) as client:
+            await client.submit([chat, saved])
         await watch_jobs(bootstrap, progress, timeout_s=300, on_event=events.append)
-    finally:
-        stop_services(children)
-        for child in children:
-            print(f"--- {child.name} (exit {child.process.returncode}) ---\n{child.log_tail(30)}")
+        trajectories = {s.job_id: await trajectories_of(bootstrap, s.job_id) for s in (chat, saved)}
 
     for job in progress.values():
         assert job.status == "completed" and job.steps == STEPS, events
         assert sorted(job.evals) == [0, STEPS], job.evals
         assert {e["eval_accuracy"] for e in job.evals.values()} == {1.0}, job.evals
-    for spec in (chat, saved):
-        trajectories = await trajectories_of(bootstrap, spec.job_id)
-        assert trajectories and not [t.error for t in trajectories if t.error]
-        assert all(t.reward_components == {"correct": 1.0} for t in trajectories)
+    for found in trajectories.values():
+        assert found and not [t.error for t in found if t.error]
+        assert all(t.reward_components == {"correct": 1.0} for t in found)
