@@ -51,8 +51,6 @@ NOT_ON_ONE_MACHINE: dict[str, str] = {
 
 NOT_YET_RUN: dict[str, str] = {
     ".venv/bin/marlaas up": "starts a stack in the foreground; the CLI tests start it in-process",
-    "source .venv/bin/activate": "the operator's job commands: several run in test_cli*.py, "
-    "not yet this block as written",
     "export MARLAAS_API_URL=": "the tenant's commands through the API: several run in "
     "test_cli_services.py, not yet this block as written",
 }

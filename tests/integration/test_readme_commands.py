@@ -6,16 +6,21 @@ filled in: `<key id>`, the id of the key the block itself issued."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from common.runtime.config import SharedSettings
+from common.wire.lifecycle import SERVICES, TERMINAL_STATES
 from console.stack.local import LocalStack
+from marlaas import Client
+from tests.agentic import operator_registrations
 from tests.readme_blocks import README, block_starting, commands
 
 pytestmark = pytest.mark.kafka
@@ -23,14 +28,14 @@ pytestmark = pytest.mark.kafka
 ROOT = README.parent
 
 
-def shell(command: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
+def shell(command: str, state_dir: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     environ = dict(os.environ)
     environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
     environ["MARLAAS_STATE_DIR"] = str(state_dir)
     for name in ("MARLAAS_KAFKA_BOOTSTRAP", "MARLAAS_REDIS_URL", "MARLAAS_API_URL"):
         environ.pop(name, None)  # found through stack.env, as the README says
     return subprocess.run(
-        ["bash", "-c", command], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300
+        ["bash", "-c", command], cwd=cwd, env=environ, capture_output=True, text=True, timeout=300
     )
 
 
@@ -61,3 +66,52 @@ def test_the_base_model_line_runs_as_written() -> None:
     assert done.returncode == 0, done.stderr
     model = Path(done.stdout.strip().splitlines()[-1])
     assert (model / "config.json").is_file() and list(model.glob("*.safetensors")), model
+
+
+PLACEHOLDER_JOB = "acme-arithmetic-1a2b3c"
+
+
+async def test_the_operators_job_commands_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`marlaas submit examples/jobs/*.toml` and every command after it, on a stack of its own
+    (the session's services, in the same consumer groups, would take some of its records),
+    in a folder of its own that holds the repository's `examples` and `.venv` (the outputs,
+    adapters/ models/ report/ track/, land there). The README's job id is the arithmetic
+    job's as `submit` printed it; `export` waits for that job's first adapter."""
+    for name, value in operator_registrations().items():  # the verifiers example's taskset
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ROLLOUT_KV_CACHE_GIB", "0.5")
+    monkeypatch.setenv("ROLLOUT_MAX_MODEL_LEN", "1024")
+    # The example jobs name the README's base model, SmolLM2 (a deployment serving another
+    # rejects them).
+    settings = SharedSettings(state_dir=tmp_path / "stack", connect_timeout_s=60)
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("examples", ".venv"):
+        (work / name).symlink_to(ROOT / name)
+    block = commands(block_starting("source .venv/bin/activate"))
+    async with LocalStack(settings, use_existing_from_env=False, services=SERVICES) as stack:
+        submitted = shell(block[1], settings.state_dir, cwd=work)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = re.findall(r"acme-arithmetic-[0-9a-f]+", submitted.stdout)[0]
+        async with Client(stack.client_settings) as client:
+            await published(client, job_id)
+            for command in block[2:]:
+                done = shell(command.replace(PLACEHOLDER_JOB, job_id), settings.state_dir, cwd=work)
+                assert done.returncode == 0, (command, done.stdout, done.stderr)
+            for spec in re.findall(r"[a-z]+-[a-z_]+-[0-9a-f]{6,}", submitted.stdout):
+                if (await client.job(spec)).status not in TERMINAL_STATES:
+                    await client.command(spec, "cancel")
+    assert (work / "adapters" / "arith" / "adapter_config.json").is_file()
+    assert list((work / "models" / "arith").glob("*.safetensors"))
+    assert (work / "report" / "index.html").is_file()
+    assert (work / "track" / "track.json").is_file()
+
+
+async def published(client: Client, job_id: str, timeout_s: float = 240.0) -> None:
+    """Until the job has published an adapter (what `export` takes)."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.store.adapters.get(job_id)) is None:
+        assert time.monotonic() < deadline, f"{job_id} published nothing in {timeout_s:g} s"
+        await asyncio.sleep(1.0)
