@@ -37,6 +37,7 @@ RUN_AS_WRITTEN: dict[str, str] = {
     '.venv/bin/python -c "from common.files.models import resolve_base_model': (
         "test_readme_commands: the base model resolved"
     ),
+    "source .venv/bin/activate": "test_readme_commands: the operator's job commands, on SmolLM2",
 }
 """Blocks (by their first command) a test runs as the README shows them."""
 
