@@ -38,6 +38,7 @@ RUN_AS_WRITTEN: dict[str, str] = {
         "test_readme_commands: the base model resolved"
     ),
     "source .venv/bin/activate": "test_readme_commands: the operator's job commands, on SmolLM2",
+    "export MARLAAS_API_URL=": "test_readme_commands: the tenant's commands through the API",
 }
 """Blocks (by their first command) a test runs as the README shows them."""
 
@@ -52,7 +53,5 @@ NOT_ON_ONE_MACHINE: dict[str, str] = {
 
 NOT_YET_RUN: dict[str, str] = {
     ".venv/bin/marlaas up": "starts a stack in the foreground; the CLI tests start it in-process",
-    "export MARLAAS_API_URL=": "the tenant's commands through the API: several run in "
-    "test_cli_services.py, not yet this block as written",
 }
 """Blocks for one machine that no test runs as written yet (issue 45, item 7)."""

@@ -71,14 +71,18 @@ def test_the_base_model_line_runs_as_written() -> None:
 PLACEHOLDER_JOB = "acme-arithmetic-1a2b3c"
 
 
-async def test_the_operators_job_commands_run_as_written(
+async def test_the_operators_and_the_tenants_job_commands_run_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`marlaas submit examples/jobs/*.toml` and every command after it, on a stack of its own
-    (the session's services, in the same consumer groups, would take some of its records),
-    in a folder of its own that holds the repository's `examples` and `.venv` (the outputs,
-    adapters/ models/ report/ track/, land there). The README's job id is the arithmetic
-    job's as `submit` printed it; `export` waits for that job's first adapter."""
+    """The operator's block (`marlaas submit examples/jobs/*.toml` and every command after
+    it), then the tenant's block through the API with a key the operator issued, on a SmolLM2
+    stack of their own (the session's services, in the same consumer groups, would take some
+    of its records), each in a folder of its own that holds the repository's `examples` (and
+    `.venv`): the outputs land there. The README's job id is the arithmetic job's as `submit`
+    printed it, its API URL the stack's and its key the issued one; before `export` and
+    `pause` the test waits for the job's first adapter, as a reader would. (Run first, the
+    tenant's block paused a job `submit --wait` had seen to its end: the README now pauses and
+    resumes before `logs --follow`.)"""
     for name, value in operator_registrations().items():  # the verifiers example's taskset
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("ROLLOUT_KV_CACHE_GIB", "0.5")
@@ -103,6 +107,28 @@ async def test_the_operators_job_commands_run_as_written(
             for spec in re.findall(r"[a-z]+-[a-z_]+-[0-9a-f]{6,}", submitted.stdout):
                 if (await client.job(spec)).status not in TERMINAL_STATES:
                     await client.command(spec, "cancel")
+        # Then the tenant's block through the API, as acme with a key the operator issued.
+        added = shell("marlaas tenants add acme", settings.state_dir, cwd=work)
+        key = re.findall(r"mlk_\S+", added.stdout)[0]
+        tenant_work = tmp_path / "tenant"
+        tenant_work.mkdir()
+        (tenant_work / "examples").symlink_to(ROOT / "examples")
+        tenant_job = ""
+        for command in commands(block_starting("export MARLAAS_API_URL=")):
+            command = command.replace("http://marlaas.example:8080", stack.api_url)
+            command = command.replace("mlk_...", key).replace(PLACEHOLDER_JOB, tenant_job)
+            if command.startswith("export "):
+                exported = command
+                continue
+            if command.startswith("marlaas pause"):  # a reader pauses a job that trains
+                async with Client(stack.client_settings) as client:
+                    await published(client, tenant_job)
+            done = shell(f"{exported}; {command}", settings.state_dir, cwd=tenant_work)
+            assert done.returncode == 0, (command, done.stdout, done.stderr)
+            if command.startswith("marlaas submit"):
+                tenant_job = re.findall(r"acme-arithmetic-[0-9a-f]+", done.stdout)[0]
+    assert (tenant_work / "adapters" / "arith" / "adapter_config.json").is_file()
+    assert "tokens" in (tenant_work / "usage.csv").read_text().splitlines()[0]
     assert (work / "adapters" / "arith" / "adapter_config.json").is_file()
     assert list((work / "models" / "arith").glob("*.safetensors"))
     assert (work / "report" / "index.html").is_file()
