@@ -39,19 +39,18 @@ RUN_AS_WRITTEN: dict[str, str] = {
     ),
     "source .venv/bin/activate": "test_readme_commands: the operator's job commands, on SmolLM2",
     "export MARLAAS_API_URL=": "test_readme_commands: the tenant's commands through the API",
+    ".venv/bin/marlaas up": "test_readme_commands: up, up --infra-only and topics create",
 }
 """Blocks (by their first command) a test runs as the README shows them."""
 
 NOT_ON_ONE_MACHINE: dict[str, str] = {
     "make demo": "the two commands themselves: CI runs `make test` (.ci/run); `make demo` by hand",
     "export MARLAAS_KAFKA_BOOTSTRAP=kafka:9092": "servers of a deployment (compose's names)",
-    'value=\'{"kind": "job_spec"': "kcat with SCRAM against compose's Kafka (make test-compose)",
+    'value=\'{"kind": "job_spec"': "kcat with SCRAM: compose's Kafka (the embedded Tansu has no SCRAM users)",
     "python3 -m venv .venv": "installing: the Makefile's venv target runs the same steps",
-    "make compose-up": "compose: tests/compose/test_compose_stack.py runs the stack",
+    "make compose-up": "compose (`make test-compose` runs the compose stack, not this block)",
 }
 """Blocks no one-machine test runs, and why."""
 
-NOT_YET_RUN: dict[str, str] = {
-    ".venv/bin/marlaas up": "starts a stack in the foreground; the CLI tests start it in-process",
-}
+NOT_YET_RUN: dict[str, str] = {}
 """Blocks for one machine that no test runs as written yet (issue 45, item 7)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -141,3 +142,42 @@ async def published(client: Client, job_id: str, timeout_s: float = 240.0) -> No
     while (await client.store.adapters.get(job_id)) is None:
         assert time.monotonic() < deadline, f"{job_id} published nothing in {timeout_s:g} s"
         await asyncio.sleep(1.0)
+
+
+def test_the_stack_block_runs_as_written(tmp_path: Path) -> None:
+    """`marlaas up` and `marlaas up --infra-only` each until "Ready.", then Ctrl-C (it must
+    stop with no child left: exit 0); `marlaas topics create` while the second one is up."""
+    environ = dict(os.environ, MARLAAS_STATE_DIR=str(tmp_path / "stack"))
+    for name in ("MARLAAS_KAFKA_BOOTSTRAP", "MARLAAS_REDIS_URL", "MARLAAS_API_URL"):
+        environ.pop(name, None)
+    up, infra, topics = commands(block_starting(".venv/bin/marlaas up"))
+    assert ".venv/bin/marlaas up --infra-only" in infra
+    for command in (up, infra):
+        stack = subprocess.Popen(
+            ["bash", "-c", f"exec {command.split('#')[0]}"],
+            cwd=ROOT,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        said = []
+        try:
+            assert stack.stdout is not None
+            for line in stack.stdout:
+                said.append(line)
+                if line.startswith("Ready."):
+                    break
+            else:
+                raise AssertionError("".join(said))
+            if command == infra:
+                made = subprocess.run(
+                    ["bash", "-c", topics], cwd=ROOT, env=environ, capture_output=True, text=True
+                )
+                assert made.returncode == 0, made.stderr
+                assert "marlaas.jobs: 12 partitions" in made.stdout, made.stdout
+        finally:
+            stack.send_signal(signal.SIGINT)
+            rest, _ = stack.communicate(timeout=120)
+        assert stack.returncode == 0, "".join(said) + rest
+        assert "no child process left" in rest
