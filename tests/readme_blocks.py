@@ -46,7 +46,7 @@ RUN_AS_WRITTEN: dict[str, str] = {
 NOT_ON_ONE_MACHINE: dict[str, str] = {
     "make demo": "the two commands themselves: CI runs `make test` (.ci/run); `make demo` by hand",
     "export MARLAAS_KAFKA_BOOTSTRAP=kafka:9092": "servers of a deployment (compose's names)",
-    'value=\'{"kind": "job_spec"': "kcat with SCRAM: compose's Kafka (the embedded Tansu has no SCRAM users)",
+    'value=\'{"kind": "job_spec"': "kcat with SCRAM: compose's Kafka (Tansu has no SCRAM users)",
     "python3 -m venv .venv": "installing: the Makefile's venv target runs the same steps",
     "make compose-up": "compose (`make test-compose` runs the compose stack, not this block)",
 }
