@@ -258,11 +258,7 @@ async def run_demo(
         "reward_window_steps": REWARD_WINDOW,
         "jobs": [job.summary(REWARD_WINDOW) for job in jobs.values()],
         "rollout_replicas": rollout_stats,
-        "usage": {
-            u.tenant: {"total": u.total.as_map()}
-            | {"jobs": {j: c.as_map() for j, c in u.jobs.items()}}
-            for u in usage
-        },
+        "usage": {u.tenant: u.as_map() for u in usage},
         "usage_tokens": counted,
         "engine_generated_tokens": generated,
     }
@@ -278,9 +274,7 @@ async def tokens_counted(store: RedisStore, settle_s: float = 20.0) -> tuple[int
     every 2 s, each replica reports every 5 s; after `settle_s` whatever they are."""
     deadline = time.monotonic() + settle_s
     while True:
-        tenants = await store.usage.of_tenants()
-        counted = sum(u.generated_tokens for u in tenants.values())
-        counted += (await store.usage.unattributed()).generated_tokens
+        counted = await store.usage.generated_tokens()
         stats = (await store.replicas.stats()).values()
         generated = int(sum(s.generated_tokens or 0 for s in stats))
         if counted == generated or time.monotonic() > deadline:

@@ -74,9 +74,6 @@ class Usage:
     def as_map(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in USAGE_FIELDS}
 
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(**{name: getattr(self, name) + getattr(other, name) for name in USAGE_FIELDS})
-
 
 USAGE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Usage))
 
@@ -188,20 +185,20 @@ class UsageCounters(RedisPart):
     async def of_tenant(self, tenant: str) -> Usage:
         return Usage.of(texts(await self._redis.hgetall(tenant_usage_key(tenant)) or {}))
 
-    async def of_tenants(self) -> dict[str, Usage]:
-        """Every tenant's counts (the operator's view), by tenant."""
-        found: dict[str, Usage] = {}
-        async for key in self._redis.scan_iter(match=f"{tenant_usage_key.prefix}*", count=500):
-            tenant = text(key).removeprefix(tenant_usage_key.prefix)
-            found[tenant] = Usage.of(texts(await self._redis.hgetall(key) or {}))
-        return found
-
     async def tenants(self) -> list[str]:
         """The tenants with usage counted."""
         return [
             text(key).removeprefix(tenant_usage_key.prefix)
             async for key in self._redis.scan_iter(match=f"{tenant_usage_key.prefix}*", count=500)
         ]
+
+    async def generated_tokens(self) -> int:
+        """Every token counted as generated: every tenant's and the unattributed ones (what
+        the engines report generating, once each service's last counts are flushed)."""
+        counted = (await self.unattributed()).generated_tokens
+        for tenant in await self.tenants():
+            counted += (await self.of_tenant(tenant)).generated_tokens
+        return counted
 
     async def unattributed(self) -> Usage:
         return Usage.of(texts(await self._redis.hgetall(UNATTRIBUTED_USAGE) or {}))
@@ -215,6 +212,13 @@ class TenantUsage:
     tenant: str
     total: Usage
     jobs: dict[str, Usage]
+
+    def as_map(self) -> dict[str, object]:
+        """The total and each job's counts, as JSON takes them."""
+        return {
+            "total": self.total.as_map(),
+            "jobs": {job_id: usage.as_map() for job_id, usage in sorted(self.jobs.items())},
+        }
 
     def rows(self) -> list[tuple[str, str, Usage]]:
         """(tenant, job, usage) per job, then the tenant's total (job "*")."""

@@ -31,7 +31,7 @@ def usage(
     if as_csv:
         say(usage_csv([row for tenant in found for row in tenant.rows()]).rstrip("\n"))
     elif as_json:
-        say(json.dumps([_as_json(tenant) for tenant in found], indent=2))
+        say(json.dumps([{"tenant": t.tenant, **t.as_map()} for t in found], indent=2))
     else:
         console.print(usage_table(found))
 
@@ -45,14 +45,6 @@ async def _usage(tenants: list[str]) -> list[TenantUsage]:
     ) as client:
         names = tenants or sorted(await client.store.usage.tenants())
         return [await client.usage(name) for name in names]
-
-
-def _as_json(tenant: TenantUsage) -> dict[str, object]:
-    return {
-        "tenant": tenant.tenant,
-        "total": tenant.total.as_map(),
-        "jobs": {job_id: u.as_map() for job_id, u in sorted(tenant.jobs.items())},
-    }
 
 
 def register(app: typer.Typer) -> None:

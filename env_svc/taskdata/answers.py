@@ -10,7 +10,6 @@ from env_svc.envs.arithmetic import last_number
 from env_svc.taskdata import mathcheck
 
 Match = Literal["auto", "number", "exact", "contains", "math"]
-MATCHES: tuple[str, ...] = ("auto", "number", "exact", "contains", "math")
 NUMERIC = re.compile(r"\s*-?\d+(?:\.\d+)?(?:/\d+)?\s*")
 _EDGE_PUNCTUATION = " \t\n.!?\"'`*"
 

@@ -31,8 +31,7 @@ G, B, STEPS, EVAL_TASKS = 2, 2, 2, 3
 
 async def totals(store: RedisStore) -> tuple[int, dict[str, float]]:
     """(tokens counted to every tenant and to no job, each replica's generated tokens)."""
-    counted = sum(u.generated_tokens for u in (await store.usage.of_tenants()).values())
-    counted += (await store.usage.unattributed()).generated_tokens
+    counted = await store.usage.generated_tokens()
     engines = {r: s.generated_tokens or 0.0 for r, s in (await store.replicas.stats()).items()}
     return counted, engines
 
