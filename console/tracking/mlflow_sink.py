@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from console.tracking.runs import PROJECT, TRACK_EXTRA, TrackedJob, TrackingUnavailableError
+from console.tracking.runs import PROJECT, TrackedJob, installed
 
 MLFLOW_END_STATUS = {"completed": "FINISHED", "cancelled": "KILLED"}
 """MLflow's run status at a job's end; every other end (failed, rejected) is FAILED."""
@@ -17,11 +17,8 @@ class MlflowSink:
     name = "mlflow"
 
     def __init__(self, tracking_uri: str) -> None:
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as exc:
-            raise TrackingUnavailableError(f"MLflow is not installed: {TRACK_EXTRA}") from exc
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        tracking = installed("mlflow.tracking", "MLflow")
+        self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
         experiment = self.client.get_experiment_by_name(PROJECT)
         self.experiment_id = (
             experiment.experiment_id

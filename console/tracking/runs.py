@@ -3,9 +3,11 @@ tracked names, and the `Sink` protocol each tool's writer follows."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import msgspec
@@ -19,6 +21,15 @@ PROJECT = "marlaas"
 
 class TrackingUnavailableError(RuntimeError):
     """A sink's package is not installed; the message says which extra brings it."""
+
+
+def installed(module: str, package: str) -> ModuleType:
+    """`module` imported; TrackingUnavailableError naming `package` and the extra that brings
+    it when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TrackingUnavailableError(f"{package} is not installed: {TRACK_EXTRA}") from exc
 
 
 @dataclass(frozen=True)

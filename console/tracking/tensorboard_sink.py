@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from console.tracking.runs import TRACK_EXTRA, TrackedJob, TrackingUnavailableError
+from console.tracking.runs import TrackedJob, installed
 
 
 class TensorBoardSink:
@@ -17,11 +17,8 @@ class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, log_dir: Path) -> None:
-        try:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError as exc:
-            raise TrackingUnavailableError(f"TensorBoard is not installed: {TRACK_EXTRA}") from exc
-        self._writer_class = EventFileWriter
+        writers = installed("tensorboard.summary.writer.event_file_writer", "TensorBoard")
+        self._writer_class = writers.EventFileWriter
         self.log_dir = log_dir
         self._writers: dict[str, Any] = {}
 

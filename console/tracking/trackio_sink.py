@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from console.tracking.runs import PROJECT, TRACK_EXTRA, TrackedJob, TrackingUnavailableError
+from console.tracking.runs import PROJECT, TrackedJob, installed
 
 if TYPE_CHECKING:
     from trackio.sqlite_storage import SQLiteStorage
@@ -28,11 +28,7 @@ class TrackioSink:
     name = "trackio"
 
     def __init__(self, directory: Path) -> None:
-        try:
-            import trackio.sqlite_storage as storage_module
-        except ImportError as exc:
-            raise TrackingUnavailableError(f"trackio is not installed: {TRACK_EXTRA}") from exc
-        self._storage_module = storage_module
+        self._storage_module: Any = installed("trackio.sqlite_storage", "trackio")
         self.directory = directory
         self._configs: dict[str, dict[str, Any]] = {}
 

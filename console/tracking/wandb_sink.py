@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from console.tracking.runs import PROJECT, TRACK_EXTRA, TrackedJob, TrackingUnavailableError
+from console.tracking.runs import PROJECT, TrackedJob, installed
 
 if TYPE_CHECKING:
     from wandb import Run
@@ -40,11 +40,7 @@ class WandbSink:
 
     def __init__(self, root: Path, mode: str = "offline") -> None:
         self.mode = wandb_mode(mode)
-        try:
-            import wandb
-        except ImportError as exc:
-            raise TrackingUnavailableError(f"wandb is not installed: {TRACK_EXTRA}") from exc
-        self._wandb = wandb
+        wandb = self._wandb = installed("wandb", "wandb")
         self.root = root
         if self.mode == "offline":
             # wandb-core reports its own errors to W&B unless told not to: offline stays
