@@ -77,6 +77,16 @@ async def owned(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord | 
     return record
 
 
+async def records_of(client: MarlaasClient, tenant: str) -> list[JobRecord]:
+    """The tenant's registered jobs' records (its listing's, each checked to be its own)."""
+    records = []
+    for job_id in await client.store.jobs.of_tenant(tenant):
+        record = await client.store.jobs.get(job_id)
+        if record is not None and record.spec.tenant == tenant:
+            records.append(record)
+    return records
+
+
 async def registered(client: MarlaasClient, job_id: str, tenant: str) -> JobRecord:
     """The tenant's job, accepted by env_svc; 409 while it is not (or was rejected)."""
     if (record := await owned(client, job_id, tenant)) is None:

@@ -9,7 +9,16 @@ import time
 
 from fastapi import APIRouter, HTTPException, Request
 
-from api_svc.access import Client, Settings, Tenant, conflict_on, owned, registered, view_of
+from api_svc.access import (
+    Client,
+    Settings,
+    Tenant,
+    conflict_on,
+    owned,
+    records_of,
+    registered,
+    view_of,
+)
 from api_svc.views import CommandDone, JobView, Submitted
 from common.state.tenants import QuotaError
 from common.wire.codec import decode
@@ -49,11 +58,7 @@ async def submit(request: Request, tenant: Tenant, client: Client, settings: Set
 
 @router.get("", response_model=list[JobView])
 async def jobs(tenant: Tenant, client: Client) -> list[JobView]:
-    views = []
-    for job_id in await client.store.jobs.of_tenant(tenant):
-        if (record := await client.store.jobs.get(job_id)) is not None:
-            views.append(await view_of(client, record))
-    return views
+    return [await view_of(client, record) for record in await records_of(client, tenant)]
 
 
 @router.get("/{job_id}", response_model=JobView)

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api_svc.access import Client, Settings, Tenant, gate, registered
+from api_svc.access import Client, Settings, Tenant, gate, records_of, registered
 from common.runtime.config import SharedSettings
 from marlaas import ChatFailed
 from marlaas import Client as MarlaasClient
@@ -36,10 +36,8 @@ async def models(tenant: Tenant, client: Client) -> dict[str, Any]:
     """The tenant's jobs, each as its latest adapter (`<job>`) and as each version trained so
     far (`<job>@v<N>`)."""
     data = []
-    for job_id in await client.store.jobs.of_tenant(tenant):
-        record = await client.store.jobs.get(job_id)
-        if record is None or record.spec.tenant != tenant:
-            continue
+    for record in await records_of(client, tenant):
+        job_id = record.spec.job_id
         pointer = await client.store.adapters.get(job_id)
         latest = pointer.version if pointer is not None else 0
         created = int(record.created_at)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from api_svc.access import Client, Tenant, gate
+from api_svc.access import Client, Tenant, gate, records_of
 from api_svc.web.curves import charted, console_charts
 from api_svc.web.page import HEADERS, PAGE, asset
 from marlaas.report.numbers import build_report
@@ -28,11 +28,7 @@ async def static_file(name: str) -> Response:
 @router.get("/charts")
 async def curves(tenant: Tenant, client: Client, request: Request) -> JSONResponse:
     """The reward, held-out accuracy and utilisation charts of the tenant's latest jobs."""
-    records = [
-        record
-        for job_id in await client.store.jobs.of_tenant(tenant)
-        if (record := await client.store.jobs.get(job_id)) is not None
-    ]
+    records = await records_of(client, tenant)
     shown = charted(records)
     if not shown:
         return JSONResponse(console_charts(build_report([])), headers=HEADERS)
